@@ -1,0 +1,105 @@
+"""The vocabulary shared by the partition pass, the cost models, the tuner and the composer.
+
+A *partition* (paper section 4.2) is one (possibly fused) collective of one nanobatch plus the
+longest contiguous run of the other nanobatch's computation that does not depend on it. Its
+computation is a sequence of *launch slots*: one compute-bound op, or a group of short
+consecutive memory-bound ops. Partitions with the same structure share a :class:`PartitionType`.
+
+A :class:`PartitionConfig` is one point of the search space (clock, SMs for the collective,
+launch slot or sequential); a :class:`Measurement` is what a profiler reports for it.
+Units are in the field names; bytes are HBM bytes moved (reads + writes) unless stated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
+GraphName = Literal["forward", "backward"]
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One aten op's work: FLOPs and HBM bytes (from fake-tensor metadata)."""
+
+    name: str
+    target: str
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """One logical launch slot: a compute-bound op, or consecutive short memory-bound ops."""
+
+    ops: tuple[OpCost, ...]
+
+    @property
+    def flops(self) -> float:
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def bytes(self) -> float:
+        return sum(op.bytes for op in self.ops)
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """One (possibly fused) collective.
+
+    ``bytes`` is the size of one rank's full-size buffer: the input of an all-reduce,
+    reduce-scatter or all-to-all, the output of an all-gather. ``fused`` counts the collectives
+    merged into this one (for example the K and V all-gathers of context parallelism).
+    """
+
+    kind: CollectiveKind
+    bytes: float
+    group_size: int
+    fused: int = 1
+
+
+@dataclass(frozen=True)
+class PartitionType:
+    """The structure shared by partitions of one type, and how many of them a microbatch has."""
+
+    type_id: str
+    graph: GraphName
+    slots: tuple[SlotSpec, ...]
+    collective: CollectiveSpec
+    count: int
+    launch_slots: tuple[int, ...]
+    """Indices into ``slots`` at which the collective may start (appendix C excludes the rest)."""
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """One schedule of a partition. ``launch_slot=None`` means sequential execution."""
+
+    clock_mhz: int
+    comm_sms: int
+    launch_slot: int | None
+
+    @property
+    def sequential(self) -> bool:
+        return self.launch_slot is None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Time and energy of one execution; ``energy_j = dynamic_energy_j + static_energy_j``."""
+
+    time_s: float
+    energy_j: float
+    dynamic_energy_j: float
+    static_energy_j: float
+
+
+class Profiler(Protocol):
+    """Measures partitions: the simulated GPU or the on-device profiler."""
+
+    gpu_name: str
+
+    def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
+        """Time and energy of one partition of type ``ptype`` run with ``config``."""
+        ...

@@ -1,0 +1,1 @@
+"""Pure FX graph transformations and analyses (installed as ``kareus_fx.passes``)."""

@@ -1,0 +1,1 @@
+"""What runs next to the GPU: streams, collectives, clocks, energy (installed as ``kareus_fx.runtime``)."""
