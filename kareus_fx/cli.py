@@ -1,0 +1,66 @@
+"""The ``kareus`` command line. Subcommands: ``dump``.
+
+Every bad-input error (:class:`~kareus_fx.errors.KareusError`) is printed as one line naming the
+problem and the fix, with exit status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
+from kareus_fx.errors import KareusError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except KareusError as err:
+        print(f"kareus {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kareus", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    dump = sub.add_parser(
+        "dump",
+        help="trace a reference model at full size (meta device, fake process group) and dump its graphs",
+    )
+    dump.add_argument("--model", required=True, help="reference model, e.g. llama3.2-3b, qwen3-1.7b, llama3.3-70b")
+    dump.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    dump.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    dump.add_argument("--mbs", type=int, required=True, help="microbatch size")
+    dump.add_argument("--seq", type=int, required=True, help="sequence length")
+    dump.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
+    dump.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU spec for compute/memory-bound labels (default {DEFAULT_GPU})")
+    dump.add_argument("--out", type=Path, required=True, help="directory for the JSON dumps")
+    dump.set_defaults(run=_run_dump)
+    return parser
+
+
+def _run_dump(args: argparse.Namespace) -> int:
+    from kareus_fx.dump import load_dump
+    from kareus_fx.dump_summary import summary_table
+    from kareus_fx.tracing import TraceSpec, trace_full_size
+
+    gpu = canonical_gpu_name(args.gpu)
+    spec = TraceSpec(model=args.model, tp=args.tp, cp=args.cp, mbs=args.mbs, seq=args.seq, layers=args.layers)
+    console = Console()
+    with console.status(f"tracing {spec.model} (tp={spec.tp}, cp={spec.cp}) on the meta device"):
+        result = trace_full_size(spec, options={"dump_dir": str(args.out), "gpu": gpu})
+    console.print(f"traced in {result.wall_s:.1f} s; dumps: {', '.join(map(str, result.dump_paths))}")
+    for path in result.dump_paths:
+        console.print(summary_table(load_dump(path), title=f"{path.name} ({gpu})"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Graph dumps: one JSON file per compiled graph, readable without the model code.
+
+Schema (``schema_version`` 1; documented in README.md, "Graph dump format")::
+
+    {"schema_version": 1, "kareus_fx_version": str, "gpu": str, "rank": int, "world_size": int,
+     "graph_id": str,
+     "graphs": [{"name": "forward" | "backward", "nodes": [NODE, ...]}]}
+
+    NODE = {"name", "op", "fx_op", "kind", "shape", "dtype", "flops", "bytes", "intensity",
+            "bound", "collective", "inputs", "module", "nanobatch", "partition"}
+
+``kind`` is "collective" | "wait" | "compute" | "other"; ``collective`` is null or
+``{"kind", "bytes", "group_name", "group_size"}``; ``bound`` is "compute" | "memory" for
+computation nodes; ``module`` is the innermost ``nn.Module`` path Dynamo recorded (null when the
+node has none); ``nanobatch`` is 0 | 1 | null and ``partition`` null until those passes label it
+(``node.meta["kareus_nanobatch"]`` / ``node.meta["kareus_partition"]``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch.fx
+
+from kareus_fx import __version__
+from kareus_fx.passes.analysis import META_KEY, NodeCost, tensor_meta
+
+SCHEMA_VERSION = 1
+GRAPH_NAMES = ("forward", "backward")
+# The root local Dynamo names the compiled module by: L['self'], L['fn'], L['mod'], ...
+_DYNAMO_ROOT = re.compile(r"^L\['[^']+'\]\.?")
+
+
+def node_record(node: torch.fx.Node) -> dict[str, Any]:
+    """The dump entry of one analysed node."""
+    cost: NodeCost = node.meta.get(META_KEY, NodeCost(kind="other"))
+    shape, dtype = tensor_meta(node)
+    return {
+        "name": node.name,
+        "op": _op_name(node),
+        "fx_op": node.op,
+        "kind": cost.kind,
+        "shape": shape,
+        "dtype": dtype,
+        "flops": cost.flops,
+        "bytes": cost.bytes,
+        "intensity": None if cost.intensity in (None, float("inf")) else cost.intensity,
+        "bound": cost.bound,
+        "collective": asdict(cost.collective) if cost.collective else None,
+        "inputs": [inp.name for inp in node.all_input_nodes],
+        "module": module_path(node),
+        "nanobatch": node.meta.get("kareus_nanobatch"),
+        "partition": node.meta.get("kareus_partition"),
+    }
+
+
+def graph_record(name: str, gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """The dump entry of one graph; ``name`` is "forward" or "backward"."""
+    if name not in GRAPH_NAMES:
+        raise ValueError(f"graph name must be one of {GRAPH_NAMES}, got {name!r}")
+    return {"name": name, "nodes": [node_record(node) for node in gm.graph.nodes]}
+
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """Innermost module path of a node (forward nodes, and backward nodes that kept it)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return _clean_module_path(str(path)) or None
+
+
+class GraphDumpFile:
+    """Accumulates the graphs of one compiled graph and rewrites its JSON file atomically.
+
+    The forward graph is compiled first and the backward lazily at the first backward call, so
+    the file is rewritten when each graph arrives; a reader never sees a half-written file.
+    """
+
+    def __init__(self, path: Path, *, gpu: str, rank: int, world_size: int, graph_id: str) -> None:
+        self.path = path
+        self._header = {
+            "schema_version": SCHEMA_VERSION,
+            "kareus_fx_version": __version__,
+            "gpu": gpu,
+            "rank": rank,
+            "world_size": world_size,
+            "graph_id": graph_id,
+        }
+        self._graphs: list[dict[str, Any]] = []
+
+    def add(self, name: str, gm: torch.fx.GraphModule) -> None:
+        self._graphs.append(graph_record(name, gm))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({**self._header, "graphs": self._graphs}))
+        os.replace(tmp, self.path)
+
+
+def load_dump(path: str | Path) -> dict[str, Any]:
+    """Read a dump, checking its schema version; raise ValueError naming the problem."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not a kareus graph dump: invalid JSON ({err})") from None
+    if not isinstance(data, dict) or "graphs" not in data:
+        raise ValueError(f"{path} is not a kareus graph dump: no 'graphs' key")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path} has dump schema_version {data.get('schema_version')!r}; this kareus-fx reads "
+            f"version {SCHEMA_VERSION}: regenerate the dump with this version"
+        )
+    return data
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    if node.op == "call_function":
+        return str(node.target) if hasattr(node.target, "overloadpacket") else getattr(
+            node.target, "__name__", str(node.target)
+        )
+    return node.op
+
+
+def _clean_module_path(path: str) -> str:
+    """Dynamo records paths like ``L['self'].layers[3].mlp``: keep ``layers.3.mlp``."""
+    path = _DYNAMO_ROOT.sub("", path)
+    return path.replace("[", ".").replace("]", "").replace("'", "").lstrip(".")

@@ -1,0 +1,74 @@
+"""Summaries of graph dumps: counts, FLOPs, bytes and collectives per graph, as data and as a table."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.table import Table
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class GraphSummary:
+    """Totals of one dumped graph."""
+
+    name: str
+    nodes: int = 0
+    compute_bound_ops: int = 0
+    memory_bound_ops: int = 0
+    flops: float = 0.0
+    bytes: float = 0.0
+    collectives: Counter = field(default_factory=Counter)
+    collective_bytes: Counter = field(default_factory=Counter)
+    collectives_per_layer: Counter = field(default_factory=Counter)
+    collectives_outside_layers: Counter = field(default_factory=Counter)
+
+
+def summarise_graph(graph: dict[str, Any]) -> GraphSummary:
+    """Totals of one ``{"name", "nodes"}`` dump entry.
+
+    Collectives are attributed to a decoder layer when their ``module`` path contains
+    ``layers.<i>`` (the reference models' naming); all others count as outside layers.
+    """
+    summary = GraphSummary(name=graph["name"], nodes=len(graph["nodes"]))
+    for node in graph["nodes"]:
+        if node["kind"] == "compute":
+            summary.flops += node["flops"]
+            summary.bytes += node["bytes"]
+            if node["bound"] == "compute":
+                summary.compute_bound_ops += 1
+            else:
+                summary.memory_bound_ops += 1
+        elif node["kind"] == "collective":
+            kind = node["collective"]["kind"]
+            summary.collectives[kind] += 1
+            summary.collective_bytes[kind] += node["collective"]["bytes"]
+            match = _LAYER_INDEX.search(node["module"] or "")
+            if match:
+                summary.collectives_per_layer[(int(match.group(1)), kind)] += 1
+            else:
+                summary.collectives_outside_layers[kind] += 1
+    return summary
+
+
+def summary_table(dump: dict[str, Any], title: str) -> Table:
+    """A rich table with one row per graph of a dump."""
+    table = Table(title=title)
+    for column in ("graph", "nodes", "compute-bound ops", "memory-bound ops", "TFLOP", "GB moved",
+                   "collectives (count, GiB)"):
+        table.add_column(column, justify="right" if column != "graph" else "left")
+    for graph in dump["graphs"]:
+        s = summarise_graph(graph)
+        collectives = ", ".join(
+            f"{kind} x{count} ({s.collective_bytes[kind] / 2**30:.2f})"
+            for kind, count in sorted(s.collectives.items())
+        )
+        table.add_row(
+            s.name, str(s.nodes), str(s.compute_bound_ops), str(s.memory_bound_ops),
+            f"{s.flops / 1e12:.2f}", f"{s.bytes / 1e9:.2f}", collectives or "none",
+        )
+    return table

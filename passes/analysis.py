@@ -1,0 +1,220 @@
+"""Label every node of an aten graph: collective, wait, computation (with FLOPs, bytes, bound) or other.
+
+Reads only fake-tensor metadata (``node.meta["val"]``), so it works on graphs traced on the meta
+device at full size. Results go to ``node.meta["kareus_cost"]`` (a :class:`NodeCost`) and are
+also returned.
+
+Assumptions:
+- FLOPs: torch's flop-counter registry where it has the op (matmuls, convolutions, attention);
+  the CPU flash-attention kernels that a CPU trace produces count like the GPU ones (same
+  formula). Any other computation counts one FLOP per element of its largest tensor
+  (elementwise ops, norms, reductions, copies), which is what makes them memory-bound.
+- Bytes: every distinct tensor input read once plus every output written once (HBM traffic of
+  an unfused kernel). Embedding lookups read only the gathered rows.
+- Views, aliases, ``getitem`` and symbolic-size nodes move nothing: kind "other", zero cost.
+- Compute- vs memory-bound: arithmetic intensity against the GPU's ridge point at its maximum
+  clock (peak BF16 FLOP/s over HBM bandwidth). The label is a property of (op, GPU).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal
+
+import torch
+import torch.fx
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.workload import CollectiveKind
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+NodeKind = Literal["collective", "wait", "compute", "other"]
+Bound = Literal["compute", "memory"]
+
+META_KEY = "kareus_cost"
+
+# Functional collectives -> (kind, how one rank's full buffer is found: "input" or "output").
+_COLLECTIVES: dict[Any, tuple[CollectiveKind, str]] = {
+    c10d.all_reduce.default: ("all_reduce", "input"),
+    c10d.all_reduce_coalesced.default: ("all_reduce", "input"),
+    c10d.all_gather_into_tensor.default: ("all_gather", "output"),
+    c10d.all_gather_into_tensor_coalesced.default: ("all_gather", "output"),
+    c10d.reduce_scatter_tensor.default: ("reduce_scatter", "input"),
+    c10d.reduce_scatter_tensor_coalesced.default: ("reduce_scatter", "input"),
+    c10d.all_to_all_single.default: ("all_to_all", "input"),
+}
+_WAITS = {c10d.wait_tensor.default}
+
+# Ops that move no data although they are not aten views.
+_FREE_OPS = {
+    operator.getitem,
+    aten.detach.default,
+    aten.alias.default,
+    aten.lift_fresh.default,
+    aten.sym_size.int,
+    aten.sym_numel.default,
+    aten.sym_stride.int,
+}
+
+# CPU attention kernels: same work as the GPU flash kernels a GPU trace would show.
+_CPU_SDPA_FORWARD = {aten._scaled_dot_product_flash_attention_for_cpu.default}
+_CPU_SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
+_EMBEDDING = {aten.embedding.default}
+
+
+@dataclass(frozen=True)
+class CollectiveInfo:
+    """A functional collective: kind, one rank's full buffer in bytes, and its group."""
+
+    kind: CollectiveKind
+    bytes: float
+    group_name: str
+    group_size: int | None
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node does. ``bound`` and ``intensity`` are set for computation nodes only."""
+
+    kind: NodeKind
+    flops: float = 0.0
+    bytes: float = 0.0
+    intensity: float | None = None
+    bound: Bound | None = None
+    collective: CollectiveInfo | None = None
+
+
+def analyse_graph(gm: torch.fx.GraphModule, gpu: GPUSpec) -> dict[torch.fx.Node, NodeCost]:
+    """Label every node of ``gm`` against ``gpu``; store each label in ``node.meta[META_KEY]``."""
+    ridge = gpu.ridge_point_flops_per_byte()
+    costs: dict[torch.fx.Node, NodeCost] = {}
+    for node in gm.graph.nodes:
+        cost = _node_cost(node, ridge)
+        node.meta[META_KEY] = cost
+        costs[node] = cost
+    return costs
+
+
+def tensor_meta(node: torch.fx.Node) -> tuple[list[int] | None, str | None]:
+    """Shape and dtype of a node's (first) tensor output, from fake-tensor metadata."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if not isinstance(val, torch.Tensor):
+        return None, None
+    return [_concrete(s) for s in val.shape], str(val.dtype).removeprefix("torch.")
+
+
+def _node_cost(node: torch.fx.Node, ridge_flops_per_byte: float) -> NodeCost:
+    if node.op != "call_function":
+        return NodeCost(kind="other")
+    target = node.target
+    if target in _COLLECTIVES:
+        return NodeCost(kind="collective", collective=_collective_info(node))
+    if target in _WAITS:
+        return NodeCost(kind="wait")
+    if target in _FREE_OPS or _is_view(target) or not _tensors(node.meta.get("val")):
+        return NodeCost(kind="other")
+    flops = _flops(node)
+    moved = _bytes(node)
+    intensity = flops / moved if moved > 0 else float("inf")
+    bound: Bound = "compute" if intensity >= ridge_flops_per_byte else "memory"
+    return NodeCost(kind="compute", flops=flops, bytes=moved, intensity=intensity, bound=bound)
+
+
+def _collective_info(node: torch.fx.Node) -> CollectiveInfo:
+    kind, buffer_side = _COLLECTIVES[node.target]
+    side = _tensors(node.meta.get("val")) if buffer_side == "output" else _input_tensors(node)
+    group_name = str(node.args[-1])
+    return CollectiveInfo(
+        kind=kind,
+        bytes=float(sum(_nbytes(t) for t in side)),
+        group_name=group_name,
+        group_size=_group_size(node, group_name),
+    )
+
+
+def _group_size(node: torch.fx.Node, group_name: str) -> int | None:
+    if node.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
+                       c10d.all_gather_into_tensor_coalesced.default,
+                       c10d.reduce_scatter_tensor_coalesced.default):
+        return int(node.args[-2])
+    try:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group_name).size()
+    except Exception:  # the group is not live in this process (e.g. an offline graph)
+        return None
+
+
+def _flops(node: torch.fx.Node) -> float:
+    target = node.target
+    out = node.meta.get("val")
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    packet = getattr(target, "overloadpacket", None)
+    if packet in flop_registry:
+        return float(_concrete(flop_registry[packet](*args, **kwargs, out_val=out)))
+    if target in _CPU_SDPA_FORWARD:
+        q, k, v = args[:3]
+        return float(_concrete(sdpa_flop_count(q.shape, k.shape, v.shape)))
+    if target in _CPU_SDPA_BACKWARD:
+        grad_out, q, k, v = args[:4]
+        return float(_concrete(sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)))
+    tensors = _tensors(out) + _input_tensors(node)
+    return float(max((_concrete(t.numel()) for t in tensors), default=0))
+
+
+def _bytes(node: torch.fx.Node) -> float:
+    outputs = _tensors(node.meta.get("val"))
+    written = sum(_nbytes(t) for t in outputs)
+    if node.target in _EMBEDDING:
+        indices = node.args[1].meta.get("val")
+        return float(2 * written + _nbytes(indices))
+    return float(written + sum(_nbytes(t) for t in _input_tensors(node)))
+
+
+def _input_tensors(node: torch.fx.Node) -> list[torch.Tensor]:
+    """Distinct tensor inputs of a node (a tensor used twice is read once)."""
+    seen: dict[torch.fx.Node, None] = {}
+    for inp in node.all_input_nodes:
+        seen.setdefault(inp)
+    return [t for inp in seen for t in _tensors(inp.meta.get("val"))]
+
+
+def _tensors(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (tuple, list)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _nbytes(t: Any) -> float:
+    if not isinstance(t, torch.Tensor):
+        return 0.0
+    return float(_concrete(t.numel()) * t.element_size())
+
+
+def _is_view(target: Any) -> bool:
+    return bool(getattr(target, "is_view", False))
+
+
+def _concrete(value: Any) -> int:
+    """An int from a possibly symbolic size (its hint when the graph is dynamic)."""
+    if isinstance(value, torch.SymInt):
+        return int(value.node.hint) if value.node.hint is not None else int(value.node.size_hint())
+    return int(value)
+
+
+def count_kinds(costs: Iterable[NodeCost]) -> dict[str, int]:
+    """How many nodes of each kind (collectives also by collective kind)."""
+    counts: dict[str, int] = {}
+    for cost in costs:
+        counts[cost.kind] = counts.get(cost.kind, 0) + 1
+        if cost.collective is not None:
+            counts[cost.collective.kind] = counts.get(cost.collective.kind, 0) + 1
+    return counts
