@@ -7,7 +7,7 @@ also returned.
 Assumptions:
 - FLOPs: torch's flop-counter registry where it has the op (matmuls, convolutions, attention);
   the CPU flash-attention kernels that a CPU trace produces count like the GPU ones (same
-  formula). Any other computation counts one FLOP per element of its largest tensor
+  formula); ``kareus::attention`` counts only the causal pairs it computes. Any other computation counts one FLOP per element of its largest tensor
   (elementwise ops, norms, reductions, copies), which is what makes them memory-bound.
 - Bytes: every distinct tensor input read once plus every output written once (HBM traffic of
   an unfused kernel). Embedding lookups read only the gathered rows.
@@ -26,6 +26,7 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from kareus_fx.attention_op import attention_backward_flops, attention_flops
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.workload import CollectiveKind
 
@@ -64,6 +65,9 @@ _FREE_OPS = {
 _CPU_SDPA_FORWARD = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 _CPU_SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 _EMBEDDING = {aten.embedding.default}
+# kareus_fx.attention_op: the fused causal attention the reference models use.
+_KAREUS_ATTENTION = torch.ops.kareus.attention.default
+_KAREUS_ATTENTION_BACKWARD = torch.ops.kareus.attention_backward.default
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,12 @@ def _flops(node: torch.fx.Node) -> float:
     packet = getattr(target, "overloadpacket", None)
     if packet in flop_registry:
         return float(_concrete(flop_registry[packet](*args, **kwargs, out_val=out)))
+    if target is _KAREUS_ATTENTION:
+        q, k, v = args[:3]
+        return attention_flops(q.shape, k.shape, v.shape)
+    if target is _KAREUS_ATTENTION_BACKWARD:
+        q, k, v = args[1:4]
+        return attention_backward_flops(q.shape, k.shape, v.shape)
     if target in _CPU_SDPA_FORWARD:
         q, k, v = args[:3]
         return float(_concrete(sdpa_flop_count(q.shape, k.shape, v.shape)))

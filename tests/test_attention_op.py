@@ -1,0 +1,67 @@
+"""kareus::attention: exact causal attention, one node forward and backward, exact FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kareus_fx.attention_op import attention, attention_flops, causal_pair_fraction
+from kareus_fx.cost_models.hardware import gpu_spec
+from kareus_fx.passes.analysis import analyse_graph
+
+
+def _explicit_lower_right_causal(q, k, v, scale):
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    visible = torch.ones(seq_q, seq_k, dtype=torch.bool).tril(diagonal=seq_k - seq_q)
+    return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("seq_q, seq_k", [(8, 8), (4, 12)])
+def test_matches_explicit_masked_attention_with_grads(seq_q, seq_k):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, seq_q, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, seq_k, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, seq_k, 16, dtype=torch.float64, requires_grad=True)
+    out = attention(q, k, v, 0.25)
+    ref = _explicit_lower_right_causal(q, k, v, 0.25)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref, (q, k, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_opcheck():
+    q = torch.randn(1, 2, 4, 8)
+    kv = torch.randn(1, 2, 6, 8)
+    torch.library.opcheck(attention, (q, kv, kv.clone(), 0.5))
+
+
+def test_one_node_each_way_on_meta_with_causal_flops():
+    def step(q, k, v):
+        return attention(q, k, v, 0.125).sum()
+
+    shapes = [(2, 8, 1024, 128), (2, 2, 1024, 128), (2, 2, 1024, 128)]
+    args = [torch.empty(s, device="meta", dtype=torch.bfloat16, requires_grad=True) for s in shapes]
+    gm = make_fx(lambda q, k, v: torch.autograd.grad(step(q, k, v), (q, k, v)), tracing_mode="fake")(*args)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.kareus.attention.default) == 1
+    assert targets.count(torch.ops.kareus.attention_backward.default) == 1
+    assert torch.ops.aten.bmm.default not in targets
+    costs = analyse_graph(gm, gpu_spec())
+    (fwd,) = [n for n in gm.graph.nodes if n.target == torch.ops.kareus.attention.default]
+    dense = 2 * 2 * 8 * 1024 * 1024 * (128 + 128)
+    assert costs[fwd].flops == pytest.approx(dense * (1024 * 1025 / 2) / 1024**2)
+    assert costs[fwd].bound == "compute"
+
+
+def test_causal_pair_fraction():
+    assert causal_pair_fraction(4, 4) == pytest.approx(10 / 16)
+    assert causal_pair_fraction(2, 6) == pytest.approx((5 + 6) / 12)
+    assert attention_flops((1, 1, 4, 8), (1, 1, 4, 8), (1, 1, 4, 8)) == pytest.approx(2 * 16 * 16 * 10 / 16)
