@@ -1,1 +1,30 @@
-"""Reference models of the Kareus paper, built from their published configs (no weights)."""
+"""Reference models of the Kareus paper, built from their published configs (no weights).
+
+``build_model(name, layout, num_layers, dtype)`` gives a :class:`Transformer` whose
+``forward(input_ids, labels)`` returns the mean token loss; ``model.example_batch(mbs, seq)``
+gives this rank's inputs. See ``transformer.py`` for the collectives each layout issues.
+"""
+
+from kareus_fx.models.configs import ModelConfig, UnknownModelError, get_config, model_names
+from kareus_fx.models.parallel import (
+    ParallelLayout,
+    copy_to_tp,
+    cp_all_gather,
+    gather_from_tp,
+    reduce_from_tp,
+)
+from kareus_fx.models.transformer import Transformer, build_model
+
+__all__ = [
+    "ModelConfig",
+    "ParallelLayout",
+    "Transformer",
+    "UnknownModelError",
+    "build_model",
+    "copy_to_tp",
+    "cp_all_gather",
+    "gather_from_tp",
+    "get_config",
+    "model_names",
+    "reduce_from_tp",
+]

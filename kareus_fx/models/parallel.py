@@ -1,0 +1,194 @@
+"""Tensor / context parallel layout and Megatron-style communication autograd functions.
+
+Every collective goes through ``torch.distributed._functional_collectives`` (funcol), so
+Dynamo traces it without a graph break, and ``aot_autograd`` lowers it to
+``torch.ops._c10d_functional.{all_reduce, all_gather_into_tensor, reduce_scatter_tensor}``
+followed by ``torch.ops._c10d_functional.wait_tensor`` in the forward and the backward graph.
+Each function below takes the process group by *name* (a string), which Dynamo treats as a
+constant.
+
+=========================  ========================  ==========================
+function                   forward                   backward
+=========================  ========================  ==========================
+:func:`copy_to_tp`         identity                  all_reduce (sum)
+:func:`reduce_from_tp`     all_reduce (sum)          identity
+:func:`gather_from_tp`     all_gather (new dim 0)    keep this rank's slice
+:func:`cp_all_gather`      all_gather along ``dim``  reduce_scatter along ``dim``
+=========================  ========================  ==========================
+
+A group of size 1 (``name is None``) makes every function the identity, with no collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from kareus_fx.errors import ParallelConfigError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in a TP x CP grid; ranks are laid out TP-fastest.
+
+    Global rank ``r`` has ``tp_rank = r % tp`` and ``cp_rank = r // tp``: the TP group of a rank is
+    ``tp`` consecutive ranks (one node's NVLink domain in practice); its CP group is strided by
+    ``tp``.
+    A size-1 dimension has no group (``None``) and issues no collective.
+    """
+
+    tp: int = 1
+    cp: int = 1
+    tp_rank: int = 0
+    cp_rank: int = 0
+    tp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp
+
+    @property
+    def tp_group_name(self) -> str | None:
+        return None if self.tp_group is None else self.tp_group.group_name
+
+    @property
+    def cp_group_name(self) -> str | None:
+        return None if self.cp_group is None else self.cp_group.group_name
+
+    @classmethod
+    def from_default_group(cls, tp: int = 1, cp: int = 1) -> ParallelLayout:
+        """Split the default process group into TP and CP groups.
+
+        Collective over the default group when it has more than one rank (every rank must call
+        it, in the same order as any other ``new_group``). ``tp = cp = 1`` needs no
+        ``torch.distributed`` initialisation.
+        """
+        if tp < 1 or cp < 1:
+            raise ParallelConfigError(f"tp and cp must be >= 1, got tp={tp}, cp={cp}")
+        if not dist.is_available() or not dist.is_initialized():
+            if tp * cp == 1:
+                return cls()
+            raise ParallelConfigError(
+                f"tp={tp} x cp={cp} needs {tp * cp} processes but torch.distributed is not "
+                "initialised; call torch.distributed.init_process_group first (or use tp=cp=1)"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != tp * cp:
+            raise ParallelConfigError(
+                f"world size {world} != tp*cp = {tp}*{cp} = {tp * cp}; "
+                f"launch {tp * cp} processes or choose tp*cp = {world}"
+            )
+        return cls(
+            tp=tp,
+            cp=cp,
+            tp_rank=rank % tp,
+            cp_rank=rank // tp,
+            tp_group=_subgroup(rank, [[c * tp + t for t in range(tp)] for c in range(cp)]),
+            cp_group=_subgroup(rank, [[c * tp + t for c in range(cp)] for t in range(tp)]),
+        )
+
+
+def _subgroup(rank: int, partition: list[list[int]]) -> dist.ProcessGroup | None:
+    """This rank's group of ``partition`` (a list of disjoint rank lists covering the world)."""
+    if len(partition[0]) == 1:
+        return None
+    if len(partition) == 1:
+        return dist.group.WORLD
+    mine = None
+    for ranks in partition:  # new_group is collective: every rank creates every group
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    # Eagerly funcol returns an AsyncCollectiveTensor; traced, it has already emitted wait_tensor.
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    return _wait(funcol.all_gather_single(x.contiguous(), dim, group))
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str, rank: int) -> torch.Tensor:
+        ctx.rank = rank
+        return _all_gather(x.unsqueeze(0), 0, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[ctx.rank], None, None
+
+
+class _CPAllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: str | None) -> torch.Tensor:
+    """Enter a column-parallel region: identity forward, all-reduce of the gradient backward."""
+    return x if group is None else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: str | None) -> torch.Tensor:
+    """Leave a row-parallel region: all-reduce (sum) forward, identity backward."""
+    return x if group is None else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_tp(x: torch.Tensor, group: str | None, rank: int) -> torch.Tensor:
+    """Stack every TP rank's ``x`` on a new dim 0 for a computation replicated across TP.
+
+    Backward keeps only this rank's slice of the gradient: every TP rank computes the same
+    replicated result, so summing the slices' gradients across ranks would count them ``tp`` times.
+    """
+    return x.unsqueeze(0) if group is None else _GatherFromTP.apply(x, group, rank)
+
+
+def cp_all_gather(x: torch.Tensor, dim: int, group: str | None) -> torch.Tensor:
+    """Concatenate every CP rank's ``x`` along ``dim`` (in CP-rank order).
+
+    Backward reduce-scatters: the gathered tensor feeds different computations on each rank
+    (each rank's own queries), so its gradients add up across ranks.
+    """
+    return x if group is None else _CPAllGather.apply(x, dim, group)
