@@ -8,12 +8,18 @@ exactly what the original returns. It runs *before* ``aot_autograd``, so the bac
 gradients are summed over the two nanobatches by autograd).
 
 What splits and what is shared comes from batch-dimension propagation
-(:mod:`kareus_fx.passes.batch_dims`). Outputs are recombined only where the graph proves what they
-are: a batch-carrying output is concatenated; a sum over the batch is the sum of the halves' sums;
-a mean over the batch is the halves' means weighted by their sizes; a class-index cross-entropy
-mean is ``(sum_A + sum_B) / (count_A + count_B)`` with the counts of non-ignored targets (so
-``ignore_index`` padding stays exact). Anything the propagation cannot prove falls back to the
-unsplit graph with one :class:`NanobatchFallbackWarning` naming the op. Never wrong numbers.
+(:mod:`kareus_fx.passes.batch_dims`; custom ``autograd.Function`` and activation-checkpoint
+bodies get per-nanobatch copies, DTensor ``from_local``/``redistribute``/``to_local`` are handled
+while no placement shards the batch dim). Outputs are recombined only where the graph proves
+what they are: a batch-carrying output is concatenated; a sum over the batch is the sum of the
+halves' sums; a mean over the batch is the halves' means weighted by their sizes; a class-index
+cross-entropy mean is ``(sum_A + sum_B) / (count_A + count_B)`` over per-token losses and the
+(class-weighted) counts of non-ignored targets, so ``ignore_index`` padding, class weights,
+label smoothing and a nanobatch with no counted token stay exact. Recombination accumulates in
+fp32 for bf16/fp16 values. A reduction over the batch may only feed the outputs (shared work),
+never batch work. Anything the propagation cannot prove falls back to the unsplit graph with one
+:class:`NanobatchFallbackWarning` naming the op and the reason (one per call; Python's warning
+filter then shows each distinct reason once). Never wrong numbers.
 
 Assumptions (torch 2.13 Dynamo graphs):
 
