@@ -2,9 +2,15 @@
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
 ``torch.compile(model, backend="kareus")`` works in a fresh interpreter. Data flow per Dynamo
-graph: Dynamo FX graph -> aot_autograd (min-cut partitioner, like ``aot_eager``) -> aten forward
-and backward graphs -> :func:`kareus_fx.passes.analysis.analyse_graph` against the GPU spec ->
-dump (``options={"dump_dir": ...}``) -> run the graph unchanged.
+graph:
+
+1. Dynamo FX graph -> nanobatch split of graphs that communicate (nothing to overlap otherwise;
+   ``options={"nanobatch": False}`` turns it off; a graph the split cannot prove safe falls back
+   to itself with one warning);
+2. aot_autograd (min-cut partitioner, like ``aot_eager``) -> aten forward and backward graphs;
+3. per aten graph: node analysis against the GPU spec, nanobatch labels, partitions and types,
+   reorder to the nanobatching issue order (collective as soon as possible, waits at first use);
+4. dump (``options={"dump_dir": ...}``), then run.
 """
 
 from __future__ import annotations
@@ -21,9 +27,13 @@ from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from kareus_fx.config import KareusOptions
-from kareus_fx.cost_models.hardware import gpu_spec
+from kareus_fx.cost_models.hardware import GPUSpec, gpu_spec
 from kareus_fx.dump import GraphDumpFile
 from kareus_fx.passes.analysis import analyse_graph
+from kareus_fx.passes.issue_order import apply_issue_order
+from kareus_fx.passes.nanobatch import NANOBATCH_META, graph_communicates, split_nanobatches
+from kareus_fx.passes.nanobatch_labels import label_nanobatches
+from kareus_fx.passes.partitions import GraphPartitioning, partition_graph
 
 _graph_counter = itertools.count()
 
@@ -35,12 +45,20 @@ def kareus_backend(
     opts = KareusOptions.from_user(options)
     gpu = gpu_spec(opts.gpu)
     dump = _dump_file(opts, next(_graph_counter))
+    nanobatched = False
+    if opts.nanobatch and graph_communicates(gm, example_inputs):
+        split = split_nanobatches(gm, example_inputs)
+        gm, nanobatched = split.gm, split.split
+    forward_labels: dict[str, int | None] = {}
 
     def compile_aten(name: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
         def compiler(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable[..., Any]:
             analyse_graph(aten_gm, gpu)
+            partitioning = None
+            if nanobatched:
+                partitioning = _schedule_nanobatches(aten_gm, name, forward_labels, gpu)
             if dump is not None:
-                dump.add(name, aten_gm)
+                dump.add(name, aten_gm, partitioning)
             return boxed_nop(aten_gm, aten_inputs)
 
         return compiler
@@ -52,6 +70,25 @@ def kareus_backend(
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+
+
+def _schedule_nanobatches(
+    aten_gm: torch.fx.GraphModule, name: str, forward_labels: dict[str, int | None], gpu: GPUSpec
+) -> GraphPartitioning:
+    """Label nanobatches, find partitions, and reorder the graph to the nanobatching issue order.
+
+    The forward graph's labels are kept for the backward (its saved-activation inputs are named
+    after the forward nodes they save).
+    """
+    labels = label_nanobatches(aten_gm, forward_labels=forward_labels if name == "backward" else None)
+    if name == "forward":
+        forward_labels.update(labels)
+    by_node = {node: labels.get(node.name) for node in aten_gm.graph.nodes}
+    for node, label in by_node.items():
+        node.meta[NANOBATCH_META] = label
+    partitioning = partition_graph(aten_gm, by_node, name, gpu)
+    apply_issue_order(aten_gm, partitioning.issue_order)
+    return partitioning
 
 
 def _dump_file(opts: KareusOptions, index: int) -> GraphDumpFile | None:

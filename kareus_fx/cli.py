@@ -1,4 +1,4 @@
-"""The ``kareus`` command line. Subcommands: ``dump``.
+"""The ``kareus`` command line. Subcommands: ``dump``, ``inspect``.
 
 Every bad-input error (:class:`~kareus_fx.errors.KareusError`) is printed as one line naming the
 problem and the fix, with exit status 2; anything else is a bug and keeps its traceback.
@@ -43,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU spec for compute/memory-bound labels (default {DEFAULT_GPU})")
     dump.add_argument("--out", type=Path, required=True, help="directory for the JSON dumps")
     dump.set_defaults(run=_run_dump)
+
+    inspect = sub.add_parser("inspect", help="summarise a graph dump: graphs, collectives, partition types")
+    inspect.add_argument("file", type=Path, help="a kareus_graph_*.json dump")
+    inspect.set_defaults(run=_run_inspect)
     return parser
 
 
@@ -59,6 +63,19 @@ def _run_dump(args: argparse.Namespace) -> int:
     console.print(f"traced in {result.wall_s:.1f} s; dumps: {', '.join(map(str, result.dump_paths))}")
     for path in result.dump_paths:
         console.print(summary_table(load_dump(path), title=f"{path.name} ({gpu})"))
+    return 0
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from kareus_fx.dump import load_dump
+    from kareus_fx.inspector import print_dump
+
+    try:
+        dump = load_dump(args.file)
+    except (OSError, ValueError) as err:
+        print(f"kareus inspect: error: {err}", file=sys.stderr)
+        return 2
+    print_dump(dump, Console(), title=str(args.file))
     return 0
 
 

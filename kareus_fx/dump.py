@@ -12,8 +12,15 @@ Schema (``schema_version`` 1; documented in README.md, "Graph dump format")::
 ``kind`` is "collective" | "wait" | "compute" | "other"; ``collective`` is null or
 ``{"kind", "bytes", "group_name", "group_size"}``; ``bound`` is "compute" | "memory" for
 computation nodes; ``module`` is the innermost ``nn.Module`` path Dynamo recorded (null when the
-node has none); ``nanobatch`` is 0 | 1 | null and ``partition`` null until those passes label it
-(``node.meta["kareus_nanobatch"]`` / ``node.meta["kareus_partition"]``).
+node has none); ``nanobatch`` is 0 | 1 | null and ``partition`` / ``slot`` null until those
+passes label it (``node.meta["kareus_nanobatch"]``, ``["kareus_partition"]``, ``["kareus_slot"]``).
+
+A graph that went through the partition pass also has::
+
+    "partitions": [{"id", "type", "collectives": [node names], "slots": [[node names], ...]}],
+    "partition_types": [{"type", "label", "count", "collective": {"kind", "bytes", "group_size",
+                         "fused"}, "slots": [{"ops", "flops", "bytes", "bound"}], "launch_slots"}],
+    "leftover": {"nodes": [node names], "flops", "bytes", "collectives": [node names]}
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch.fx
 
 from kareus_fx import __version__
 from kareus_fx.passes.analysis import META_KEY, NodeCost, tensor_meta
+from kareus_fx.passes.partitions import GraphPartitioning
 
 SCHEMA_VERSION = 1
 GRAPH_NAMES = ("forward", "backward")
@@ -56,14 +64,55 @@ def node_record(node: torch.fx.Node) -> dict[str, Any]:
         "module": module_path(node),
         "nanobatch": node.meta.get("kareus_nanobatch"),
         "partition": node.meta.get("kareus_partition"),
+        "slot": node.meta.get("kareus_slot"),
     }
 
 
-def graph_record(name: str, gm: torch.fx.GraphModule) -> dict[str, Any]:
+def graph_record(name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None = None) -> dict[str, Any]:
     """The dump entry of one graph; ``name`` is "forward" or "backward"."""
     if name not in GRAPH_NAMES:
         raise ValueError(f"graph name must be one of {GRAPH_NAMES}, got {name!r}")
-    return {"name": name, "nodes": [node_record(node) for node in gm.graph.nodes]}
+    record: dict[str, Any] = {"name": name, "nodes": [node_record(node) for node in gm.graph.nodes]}
+    if partitioning is not None:
+        record.update(partitioning_record(partitioning))
+    return record
+
+
+def partitioning_record(partitioning: GraphPartitioning) -> dict[str, Any]:
+    """Partitions, partition types and leftovers of one graph, for the dump."""
+    leftover_compute = [n for n in partitioning.leftover if n.meta[META_KEY].kind == "compute"]
+    return {
+        "partitions": [
+            {
+                "id": p.partition_id,
+                "type": p.type_id,
+                "collectives": [n.name for n in p.comm.collectives],
+                "slots": [[n.name for n in slot] for slot in p.slots],
+            }
+            for p in partitioning.partitions
+        ],
+        "partition_types": [
+            {
+                "type": t.type_id,
+                "label": partitioning.type_labels[t.type_id],
+                "count": t.count,
+                "collective": asdict(t.collective),
+                "slots": [
+                    {"ops": [op.target for op in slot.ops], "flops": slot.flops, "bytes": slot.bytes,
+                     "bound": slot.bound}
+                    for slot in t.slots
+                ],
+                "launch_slots": list(t.launch_slots),
+            }
+            for t in partitioning.types.values()
+        ],
+        "leftover": {
+            "nodes": [n.name for n in leftover_compute],
+            "flops": sum(n.meta[META_KEY].flops for n in leftover_compute),
+            "bytes": sum(n.meta[META_KEY].bytes for n in leftover_compute),
+            "collectives": [n.name for n in partitioning.leftover if n.meta[META_KEY].kind == "collective"],
+        },
+    }
 
 
 def module_path(node: torch.fx.Node) -> str | None:
@@ -94,8 +143,8 @@ class GraphDumpFile:
         }
         self._graphs: list[dict[str, Any]] = []
 
-    def add(self, name: str, gm: torch.fx.GraphModule) -> None:
-        self._graphs.append(graph_record(name, gm))
+    def add(self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None = None) -> None:
+        self._graphs.append(graph_record(name, gm, partitioning))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({**self._header, "graphs": self._graphs}))

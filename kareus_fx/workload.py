@@ -21,12 +21,17 @@ GraphName = Literal["forward", "backward"]
 
 @dataclass(frozen=True)
 class OpCost:
-    """One aten op's work: FLOPs and HBM bytes (from fake-tensor metadata)."""
+    """One aten op's work: FLOPs and HBM bytes (from fake-tensor metadata).
+
+    ``bound`` is the graph analysis' label against the planning GPU ("compute" | "memory"),
+    None when unknown (hand-built workloads).
+    """
 
     name: str
     target: str
     flops: float
     bytes: float
+    bound: str | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,14 @@ class SlotSpec:
     @property
     def bytes(self) -> float:
         return sum(op.bytes for op in self.ops)
+
+    @property
+    def bound(self) -> str | None:
+        """"compute" if the slot holds a compute-bound op, "memory" if only memory-bound ones."""
+        labels = {op.bound for op in self.ops}
+        if "compute" in labels:
+            return "compute"
+        return "memory" if labels == {"memory"} else None
 
 
 @dataclass(frozen=True)

@@ -556,6 +556,19 @@ def _node_kind(n: fx.Node) -> str:
     return "compute"
 
 
+def graph_communicates(gm: fx.GraphModule, example_inputs: list) -> bool:
+    """Whether a Dynamo-level graph issues collectives (the only reason to split it).
+
+    Collectives show up as functional-collective calls, inside higher-order ops (autograd.Function
+    bodies, checkpoints), or, for DTensor models, only after dispatch: a DTensor input counts.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(x, DTensor) for x in example_inputs):
+        return True
+    return any(op_name(n).startswith("c10d.") or _has_collective(n) for n in gm.graph.nodes)
+
+
 def _has_collective(n: fx.Node) -> bool:
     if not isinstance(n.target, torch._ops.HigherOrderOperator):
         return False
