@@ -56,6 +56,7 @@ _FREE_OPS = {
     aten.detach.default,
     aten.alias.default,
     aten.lift_fresh.default,
+    aten._unsafe_view.default,  # a view whose result is not tracked as an alias
     aten.sym_size.int,
     aten.sym_numel.default,
     aten.sym_stride.int,

@@ -21,9 +21,15 @@ and a nanobatch label per node (0, 1, or None for work shared by both nanobatche
 5. Partitions with the same structure (ops, shapes, dtypes, collective kind, bytes and group)
    share a type. A partition whose structure occurs once but whose ops extend a repeating type's
    ops (the first layer's computation preceded by the embedding, the last followed by the output
-   layer and loss) is trimmed to that type; the trimmed ops become leftovers. Everything outside
-   partitions (segments nothing overlaps, shared work, trimmed ops) is the leftover, whose cost
-   a microbatch must include.
+   layer and loss) is trimmed to that type; the trimmed ops become leftovers.
+6. Edge partitions: a type with fewer than half as many partitions as the graph's most frequent
+   type is an edge of the repeating structure (first and last layers, embedding, output layer,
+   loss); its partitions are dissolved and run sequentially as leftovers, as the paper does
+   ("first and last partitions" belong to no partition). Tuning them would spend a type's whole
+   search budget on a few percent of the microbatch.
+
+Everything outside partitions (segments nothing overlaps, shared work, trimmed ops, edge
+partitions) is the leftover, whose cost a microbatch must include.
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ def partition_graph(
     dependency_graph = _networkx_graph(gm)
     partitions = _pair_partitions(programs, dependency_graph, graph)
     issue_order = _issue_order(programs)
+    partitions = _drop_edge_partitions(partitions)
     type_of, types, labels_by_type = _assign_types(partitions, graph, gpu)
     in_partition = {n for p in partitions for n in p.comm.collectives + p.comm.waits + [m for s in p.slots for m in s]}
     for node in gm.graph.nodes:
@@ -228,21 +235,24 @@ def _issue_order(programs: list[NanobatchProgram]) -> list[torch.fx.Node]:
     return order
 
 
-def _assign_types(partitions: list[Partition], graph: GraphName, gpu: GPUSpec) -> tuple[dict[str, str], dict[str, PartitionType], dict[str, str]]:
-    signatures = {p.partition_id: _signature(p) for p in partitions}
-    counts = Counter(signatures.values())
+def _drop_edge_partitions(partitions: list[Partition]) -> list[Partition]:
+    """Trim one-off partitions to a repeating type where possible, then dissolve edge types (step 6)."""
+    counts = Counter(_signature(p) for p in partitions)
     repeating = [sig for sig, count in counts.items() if count > 1]
     for partition in partitions:
-        sig = signatures[partition.partition_id]
-        if counts[sig] > 1:
-            continue
-        trimmed = _trim_to_repeating(partition, repeating)
-        if trimmed is not None:
-            partition.slots = trimmed
-            signatures[partition.partition_id] = _signature(partition)
+        if counts[_signature(partition)] == 1:
+            trimmed = _trim_to_repeating(partition, repeating)
+            if trimmed is not None:
+                partition.slots = trimmed
+    counts = Counter(_signature(p) for p in partitions)
+    most = max(counts.values(), default=0)
+    return [p for p in partitions if 2 * counts[_signature(p)] >= most]
+
+
+def _assign_types(partitions: list[Partition], graph: GraphName, gpu: GPUSpec) -> tuple[dict[str, str], dict[str, PartitionType], dict[str, str]]:
     members: dict[tuple, list[Partition]] = defaultdict(list)
     for partition in partitions:
-        members[signatures[partition.partition_id]].append(partition)
+        members[_signature(partition)].append(partition)
     type_of: dict[str, str] = {}
     types: dict[str, PartitionType] = {}
     labels: dict[str, str] = {}
@@ -334,14 +344,20 @@ def _op_cost(node: torch.fx.Node) -> OpCost:
 
 
 def _describe(partition: Partition) -> str:
-    """Human label: collective kind and the module paths (layer index starred) it overlaps."""
+    """Human label: collective kind and the module its compute-bound ops share (layer starred)."""
     from kareus_fx.dump import module_path
 
-    modules = Counter(_LAYER_INDEX.sub(".*", module_path(n) or "?") for slot in partition.slots for n in slot)
-    common = modules.most_common(1)[0][0] if modules else "?"
+    nodes = [n for slot in partition.slots for n in slot]
+    heavy = [n for n in nodes if _cost(n).bound == "compute"] or nodes
+    paths = [_LAYER_INDEX.sub(".*", module_path(n) or "").split(".") for n in heavy]
+    common: list[str] = []
+    for parts in zip(*paths):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
     kind = _cost(partition.comm.collectives[0]).collective.kind
     fused = f" x{len(partition.comm.collectives)} fused" if len(partition.comm.collectives) > 1 else ""
-    return f"{kind}{fused} over {common}"
+    return f"{kind}{fused} over {'.'.join(common) or 'model'}"
 
 
 def _networkx_graph(gm: torch.fx.GraphModule) -> nx.DiGraph:
