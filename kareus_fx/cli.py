@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
     dump.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU spec for compute/memory-bound labels (default {DEFAULT_GPU})")
     dump.add_argument("--out", type=Path, required=True, help="directory for the JSON dumps")
+    dump.add_argument("--no-nanobatch", action="store_true", help="trace without the nanobatch split")
     dump.set_defaults(run=_run_dump)
 
     inspect = sub.add_parser("inspect", help="summarise a graph dump: graphs, collectives, partition types")
@@ -52,17 +53,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_dump(args: argparse.Namespace) -> int:
     from kareus_fx.dump import load_dump
-    from kareus_fx.dump_summary import summary_table
+    from kareus_fx.dump_summary import collectives_by_layer_text, summary_table
     from kareus_fx.tracing import TraceSpec, trace_full_size
 
     gpu = canonical_gpu_name(args.gpu)
     spec = TraceSpec(model=args.model, tp=args.tp, cp=args.cp, mbs=args.mbs, seq=args.seq, layers=args.layers)
-    console = Console()
+    console = _console()
+    options = {"dump_dir": str(args.out), "gpu": gpu, "nanobatch": not args.no_nanobatch}
     with console.status(f"tracing {spec.model} (tp={spec.tp}, cp={spec.cp}) on the meta device"):
-        result = trace_full_size(spec, options={"dump_dir": str(args.out), "gpu": gpu})
+        result = trace_full_size(spec, options=options)
     console.print(f"traced in {result.wall_s:.1f} s; dumps: {', '.join(map(str, result.dump_paths))}")
     for path in result.dump_paths:
-        console.print(summary_table(load_dump(path), title=f"{path.name} ({gpu})"))
+        dump = load_dump(path)
+        console.print(summary_table(dump, title=f"{path.name} ({gpu})"))
+        console.print(collectives_by_layer_text(dump))
     return 0
 
 
@@ -75,8 +79,14 @@ def _run_inspect(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as err:
         print(f"kareus inspect: error: {err}", file=sys.stderr)
         return 2
-    print_dump(dump, Console(), title=str(args.file))
+    print_dump(dump, _console(), title=str(args.file))
     return 0
+
+
+def _console() -> Console:
+    """A console as wide as the terminal, and wide enough for the tables when printing to a pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 
 if __name__ == "__main__":

@@ -72,3 +72,23 @@ def summary_table(dump: dict[str, Any], title: str) -> Table:
             f"{s.flops / 1e12:.2f}", f"{s.bytes / 1e9:.2f}", collectives or "none",
         )
     return table
+
+
+def collectives_by_layer_text(dump: dict[str, Any]) -> str:
+    """One line per graph: collectives per decoder layer (when uniform) and outside the layers."""
+    lines = []
+    for graph in dump["graphs"]:
+        s = summarise_graph(graph)
+        per_layer: dict[int, Counter] = {}
+        for (layer, kind), count in s.collectives_per_layer.items():
+            per_layer.setdefault(layer, Counter())[kind] = count
+        shapes = {tuple(sorted(c.items())) for c in per_layer.values()}
+        if len(shapes) == 1:
+            (shape,) = shapes
+            layers_text = f"{len(per_layer)} decoder layers x ({', '.join(f'{k} {v}' for k, v in shape)})"
+        else:
+            layers_text = f"{len(per_layer)} decoder layers, uneven: " + "; ".join(
+                f"{layer}: {dict(c)}" for layer, c in sorted(per_layer.items()))
+        outside = ", ".join(f"{k} {v}" for k, v in sorted(s.collectives_outside_layers.items())) or "none"
+        lines.append(f"{graph['name']} collectives: {layers_text}; outside the layers: {outside}")
+    return "\n".join(lines)
