@@ -1,0 +1,125 @@
+"""How fast one kernel or one collective runs, given the SM clock and the SMs it can use.
+
+Paper section 3 in rates:
+- Compute throughput scales with the clock and with the SMs a kernel gets; a kernel of ``c``
+  CTAs on ``s`` SMs runs ``ceil(c / s)`` waves, so losing SMs to a collective costs whole waves
+  (wave quantisation).
+- A memory-bound kernel needs SMs to reach HBM bandwidth: achieved bandwidth is a saturating
+  curve of the SM count (about 35 GB/s per SM up to about 85% of peak on A100; NanoFlow's
+  ``memory_bound_kernel_vs_blocks.csv``). Peak HBM bandwidth does not depend on the SM clock;
+  the per-SM rate does in part (``per_sm_clock_exponent``: the share of a request's round trip
+  spent in the SM clock domain).
+- A collective likewise needs SMs to reach link bandwidth (NanoFlow ``collectives/*_blocks.csv``
+  for the curve's shape; the Kareus all-reduce data for its scale).
+- A kernel's time is a smooth maximum of its compute time and its memory time (roofline with
+  imperfect overlap), plus a fixed launch gap before it.
+
+All functions are plain float arithmetic: the simulator calls them in its inner loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.cost_models.sim_params import SimParams
+from kareus_fx.workload import CollectiveSpec
+
+
+def smooth_min(x: float, cap: float, sharpness: float) -> float:
+    """``min(x, cap)`` with a rounded knee: ``(x^-p + cap^-p)^(-1/p)``."""
+    if x <= 0.0:
+        return 0.0
+    return (x ** -sharpness + cap ** -sharpness) ** (-1.0 / sharpness)
+
+
+def smooth_max(a: float, b: float, sharpness: float) -> float:
+    """``max(a, b)`` with a rounded corner: ``(a^p + b^p)^(1/p)``."""
+    if a <= 0.0:
+        return b
+    if b <= 0.0:
+        return a
+    return (a ** sharpness + b ** sharpness) ** (1.0 / sharpness)
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """One kernel's standalone behaviour with a given number of SMs at a given clock."""
+
+    time_s: float
+    """Kernel time without the launch gap."""
+    hbm_bytes_per_s: float
+    """HBM bandwidth it draws while it runs."""
+    busy_sms: float
+    """SMs holding its CTAs (at most the SMs it may use)."""
+
+
+class KernelModel:
+    """Rates of compute kernels and collectives on one GPU with one parameter set."""
+
+    def __init__(self, spec: GPUSpec, params: SimParams) -> None:
+        self.spec = spec
+        self.params = params
+        self.sm_count = spec.sm_count
+        self.hbm_saturation_bytes_per_s = params.mem_bw_efficiency * spec.hbm_bandwidth_bytes_per_s
+
+    # ----- compute kernels -------------------------------------------------------------------
+    def clock_scale(self, clock_mhz: float) -> float:
+        """Per-SM memory-request rate relative to the maximum clock."""
+        return (clock_mhz / self.spec.clock_max_mhz) ** self.params.per_sm_clock_exponent
+
+    def memory_bandwidth(self, sms: float, clock_mhz: float) -> float:
+        """HBM bandwidth a memory-bound kernel reaches with ``sms`` SMs (bytes/s)."""
+        p = self.params
+        linear = p.mem_bw_per_sm_bytes_per_s * self.clock_scale(clock_mhz) * sms
+        return smooth_min(linear, self.hbm_saturation_bytes_per_s, p.mem_knee)
+
+    def ctas(self, flops: float, nbytes: float) -> int:
+        """CTAs of a kernel: fixed FLOPs per CTA, or fixed bytes per CTA for memory-bound ones."""
+        p = self.params
+        return max(1, math.ceil(flops / p.cta_flops), math.ceil(nbytes / p.cta_bytes))
+
+    def kernel(self, flops: float, nbytes: float, sms: int, clock_mhz: float) -> KernelRates:
+        """Time, HBM draw and busy SMs of one kernel running alone on ``sms`` SMs."""
+        p = self.params
+        ctas = self.ctas(flops, nbytes)
+        waves = math.ceil(ctas / sms)
+        per_sm_flops = self.spec.peak_flops_per_s(clock_mhz) * p.gemm_efficiency / self.sm_count
+        # Wave quantisation: each wave takes one CTA's time on one SM.
+        compute_s = waves * (flops / ctas) / per_sm_flops if flops > 0 else 0.0
+        busy = float(min(ctas, sms))
+        memory_s = nbytes / self.memory_bandwidth(busy, clock_mhz) if nbytes > 0 else 0.0
+        time_s = smooth_max(compute_s, memory_s, p.roofline_sharpness)
+        return KernelRates(time_s, nbytes / time_s if time_s > 0 else 0.0, busy)
+
+    # ----- collectives -----------------------------------------------------------------------
+    @staticmethod
+    def bus_bytes(collective: CollectiveSpec) -> float:
+        """Bytes each rank moves over its links (the nccl-tests "bus bandwidth" convention)."""
+        g = collective.group_size
+        if g <= 1:
+            return 0.0
+        factor = 2.0 * (g - 1) / g if collective.kind == "all_reduce" else (g - 1) / g
+        return factor * collective.bytes
+
+    def collective_bandwidth(self, collective: CollectiveSpec, sms: int, clock_mhz: float) -> float:
+        """Bus bandwidth (bytes/s) of a collective running alone on ``sms`` SMs.
+
+        The per-SM rate and the cap are calibrated on a 2-GPU group (one peer). A CTA of a
+        direct-access collective (MSCCL++) keeps requests in flight to every peer at once, so both
+        grow as ``peers ** comm_peer_exponent``; the cap never exceeds the GPU's NVLink bandwidth.
+        """
+        p = self.params
+        peers = max(1, collective.group_size - 1) ** p.comm_peer_exponent
+        per_sm = p.comm_bus_bw_per_sm_bytes_per_s * p.comm_kind_factor(collective.kind) * peers
+        cap = min(p.comm_bus_bw_cap_bytes_per_s * peers, self.spec.nvlink_bandwidth_bytes_per_s)
+        return smooth_min(per_sm * self.clock_scale(clock_mhz) * sms, cap, p.comm_knee)
+
+    def collective_time(self, collective: CollectiveSpec, sms: int, clock_mhz: float) -> float:
+        """Standalone time of a collective on ``sms`` SMs: fixed latency plus bytes over bandwidth."""
+        bus = self.bus_bytes(collective)
+        if bus <= 0.0:
+            return 0.0
+        # A fused collective is one kernel (paper section 4.5): one latency for all its parts.
+        return self.params.comm_latency_s + bus / self.collective_bandwidth(collective, sms, clock_mhz)

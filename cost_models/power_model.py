@@ -1,0 +1,108 @@
+"""GPU power: static power plus dynamic power from clock, voltage and activity (paper 2.1, 4.5).
+
+Dynamic power has parts that switch every cycle while a workload runs (clocks and uncore:
+``busy_power_w``; SMs holding CTAs: ``sm_active_power_w``), which scale with clock x voltage^2,
+and parts that are energy per unit of work: arithmetic (``flop_energy_j``, scales with
+voltage^2) and HBM / link traffic (per byte; the memory clock is fixed). Voltage sits at a floor
+up to a knee clock and rises linearly to the max clock above it, so dynamic power grows about as
+clock^3 above the knee (the regime of the paper's Appendix A) and about linearly below it.
+
+Power is capped at the TDP the way the GPU's power controller does it: per phase. A phase (one
+kernel, alone or beside the collective) whose power at the requested clock would exceed the TDP
+runs at the clock where its power equals the TDP (the time-averaged clock of the throttling GPU;
+paper section 6.2.1), so a partition's average power can stay below the TDP while its GEMMs are
+throttled.
+
+An execution is summarised by :class:`EnergyTerms`, whose energy is linear in the power
+coefficients (the calibration fits them by linear least squares).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.cost_models.sim_params import SimParams
+
+
+@dataclass(frozen=True)
+class EnergyTerms:
+    """What one execution did, each term already weighted by the clock and voltage it ran at."""
+
+    time_s: float
+    clock_s: float
+    """Integral of clock x voltage^2 (relative to max clock) over time: multiplies ``busy_power_w``."""
+    sm_clock_s: float
+    """Integral of (busy SMs / all SMs) x clock x voltage^2 over time: multiplies ``sm_active_power_w``."""
+    flops_v2: float
+    """FLOPs x voltage^2 (relative): multiplies ``flop_energy_j``."""
+    hbm_bytes: float
+    link_bytes: float
+    clock_mhz_s: float = 0.0
+    """Integral of the SM clock over time (for the time-averaged clock)."""
+
+    def __add__(self, other: EnergyTerms) -> EnergyTerms:
+        return EnergyTerms(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
+
+    def scaled(self, k: float) -> EnergyTerms:
+        return EnergyTerms(*(a * k for a in self.as_tuple()))
+
+    def as_tuple(self) -> tuple[float, ...]:
+        return (self.time_s, self.clock_s, self.sm_clock_s, self.flops_v2, self.hbm_bytes, self.link_bytes,
+                self.clock_mhz_s)
+
+    def features(self) -> tuple[float, float, float, float, float]:
+        """Multipliers of (busy W, SM-active W, J/FLOP, J/HBM byte, J/link byte)."""
+        return (self.clock_s, self.sm_clock_s, self.flops_v2, self.hbm_bytes, self.link_bytes)
+
+    @property
+    def average_clock_mhz(self) -> float:
+        return self.clock_mhz_s / self.time_s if self.time_s > 0 else 0.0
+
+
+ZERO_TERMS = EnergyTerms(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+class PowerModel:
+    """Power and energy on one GPU with one parameter set."""
+
+    def __init__(self, spec: GPUSpec, params: SimParams) -> None:
+        self.spec = spec
+        self.params = params
+        self._knee_mhz = params.voltage_knee_frac * spec.clock_max_mhz
+
+    def voltage(self, clock_mhz: float) -> float:
+        """Core voltage relative to the voltage at the max clock."""
+        p = self.params
+        fmax = self.spec.clock_max_mhz
+        if clock_mhz <= self._knee_mhz or fmax <= self._knee_mhz:
+            return p.voltage_floor
+        return p.voltage_floor + (1.0 - p.voltage_floor) * (clock_mhz - self._knee_mhz) / (fmax - self._knee_mhz)
+
+    def clock_scale(self, clock_mhz: float) -> float:
+        """clock x voltage^2 relative to the max clock (per-cycle switching power)."""
+        v = self.voltage(clock_mhz)
+        return clock_mhz / self.spec.clock_max_mhz * v * v
+
+    def phase_power_w(self, clock_mhz: float, busy_sm_frac: float, flops_per_s: float, hbm_bytes_per_s: float,
+                      link_bytes_per_s: float = 0.0) -> float:
+        """Total power of a phase with the given activity rates at ``clock_mhz``."""
+        p = self.params
+        v = self.voltage(clock_mhz)
+        scale = clock_mhz / self.spec.clock_max_mhz * v * v
+        return (self.spec.static_power_w + scale * (p.busy_power_w + p.sm_active_power_w * busy_sm_frac)
+                + p.flop_energy_j * v * v * flops_per_s + p.hbm_energy_j_per_byte * hbm_bytes_per_s
+                + p.link_energy_j_per_byte * link_bytes_per_s)
+
+    def dynamic_energy_j(self, terms: EnergyTerms) -> float:
+        p = self.params
+        return (p.busy_power_w * terms.clock_s + p.sm_active_power_w * terms.sm_clock_s
+                + p.flop_energy_j * terms.flops_v2 + p.hbm_energy_j_per_byte * terms.hbm_bytes
+                + p.link_energy_j_per_byte * terms.link_bytes)
+
+    def static_energy_j(self, time_s: float) -> float:
+        """Static energy = the GPU's ready-state power x time (DESIGN.md)."""
+        return self.spec.static_power_w * time_s
+
+    def energy_j(self, terms: EnergyTerms) -> float:
+        return self.static_energy_j(terms.time_s) + self.dynamic_energy_j(terms)

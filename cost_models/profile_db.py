@@ -1,0 +1,242 @@
+"""The profile database: every measurement, keyed so that a run resumes and nothing is measured twice.
+
+A SQLite file (standard library ``sqlite3``) in WAL mode with a busy timeout, so several
+processes (tuner workers, one per partition type or GPU) can read and write it at once. Each
+measurement is committed as soon as it is stored: a run killed mid-way leaves every finished
+measurement behind, and the next run reuses them.
+
+Key: (profiler kind, GPU name, partition-type fingerprint, clock MHz, comm SMs, launch slot;
+-1 for sequential). The fingerprint is a stable hash of the partition type's structure (each
+slot's ops as target, FLOPs and bytes; the collective), not of its names or count, so the same
+structure found in another layer, model run or process maps to the same rows.
+
+:class:`CachedProfiler` wraps any :class:`~kareus_fx.workload.Profiler`: it answers from the
+database when it can and records what the inner profiler measures, counting hits and misses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kareus_fx.workload import Measurement, PartitionConfig, PartitionType, Profiler
+
+SCHEMA_VERSION = 1
+_SEQUENTIAL = -1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS measurements (
+    profiler TEXT NOT NULL,
+    gpu TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    clock_mhz INTEGER NOT NULL,
+    comm_sms INTEGER NOT NULL,
+    launch_slot INTEGER NOT NULL,
+    time_s REAL NOT NULL,
+    energy_j REAL NOT NULL,
+    dynamic_energy_j REAL NOT NULL,
+    static_energy_j REAL NOT NULL,
+    created_unix_s REAL NOT NULL,
+    PRIMARY KEY (profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS partition_types (
+    fingerprint TEXT PRIMARY KEY,
+    type_id TEXT NOT NULL,
+    structure TEXT NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def structure_of(ptype: PartitionType) -> dict[str, Any]:
+    """The parts of a partition type that determine its measurements (no names, ids or counts)."""
+    c = ptype.collective
+    return {
+        "slots": [[[op.target, float(op.flops), float(op.bytes)] for op in slot.ops] for slot in ptype.slots],
+        "collective": [c.kind, float(c.bytes), int(c.group_size), int(c.fused)],
+    }
+
+
+def fingerprint(ptype: PartitionType) -> str:
+    """Stable hash of a partition type's structure (hex SHA-256, 32 characters)."""
+    text = json.dumps(structure_of(ptype), separators=(",", ":"), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class ProfileDBError(RuntimeError):
+    """The profile database file is not one this version can use."""
+
+
+class ProfileDB:
+    """Measurements in a SQLite file; safe to share between threads and processes.
+
+    ``put`` keeps the first measurement stored for a key (a concurrent writer that measured the
+    same configuration gets the stored one back), so every reader sees one value per key.
+    """
+
+    def __init__(self, path: str | Path, timeout_s: float = 60.0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None,
+                                     check_same_thread=False)
+        self._conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
+        mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise ProfileDBError(f"{self.path}: could not switch to WAL mode (got {mode!r}); "
+                                 "is it on a network file system?")
+        self._conn.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
+        with self._lock:
+            self._write(lambda cur: self._init_schema(cur))
+
+    # ----- setup --------------------------------------------------------------------------------
+    def _init_schema(self, cur: sqlite3.Cursor) -> None:
+        version = cur.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, SCHEMA_VERSION):
+            raise ProfileDBError(f"{self.path} has schema version {version}; this kareus-fx reads version "
+                                 f"{SCHEMA_VERSION}. Use a new file.")
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                cur.execute(statement)
+        if version == 0:
+            cur.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _write(self, work) -> Any:
+        """Run ``work(cursor)`` in one IMMEDIATE transaction (retried while another writer holds the lock)."""
+        delay = 0.01
+        while True:
+            try:
+                cur = self._conn.cursor()
+                cur.execute("BEGIN IMMEDIATE")
+                try:
+                    result = work(cur)
+                except BaseException:
+                    cur.execute("ROLLBACK")
+                    raise
+                cur.execute("COMMIT")
+                return result
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    # ----- access -------------------------------------------------------------------------------
+    @staticmethod
+    def _key(profiler: str, gpu: str, fp: str, config: PartitionConfig) -> tuple:
+        slot = _SEQUENTIAL if config.launch_slot is None else int(config.launch_slot)
+        return (profiler, gpu, fp, int(config.clock_mhz), int(config.comm_sms), slot)
+
+    def get(self, profiler: str, gpu: str, ptype_or_fp: PartitionType | str, config: PartitionConfig,
+            ) -> Measurement | None:
+        """The stored measurement for this key, or None."""
+        fp = ptype_or_fp if isinstance(ptype_or_fp, str) else fingerprint(ptype_or_fp)
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT time_s, energy_j, dynamic_energy_j, static_energy_j FROM measurements WHERE profiler=? "
+                "AND gpu=? AND fingerprint=? AND clock_mhz=? AND comm_sms=? AND launch_slot=?",
+                self._key(profiler, gpu, fp, config)).fetchone()
+        return None if row is None else Measurement(*row)
+
+    def put(self, profiler: str, gpu: str, ptype: PartitionType, config: PartitionConfig,
+            measurement: Measurement, fp: str | None = None) -> Measurement:
+        """Store a measurement (committed at once); returns the one stored for the key (first wins)."""
+        fp = fp or fingerprint(ptype)
+        key = self._key(profiler, gpu, fp, config)
+        m = measurement
+
+        def work(cur: sqlite3.Cursor) -> Measurement:
+            cur.execute("INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
+                        (fp, ptype.type_id, json.dumps(structure_of(ptype), separators=(",", ":"))))
+            cur.execute("INSERT OR IGNORE INTO measurements VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                        (*key, m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, time.time()))
+            row = cur.execute(
+                "SELECT time_s, energy_j, dynamic_energy_j, static_energy_j FROM measurements WHERE profiler=? "
+                "AND gpu=? AND fingerprint=? AND clock_mhz=? AND comm_sms=? AND launch_slot=?", key).fetchone()
+            return Measurement(*row)
+
+        with self._lock:
+            return self._write(work)
+
+    def measurements(self, profiler: str | None = None, gpu: str | None = None,
+                     fp: str | None = None) -> list[tuple[str, str, str, PartitionConfig, Measurement]]:
+        """Stored rows, optionally filtered: (profiler, gpu, fingerprint, config, measurement)."""
+        where, args = [], []
+        for column, value in (("profiler", profiler), ("gpu", gpu), ("fingerprint", fp)):
+            if value is not None:
+                where.append(f"{column}=?")
+                args.append(value)
+        sql = ("SELECT profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot, time_s, energy_j, "
+               "dynamic_energy_j, static_energy_j FROM measurements")
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        with self._lock:
+            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot",
+                                      args).fetchall()
+        return [(r[0], r[1], r[2], PartitionConfig(r[3], r[4], None if r[5] == _SEQUENTIAL else r[5]),
+                 Measurement(*r[6:])) for r in rows]
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def __enter__(self) -> ProfileDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+
+
+class CachedProfiler:
+    """A :class:`~kareus_fx.workload.Profiler` that consults a :class:`ProfileDB` first.
+
+    ``kind`` names the inner profiler in the database key (default: its ``kind`` attribute, else
+    its class name): measurements of different profilers never mix.
+    """
+
+    def __init__(self, inner: Profiler, db: ProfileDB, kind: str | None = None) -> None:
+        self.inner = inner
+        self.db = db
+        self.gpu_name = inner.gpu_name
+        self.kind = kind or getattr(inner, "kind", None) or type(inner).__name__
+        self.stats = CacheStats()
+        self._fingerprints: dict[int, tuple[PartitionType, str]] = {}
+
+    @property
+    def hits(self) -> int:
+        return self.stats.hits
+
+    @property
+    def misses(self) -> int:
+        return self.stats.misses
+
+    def _fingerprint(self, ptype: PartitionType) -> str:
+        hit = self._fingerprints.get(id(ptype))
+        if hit is None or hit[0] is not ptype:
+            hit = (ptype, fingerprint(ptype))
+            self._fingerprints[id(ptype)] = hit
+        return hit[1]
+
+    def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
+        fp = self._fingerprint(ptype)
+        stored = self.db.get(self.kind, self.gpu_name, fp, config)
+        if stored is not None:
+            self.stats.hits += 1
+            return stored
+        self.stats.misses += 1
+        return self.db.put(self.kind, self.gpu_name, ptype, config, self.inner.measure(ptype, config), fp=fp)

@@ -1,0 +1,535 @@
+"""The simulated GPU: time and energy of a partition under a (clock, comm SMs, launch slot) schedule.
+
+Two lanes on one GPU, the way the paper's Figure 3 draws them:
+- the compute lane runs the partition's kernels in slot order, each after a fixed launch gap;
+- the communication lane runs the collective, started when the compute lane reaches the launch
+  slot (``launch_slot=None``: after the last slot, i.e. sequential execution: the collective
+  alone with its SMs while the other SMs idle).
+
+The timeline is event driven: whenever the set of running kernels changes (a kernel starts or
+ends, the collective starts, leaves its latency phase or ends) the rates are recomputed:
+- a compute kernel beside the collective has ``sm_count - comm_sms`` SMs (wave quantisation);
+- a memory-bound kernel and the collective share HBM bandwidth: if their demands exceed it both
+  slow proportionally, and the collective also slows with the HBM draw of the kernel beside it
+  (``comm_contention``: its requests queue behind the kernel's);
+- exposed communication (the collective alone) leaves the other SMs idle while static and busy
+  power keep being drawn.
+
+Energy comes from :mod:`power_model`. The power cap acts on average power (the GPU's power
+controller averages over milliseconds, longer than a kernel): when an execution's average power at
+the requested clock exceeds the TDP, it runs at the lower clock where its average power equals the
+TDP (the time-averaged clock of a throttling GPU, paper section 6.2.1) and draws the TDP. Static
+energy is the spec's static power x time; dynamic energy is the rest (DESIGN.md).
+
+Kernel rates and whole lanes are cached per clock and SM count: a call costs tens of
+microseconds once the caches are warm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec
+from kareus_fx.cost_models.kernel_model import KernelModel
+from kareus_fx.cost_models.power_model import ZERO_TERMS, EnergyTerms, PowerModel
+from kareus_fx.cost_models.sim_params import SimParams, gpu_params
+from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
+
+_INF = math.inf
+_CACHE_LIMIT = 100_000
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One interval of a simulated timeline (for plots and debugging)."""
+
+    start_s: float
+    end_s: float
+    compute: str | None
+    """Compute kernel running, ``"gap"`` in a launch gap or tail, None when the lane waits or is done."""
+    comm: bool
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A simulated execution: the measurement plus what produced it."""
+
+    measurement: Measurement
+    clock_mhz: float
+    """Time-averaged SM clock: the requested one, or lower where the power cap throttled."""
+    throttled: bool
+    terms: EnergyTerms
+    exposed_comm_s: float
+    """Time the collective ran with no compute kernel beside it."""
+    timeline: tuple[Segment, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One kernel (or idle item) at one clock with a given number of SMs."""
+
+    time_s: float
+    busy_frac: float
+    """SMs holding its CTAs / all SMs."""
+    hbm_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """A partition's kernels in lane order; ``slot_start[j]`` is the first kernel of slot j."""
+
+    kernels: tuple[OpCost, ...]
+    slot_start: tuple[int, ...]
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class _Lane:
+    """Per-item data of a compute lane at one clock and comm SM count (items: gaps and kernels)."""
+
+    kernel_of: tuple[int, ...]
+    """Kernel index of each item, -1 for an idle item (launch gap, tail)."""
+    first_item: tuple[int, ...]
+    """Item at which kernel k's launch begins (its gap); the last entry: after the last kernel."""
+    alone: tuple[_Phase, ...]
+    shared: tuple[_Phase, ...]
+    """Each item with every SM, and beside the collective."""
+    cum_time: tuple[float, ...]
+    cum_busy: tuple[float, ...]
+    """Prefix sums over the alone items of time and of SM-busy seconds (busy fraction x time)."""
+
+
+@dataclass
+class _Run:
+    terms: EnergyTerms
+    exposed_comm_s: float
+    segments: list[Segment] | None = None
+
+
+class Simulator:
+    """Predicts partitions, sequences of ops and whole microbatches on one GPU model.
+
+    ``gpu`` is a GPU name (its calibrated parameters are loaded) or a :class:`GPUSpec` (then give
+    ``params``; otherwise the default GPU's calibrated values are used unchanged).
+    """
+
+    def __init__(self, gpu: str | GPUSpec = DEFAULT_GPU, params: SimParams | None = None) -> None:
+        if isinstance(gpu, GPUSpec):
+            spec = gpu
+            if params is None:
+                params = gpu_params(DEFAULT_GPU).params
+        else:
+            loaded = gpu_params(gpu)
+            spec = loaded.spec
+            params = params if params is not None else loaded.params
+        self.spec = spec
+        self.params = params
+        self.kernels = KernelModel(spec, params)
+        self.power = PowerModel(spec, params)
+        self._sat = self.kernels.hbm_saturation_bytes_per_s
+        self._phases: dict[tuple, _Phase] = {}
+        self._caps: dict[tuple, float] = {}
+        self._structures: dict[int, tuple[PartitionType, _Structure]] = {}
+        self._lanes: dict[tuple, _Lane] = {}
+        self._cap_clocks: dict[tuple, float] = {}
+
+    # ----- public API ------------------------------------------------------------------------
+    def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
+        """Time and energy of one partition (the :class:`~kareus_fx.workload.Profiler` shape)."""
+        return self.predict(ptype, config).measurement
+
+    def predict(
+        self,
+        ptype: PartitionType,
+        config: PartitionConfig,
+        *,
+        timeline: bool = False,
+        join_slot: int | None = None,
+        launch_gap_s: float = 0.0,
+        comm_rate_scale: float = 1.0,
+        tail_s: float = 0.0,
+    ) -> Prediction:
+        """Simulate one partition under ``config``.
+
+        The keyword-only options after ``timeline`` describe measurement harnesses rather than the
+        partitioned-overlap runtime: ``join_slot`` makes that slot wait for the collective (an
+        overlap window that ends early); ``launch_gap_s`` idles the GPU when the collective is
+        launched and again after a join (host synchronisations); ``comm_rate_scale`` scales the
+        collective's per-SM rate (another CTA size); ``tail_s`` idles the compute lane after its
+        last kernel (host work at the end of an iteration) while the collective may go on.
+        """
+        self._check_config(ptype, config)
+        n_slots = len(ptype.slots)
+        launch = n_slots if config.launch_slot is None else config.launch_slot
+        if join_slot is not None and not launch <= join_slot <= n_slots:
+            raise ValueError(f"join_slot {join_slot} must lie between the launch slot {launch} and {n_slots}")
+        structure = self._structure(ptype)
+        first = structure.slot_start[launch]
+        join = None if join_slot is None else structure.slot_start[join_slot]
+
+        def run(clock: float) -> _Run:
+            return self._timeline(structure, ptype.collective, clock, config.comm_sms, first, join, launch_gap_s,
+                                  comm_rate_scale, timeline, tail_s)
+
+        key = (id(structure), config.comm_sms, first, join, launch_gap_s, comm_rate_scale, tail_s)
+        return self._finish(run, float(config.clock_mhz), key)
+
+    def predict_sequence(
+        self,
+        ops: Sequence[OpCost],
+        collectives: Sequence[CollectiveSpec] = (),
+        clock_mhz: float | None = None,
+        comm_sms: int | None = None,
+    ) -> Prediction:
+        """Non-partitioned work: ``ops`` in order, then each collective alone (``comm_sms`` each)."""
+        clock, sms = self._defaults(clock_mhz, comm_sms)
+        ops, collectives = list(ops), list(collectives)
+        return self._finish(lambda f: self._sequence_run(ops, collectives, f, sms), clock)
+
+    def predict_microbatch(
+        self,
+        ptypes: Iterable[PartitionType],
+        clock_mhz: float | None = None,
+        comm_sms: int | None = None,
+        other_ops: Sequence[OpCost] = (),
+        other_collectives: Sequence[CollectiveSpec] = (),
+    ) -> Prediction:
+        """A whole microbatch in sequential mode at one clock: every partition type ``count`` times
+        (computation, then its collective alone), plus the non-partitioned ops and collectives."""
+        clock, sms = self._defaults(clock_mhz, comm_sms)
+        ptypes, other_ops, other_collectives = list(ptypes), list(other_ops), list(other_collectives)
+
+        def run(f: float) -> _Run:
+            terms, exposed = ZERO_TERMS, 0.0
+            for pt in ptypes:
+                structure = self._structure(pt)
+                part = self._timeline(structure, pt.collective, f, sms, len(structure.kernels), None, 0.0, 1.0, False)
+                terms = terms + part.terms.scaled(pt.count)
+                exposed += part.exposed_comm_s * pt.count
+            rest = self._sequence_run(other_ops, other_collectives, f, sms)
+            return _Run(terms + rest.terms, exposed + rest.exposed_comm_s)
+
+        return self._finish(run, clock)
+
+    def with_noise(self, measurement: Measurement, rng: np.random.Generator, noise_std: float) -> Measurement:
+        """A measurement as a noisy profiler would report it: log-normal time and power noise of
+        relative size ``noise_std``; static energy follows the noisy time."""
+        if noise_std <= 0.0:
+            return measurement
+        time_factor, power_factor = np.exp(rng.normal(0.0, noise_std, size=2))
+        time_s = measurement.time_s * float(time_factor)
+        static = self.power.static_energy_j(time_s)
+        energy = max(measurement.energy_j * float(time_factor * power_factor), static)
+        return Measurement(time_s, energy, energy - static, static)
+
+    # ----- phases: one kernel at one clock ---------------------------------------------------
+    def _phase(self, op: OpCost, sms: int, clock: float) -> _Phase:
+        key = (op.flops, op.bytes, sms, clock)
+        phase = self._phases.get(key)
+        if phase is None:
+            r = self.kernels.kernel(op.flops, op.bytes, sms, clock)
+            phase = _Phase(r.time_s, r.busy_sms / self.spec.sm_count, r.hbm_bytes_per_s)
+            if len(self._phases) > _CACHE_LIMIT:
+                self._phases.clear()
+            self._phases[key] = phase
+        return phase
+
+    # ----- the power cap ------------------------------------------------------------------------
+    def _finish(self, run: Callable[[float], _Run], clock: float, key: tuple | None = None) -> Prediction:
+        """Run at ``clock``; if the average power exceeds the TDP, at the clock where it equals it.
+
+        That cap clock does not depend on the requested clock, so it is cached under ``key`` (the
+        schedule without its clock): a later request above it needs one timeline, not a search.
+        """
+        tdp = self.spec.tdp_w
+        cap = self._cap_clocks.get(key) if key is not None else None
+        if cap is not None and clock > cap:
+            return self._package(run(cap), capped_power_w=tdp)
+        result = run(clock)
+        if self._average_power(result.terms) <= tdp:
+            return self._package(result)
+        lo, hi = float(self.spec.clock_min_mhz), clock
+        low = run(lo)
+        if self._average_power(low.terms) >= tdp:  # over the cap even at the lowest clock
+            cap, result = lo, low
+        else:
+            # Bisection to 0.5 MHz: the time-averaged clock of a GPU throttling at its cap.
+            while hi - lo > 0.5:
+                mid = 0.5 * (lo + hi)
+                if self._average_power(run(mid).terms) > tdp:
+                    hi = mid
+                else:
+                    lo = mid
+            cap, result = lo, run(lo)
+        if key is not None:
+            if len(self._cap_clocks) > _CACHE_LIMIT:
+                self._cap_clocks.clear()
+            self._cap_clocks[key] = cap
+        return self._package(result, capped_power_w=tdp)
+
+    def _average_power(self, terms: EnergyTerms) -> float:
+        return self.power.energy_j(terms) / terms.time_s if terms.time_s > 0 else 0.0
+
+    # ----- lanes and timelines -----------------------------------------------------------------
+    def _structure(self, ptype: PartitionType) -> _Structure:
+        """The partition's kernels in lane order (cached per partition-type object)."""
+        hit = self._structures.get(id(ptype))
+        if hit is not None and hit[0] is ptype:
+            return hit[1]
+        kernels = tuple(op for slot in ptype.slots for op in slot.ops)
+        starts = [0]
+        for slot in ptype.slots:
+            starts.append(starts[-1] + len(slot.ops))
+        structure = _Structure(kernels, tuple(starts), sum(op.flops for op in kernels),
+                               sum(op.bytes for op in kernels))
+        if len(self._structures) > 4096:
+            # Lanes and cap clocks are keyed by structure ids, which are unique only while the
+            # structures are held here: forget them together.
+            self._structures.clear()
+            self._lanes.clear()
+            self._cap_clocks.clear()
+        self._structures[id(ptype)] = (ptype, structure)
+        return structure
+
+    def _lane(self, structure: _Structure, clock: float, comm_sms: int, tail_s: float) -> _Lane:
+        """Per-item phases of a lane: each kernel preceded by its launch gap, then the tail."""
+        key = (id(structure), clock, comm_sms, tail_s)
+        lane = self._lanes.get(key)
+        if lane is not None:
+            return lane
+        sm_count = self.spec.sm_count
+        gap = self.params.kernel_overhead_s
+        kernel_of: list[int] = []
+        first_item: list[int] = []
+        alone: list[_Phase] = []
+        shared: list[_Phase] = []
+
+        def idle(seconds: float) -> None:
+            kernel_of.append(-1)
+            alone.append(_Phase(seconds, 0.0, 0.0))
+            shared.append(alone[-1])
+
+        for k, op in enumerate(structure.kernels):
+            first_item.append(len(kernel_of))
+            if gap > 0.0:
+                idle(gap)
+            kernel_of.append(k)
+            alone.append(self._phase(op, sm_count, clock))
+            shared.append(self._phase(op, sm_count - comm_sms, clock))
+        first_item.append(len(kernel_of))
+        if tail_s > 0.0:
+            idle(tail_s)
+        lane = _Lane(tuple(kernel_of), tuple(first_item), tuple(alone), tuple(shared),
+                     tuple(itertools.accumulate((a.time_s for a in alone), initial=0.0)),
+                     tuple(itertools.accumulate((a.time_s * a.busy_frac for a in alone), initial=0.0)))
+        if len(self._lanes) > _CACHE_LIMIT:
+            self._lanes.clear()
+        self._lanes[key] = lane
+        return lane
+
+    def _timeline(
+        self,
+        structure: _Structure,
+        coll: CollectiveSpec,
+        clock: float,
+        comm_sms: int,
+        first: int,
+        join: int | None,
+        launch_gap_s: float,
+        comm_rate_scale: float,
+        record: bool,
+        tail_s: float = 0.0,
+    ) -> _Run:
+        """Compute lane (kernels in order, each after its launch gap) and comm lane (the collective,
+        launched when the lane reaches kernel ``first``). The lane may not start kernel ``join``
+        before the collective ends. ``tail_s`` idles the lane after its last kernel (the collective
+        may still run then). The execution ends when both lanes are done."""
+        p = self.params
+        sm_count = self.spec.sm_count
+        bus = self.kernels.bus_bytes(coll)
+        bandwidth = self.kernels.collective_bandwidth(coll, comm_sms, clock) * comm_rate_scale if bus > 0 else 0.0
+        lane = self._lane(structure, clock, comm_sms, tail_s)
+        kernels = structure.kernels
+        kernel_of = lane.kernel_of
+        n_items = len(kernel_of)
+        start_item = lane.first_item[first]
+        join_item = None if join is None else lane.first_item[join]
+        segs: list[Segment] | None = [] if record else None
+
+        def record_alone(t0: float, lo: int, hi: int) -> None:
+            if segs is None:
+                return
+            for j in range(lo, hi):
+                dur = lane.alone[j].time_s
+                if dur > 0.0:
+                    k = kernel_of[j]
+                    segs.append(Segment(t0, t0 + dur, "gap" if k < 0 else kernels[k].name, False))
+                t0 += dur
+
+        # 1. Lane items before the launch, every SM for the compute kernels.
+        record_alone(0.0, 0, start_item)
+        t = lane.cum_time[start_item]
+        busy = lane.cum_busy[start_item]  # integral of busy SMs / all SMs
+
+        # 2. The collective runs; the lane goes on beside it with the remaining SMs.
+        exposed = 0.0
+        i = start_item
+        if bus > 0.0:
+            if launch_gap_s > 0.0:  # host synchronisation before the launch: the GPU idles
+                if segs is not None:
+                    segs.append(Segment(t, t + launch_gap_s, None, False))
+                t += launch_gap_s
+            comm_frac = comm_sms / sm_count
+            latency = p.comm_latency_s
+            remaining = bus
+            kappa_per_demand = p.comm_contention / self._sat
+            comm_weight = p.comm_request_weight * comm_frac
+            hbm_per_bus = p.comm_hbm_bytes_per_bus_byte
+            offered = hbm_per_bus * bandwidth
+            sat = self._sat
+            shared = lane.shared
+            stop = n_items if join_item is None else min(join_item, n_items)
+            frac = 1.0  # share of the current item still to do
+            while True:
+                blocked = i >= stop
+                if blocked:
+                    lane_rate = k_busy = k_demand = 0.0
+                else:
+                    ph = shared[i]
+                    lane_rate = 1.0 / ph.time_s if ph.time_s > 0.0 else _INF
+                    k_busy, k_demand = ph.busy_frac, ph.hbm_bytes_per_s
+                if latency > 0.0:
+                    comm_rate = 0.0
+                    comm_t = latency
+                else:
+                    # Requests queue behind the kernel's: the collective slows with its HBM draw.
+                    comm_rate = bandwidth / (1.0 + kappa_per_demand * k_demand)
+                    if k_demand + offered > sat:
+                        # Over the HBM bandwidth: weighted max-min fair shares between the kernel
+                        # and the requests the collective's SMs issue (its offered load, whatever
+                        # it achieves); weights = the SMs issuing them.
+                        k_share = sat * k_busy / (k_busy + comm_weight)
+                        if k_demand <= k_share:
+                            k_alloc = k_demand
+                        else:
+                            k_alloc = sat - offered if offered <= sat - k_share else k_share
+                        lane_rate *= k_alloc / k_demand
+                        if hbm_per_bus * comm_rate > sat - k_alloc:
+                            comm_rate = (sat - k_alloc) / hbm_per_bus
+                    comm_t = remaining / comm_rate
+                lane_t = _INF if blocked else (frac / lane_rate if lane_rate < _INF else 0.0)
+                dt = comm_t if comm_t < lane_t else lane_t
+                if blocked or kernel_of[i] < 0:
+                    exposed += dt
+                if segs is not None and dt > 0.0:
+                    name = None if blocked else ("gap" if kernel_of[i] < 0 else kernels[kernel_of[i]].name)
+                    segs.append(Segment(t, t + dt, name, True))
+                t += dt
+                busy += (k_busy + comm_frac) * dt
+                if lane_t <= comm_t:
+                    i, frac = i + 1, 1.0
+                elif not blocked:
+                    frac -= lane_rate * dt
+                if comm_t <= lane_t:
+                    if latency > 0.0:
+                        latency = 0.0
+                    else:
+                        break
+                elif latency > 0.0:
+                    latency -= dt
+                else:
+                    remaining -= comm_rate * dt
+            # The item the collective ended in finishes alone; a join waits out the host gap.
+            if join_item is not None and i >= join_item:
+                if launch_gap_s > 0.0 and i < n_items:
+                    if segs is not None:
+                        segs.append(Segment(t, t + launch_gap_s, None, False))
+                    t += launch_gap_s
+            elif i < n_items and frac < 1.0:
+                a = lane.alone[i]
+                dur = max(frac, 0.0) * a.time_s
+                if segs is not None and dur > 0.0:
+                    k = kernel_of[i]
+                    segs.append(Segment(t, t + dur, "gap" if k < 0 else kernels[k].name, False))
+                t += dur
+                busy += dur * a.busy_frac
+                i += 1
+
+        # 3. The rest of the lane, every SM again.
+        record_alone(t, i, n_items)
+        t += lane.cum_time[n_items] - lane.cum_time[i]
+        busy += lane.cum_busy[n_items] - lane.cum_busy[i]
+        return _Run(self._terms(clock, t, busy, structure.flops,
+                                structure.bytes + p.comm_hbm_bytes_per_bus_byte * bus, bus), exposed, segs)
+
+    def _terms(self, clock: float, time_s: float, busy_s: float, flops: float, hbm_bytes: float,
+               link_bytes: float) -> EnergyTerms:
+        """Energy terms of an execution at one clock (everything ran at that clock)."""
+        v = self.power.voltage(clock)
+        scale = clock / self.spec.clock_max_mhz * v * v
+        return EnergyTerms(time_s, scale * time_s, scale * busy_s, v * v * flops, hbm_bytes, link_bytes,
+                           clock * time_s)
+
+    def _sequence_run(self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock: float,
+                      sms: int) -> _Run:
+        """Ops in order on every SM, then each collective alone on ``sms`` SMs."""
+        sm_count = self.spec.sm_count
+        gap = self.params.kernel_overhead_s
+        t = busy = flops = nbytes = link = exposed = 0.0
+        for op in ops:
+            ph = self._phase(op, sm_count, clock)
+            t += gap + ph.time_s
+            busy += ph.busy_frac * ph.time_s
+            flops += op.flops
+            nbytes += op.bytes
+        for coll in collectives:
+            dur = self.kernels.collective_time(coll, sms, clock)
+            bus = self.kernels.bus_bytes(coll)
+            t += dur
+            exposed += dur
+            busy += dur * sms / sm_count
+            nbytes += self.params.comm_hbm_bytes_per_bus_byte * bus
+            link += bus
+        return _Run(self._terms(clock, t, busy, flops, nbytes, link), exposed)
+
+    def _package(self, run: _Run, capped_power_w: float | None = None) -> Prediction:
+        terms = run.terms
+        static = self.power.static_energy_j(terms.time_s)
+        if capped_power_w is None:
+            energy = static + self.power.dynamic_energy_j(terms)
+        else:  # throttling at the cap: the GPU draws the cap
+            energy = capped_power_w * terms.time_s
+        measurement = Measurement(terms.time_s, energy, energy - static, static)
+        timeline = tuple(run.segments) if run.segments else ()
+        return Prediction(measurement, terms.average_clock_mhz, capped_power_w is not None, terms,
+                          run.exposed_comm_s, timeline)
+
+    # ----- argument checks --------------------------------------------------------------------
+    def _defaults(self, clock_mhz: float | None, comm_sms: int | None) -> tuple[float, int]:
+        clock = float(self.spec.clock_max_mhz if clock_mhz is None else clock_mhz)
+        sms = self.params.default_comm_sms if comm_sms is None else comm_sms
+        self._check_clock(clock)
+        self._check_sms(sms)
+        return clock, sms
+
+    def _check_clock(self, clock: float) -> None:
+        if not self.spec.clock_min_mhz <= clock <= self.spec.clock_max_mhz:
+            raise ValueError(f"clock {clock} MHz outside {self.spec.name}'s range "
+                             f"{self.spec.clock_min_mhz}-{self.spec.clock_max_mhz} MHz")
+
+    def _check_sms(self, sms: int) -> None:
+        if not 1 <= sms < self.spec.sm_count:
+            raise ValueError(f"comm_sms {sms} must be between 1 and {self.spec.sm_count - 1} on {self.spec.name}")
+
+    def _check_config(self, ptype: PartitionType, config: PartitionConfig) -> None:
+        self._check_clock(config.clock_mhz)
+        self._check_sms(config.comm_sms)
+        if config.launch_slot is not None and not 0 <= config.launch_slot < len(ptype.slots):
+            raise ValueError(f"launch_slot {config.launch_slot} outside the partition's "
+                             f"{len(ptype.slots)} slots (None means sequential)")
