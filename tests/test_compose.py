@@ -1,0 +1,594 @@
+"""Frontier composition: microbatch composer, 1F1B DAG, iteration composer, Perseus CSVs."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+
+from kareus_fx.compose import (
+    CompositionError,
+    InstructionOption,
+    MicrobatchPoint,
+    PipelineNode,
+    build_1f1b_dag,
+    compose_iteration,
+    compose_microbatch,
+    one_f_one_b_order,
+    pareto_front,
+    plan_frequencies,
+    read_perseus_plan,
+    read_perseus_profile,
+    write_perseus_plan,
+    write_perseus_profile,
+)
+from kareus_fx.compose.pipeline import iteration_energy_j, makespan_s
+from kareus_fx.workload import Measurement, PartitionConfig
+
+DATA = Path(__file__).parent / "data"
+PROFILE_CSV = DATA / "perseus_gpt3-175b_a100_sxm_stage_profile.csv"
+A100_BLOCKING_POWER_W = 83.64  # Perseus artifact notebook (zeus commit 38cb3f90)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _m(time_s: float, energy_j: float) -> Measurement:
+    # Split energy into dynamic/static so the sums of both can be checked too.
+    return Measurement(time_s, energy_j, energy_j * 0.75, energy_j * 0.25)
+
+
+def _dyadic(rng: random.Random, lo: int, hi: int) -> float:
+    """A random multiple of 1/64: sums of these are exact in floating point."""
+    return rng.randint(lo * 64, hi * 64) / 64
+
+
+def _random_microbatch_problem(rng: random.Random):
+    clocks = rng.sample([1410, 1350, 1290, 1230, 1170], rng.randint(1, 4))
+    types = [f"t{i}" for i in range(rng.randint(1, 3))]
+    points = {}
+    for tid in types:
+        pts = []
+        for clock in clocks:
+            if rng.random() < 0.15:  # some type lacks this clock
+                continue
+            for k in range(rng.randint(1, 4)):
+                slot = None if k == 0 else k - 1  # distinct configs per clock
+                config = PartitionConfig(
+                    clock_mhz=clock, comm_sms=rng.choice([4, 8, 16]), launch_slot=slot
+                )
+                pts.append((config, _m(_dyadic(rng, 1, 8), _dyadic(rng, 10, 80))))
+        points[tid] = pts
+    counts = {tid: rng.randint(1, 4) for tid in types}
+    outside = None
+    if rng.random() < 0.7:
+        outside = {
+            c: _m(_dyadic(rng, 0, 3), _dyadic(rng, 0, 20)) for c in clocks if rng.random() < 0.9
+        }
+    sequential = {
+        c: _m(_dyadic(rng, 5, 40), _dyadic(rng, 50, 500)) for c in clocks if rng.random() < 0.6
+    }
+    return points, counts, outside, sequential
+
+
+def _brute_force_microbatch(points, counts, outside, sequential):
+    candidates = [(m.time_s, m.energy_j) for m in sequential.values()]
+    clocks = {cfg.clock_mhz for pts in points.values() for cfg, _ in pts}
+    for clock in clocks:
+        if outside is not None and clock not in outside:
+            continue
+        per_type = [
+            [
+                (counts[tid] * m.time_s, counts[tid] * m.energy_j)
+                for cfg, m in points[tid]
+                if cfg.clock_mhz == clock
+            ]
+            for tid in sorted(points)
+        ]
+        if any(not options for options in per_type):
+            continue
+        base_t = 0.0 if outside is None else outside[clock].time_s
+        base_e = 0.0 if outside is None else outside[clock].energy_j
+        for combo in itertools.product(*per_type):
+            candidates.append(
+                (base_t + sum(t for t, _ in combo), base_e + sum(e for _, e in combo))
+            )
+    return sorted(set(pareto_front(candidates, key=lambda c: c)))
+
+
+# ----------------------------------------------------------------------------- microbatch
+
+
+def test_pareto_front_drops_dominated_and_sorts():
+    pts = [(3.0, 1.0), (1.0, 5.0), (2.0, 5.0), (2.0, 2.0), (1.0, 5.0), (4.0, 1.0)]
+    assert pareto_front(pts, key=lambda p: p) == [(1.0, 5.0), (2.0, 2.0), (3.0, 1.0)]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_microbatch_frontier_equals_brute_force(seed):
+    rng = random.Random(seed)
+    points, counts, outside, sequential = _random_microbatch_problem(rng)
+    expected = _brute_force_microbatch(points, counts, outside, sequential)
+    if not expected:
+        with pytest.raises(CompositionError):
+            compose_microbatch(points, counts, outside=outside, sequential=sequential)
+        return
+    frontier = compose_microbatch(points, counts, outside=outside, sequential=sequential)
+    got = [(p.time_s, p.energy_j) for p in frontier.points]
+    assert got == expected
+    assert got == sorted(got)
+    # Every point is what its clock and configs add up to.
+    for p in frontier.points:
+        if p.sequential:
+            m = sequential[p.clock_mhz]
+            assert (p.time_s, p.energy_j) == (m.time_s, m.energy_j)
+            continue
+        t = 0.0 if outside is None else outside[p.clock_mhz].time_s
+        e = 0.0 if outside is None else outside[p.clock_mhz].energy_j
+        dyn = 0.0 if outside is None else outside[p.clock_mhz].dynamic_energy_j
+        assert [tid for tid, _ in p.configs] == sorted(points)
+        for tid, cfg in p.configs:
+            assert cfg.clock_mhz == p.clock_mhz  # one clock for the whole microbatch
+            (m,) = [m for c, m in points[tid] if c == cfg]
+            t += counts[tid] * m.time_s
+            e += counts[tid] * m.energy_j
+            dyn += counts[tid] * m.dynamic_energy_j
+        assert (p.time_s, p.energy_j) == (t, e)
+        assert p.dynamic_energy_j == pytest.approx(dyn)
+        assert p.config_for(p.configs[0][0]) == p.configs[0][1]
+
+
+def test_microbatch_many_types_stays_tractable():
+    # 12 types x 20 points per clock x 18 clocks: full enumeration would be 20**12 per clock.
+    rng = random.Random(7)
+    clocks = list(range(900, 1411, 30))
+    points = {
+        f"t{i}": [
+            (PartitionConfig(c, sms, slot), _m(rng.uniform(1e-4, 1e-3), rng.uniform(0.05, 0.5)))
+            for c in clocks
+            for sms in (3, 6, 9, 12)
+            for slot in (None, 0, 1, 2, 3)
+        ]
+        for i in range(12)
+    }
+    counts = {tid: 28 for tid in points}
+    sequential = {c: _m(0.2, 90.0) for c in clocks}
+    frontier = compose_microbatch(points, counts, outside=None, sequential=sequential)
+    times = [p.time_s for p in frontier.points]
+    energies = [p.energy_j for p in frontier.points]
+    assert times == sorted(times) and energies == sorted(energies, reverse=True)
+
+
+def _two_type_problem(seq_time, seq_energy):
+    points = {
+        "attn": [
+            (PartitionConfig(1410, 8, 1), _m(1.0, 10.0)),
+            (PartitionConfig(1410, 8, None), _m(1.5, 9.0)),
+            (PartitionConfig(1200, 8, 1), _m(1.3, 8.0)),
+        ],
+        "mlp": [
+            (PartitionConfig(1410, 4, 0), _m(2.0, 20.0)),
+            (PartitionConfig(1200, 4, 0), _m(2.6, 16.0)),
+        ],
+    }
+    counts = {"attn": 2, "mlp": 2}
+    outside = {1410: _m(0.5, 5.0), 1200: _m(0.6, 4.5)}
+    sequential = {1410: _m(seq_time, seq_energy)}
+    return points, counts, outside, sequential
+
+
+def test_sequential_candidate_used_when_better():
+    # Best partitioned at 1410: 0.5 + 2*1 + 2*2 = 6.5 s, 5 + 20 + 40 = 65 J.
+    points, counts, outside, sequential = _two_type_problem(6.0, 60.0)
+    frontier = compose_microbatch(points, counts, outside=outside, sequential=sequential)
+    fastest = frontier.points[0]
+    assert fastest.sequential and fastest.clock_mhz == 1410 and fastest.configs is None
+    assert (fastest.time_s, fastest.energy_j) == (6.0, 60.0)
+    with pytest.raises(KeyError):
+        fastest.config_for("attn")
+    assert all(not p.sequential for p in frontier.points[1:])
+
+
+def test_sequential_candidate_dropped_when_dominated():
+    points, counts, outside, sequential = _two_type_problem(9.0, 200.0)
+    frontier = compose_microbatch(points, counts, outside=outside, sequential=sequential)
+    assert not any(p.sequential for p in frontier.points)
+    assert (frontier.points[0].time_s, frontier.points[0].energy_j) == (6.5, 65.0)
+
+
+def test_sequential_candidate_wins_exact_tie():
+    points, counts, outside, sequential = _two_type_problem(6.5, 65.0)
+    frontier = compose_microbatch(points, counts, outside=outside, sequential=sequential)
+    assert frontier.points[0].sequential
+
+
+def test_sequential_only_when_no_common_clock():
+    points = {
+        "a": [(PartitionConfig(1410, 4, 0), _m(1.0, 1.0))],
+        "b": [(PartitionConfig(1200, 4, 0), _m(1.0, 1.0))],
+    }
+    frontier = compose_microbatch(
+        points, {"a": 1, "b": 1}, outside=None, sequential={1410: _m(3.0, 3.0), 1200: _m(4.0, 2.0)}
+    )
+    assert all(p.sequential for p in frontier.points)
+    assert frontier.skipped_clocks_mhz == (1200, 1410)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(counts={"a": 1, "b": 1}), "same partition types"),
+        (dict(counts={"a": 0}), "must be >= 1"),
+        (dict(sequential={1410: Measurement(-1.0, 1.0, 1.0, 0.0)}), "finite number >= 0"),
+        (dict(outside={1410: Measurement(float("nan"), 1.0, 1.0, 0.0)}), "finite number >= 0"),
+        (dict(outside={1200: _m(1.0, 1.0)}, sequential={}), "no microbatch candidate"),
+    ],
+)
+def test_microbatch_bad_inputs(kwargs, match):
+    args = dict(
+        partition_points={"a": [(PartitionConfig(1410, 4, 0), _m(1.0, 1.0))]},
+        counts={"a": 1},
+        outside=None,
+        sequential={},
+    )
+    args.update(kwargs)
+    with pytest.raises(CompositionError, match=match):
+        compose_microbatch(args.pop("partition_points"), args.pop("counts"), **args)
+
+
+# ----------------------------------------------------------------------------- 1F1B DAG
+
+
+@pytest.mark.parametrize("num_stages, num_microbatches", [(1, 1), (2, 3), (4, 2), (4, 6), (8, 12)])
+def test_1f1b_order_matches_lowtime(num_stages, num_microbatches):
+    from lowtime.cost_model import CostModel
+    from lowtime.operation import CandidateExecutionOptions, ExecutionOption, OperationSpec
+    from lowtime.perseus.instruction import Backward, Forward
+    from lowtime.perseus.schedule import Synchronous1F1B
+
+    class _Zero(CostModel):
+        def __init__(self) -> None:
+            pass
+
+        def __call__(self, quant_time: int) -> float:
+            return 0.0
+
+    spec = OperationSpec(
+        options=CandidateExecutionOptions(
+            options=[ExecutionOption(real_time=1.0, unit_time=1.0, cost=1.0, knob=0)]
+        ),
+        cost_model=_Zero(),
+    )
+    for stage in range(num_stages):
+        theirs = [
+            ("forward" if isinstance(inst, Forward) else "backward", inst.micro_batch_id)
+            for inst in Synchronous1F1B(
+                num_stages=num_stages,
+                num_micro_batches=num_microbatches,
+                stage_id=stage,
+                operation_spec_map={Forward: spec, Backward: spec},
+            )
+        ]
+        assert one_f_one_b_order(num_stages, num_microbatches, stage) == theirs
+
+
+def test_1f1b_dag_shape_and_makespan():
+    dag = build_1f1b_dag(3, 4)
+    assert dag.number_of_nodes() == 3 * 4 * 2
+    assert PipelineNode(1, "forward", 2) in dag.predecessors(PipelineNode(2, "forward", 2))
+    assert PipelineNode(2, "backward", 2) in dag.predecessors(PipelineNode(1, "backward", 2))
+    # Uniform F = 1, B = 2: makespan is (N + S - 1) * (F + B).
+    durations = {n: 1.0 if n.instruction == "forward" else 2.0 for n in dag.nodes}
+    assert makespan_s(dag, durations) == (4 + 3 - 1) * 3.0
+    with pytest.raises(CompositionError):
+        build_1f1b_dag(0, 4)
+    with pytest.raises(CompositionError):
+        one_f_one_b_order(2, 2, 5)
+
+
+# ----------------------------------------------------------------------------- iteration
+
+
+def _brute_force_iteration(options, num_stages, num_microbatches, blocking_power_w):
+    dag = build_1f1b_dag(num_stages, num_microbatches)
+    nodes = list(dag.nodes)
+    results = []
+    for combo in itertools.product(*[range(len(options[(n.stage, n.instruction)])) for n in nodes]):
+        chosen = {n: options[(n.stage, n.instruction)][c] for n, c in zip(nodes, combo)}
+        time_s = makespan_s(dag, {n: o.time_s for n, o in chosen.items()})
+        energy_j = iteration_energy_j(
+            num_stages,
+            time_s,
+            sum(o.time_s for o in chosen.values()),
+            sum(o.energy_j for o in chosen.values()),
+            blocking_power_w,
+        )
+        results.append((time_s, energy_j))
+    return pareto_front(results, key=lambda r: r)
+
+
+def _flat(pairs):
+    return [x for pair in pairs for x in pair]
+
+
+def _random_toy_options(rng, num_stages, num_options):
+    """Options one time unit apart with convex energies (what the solver is exact on)."""
+    options = {}
+    for stage in range(num_stages):
+        for inst in ("forward", "backward"):
+            q = rng.randint(2, 5)
+            steps = sorted((rng.randint(1, 6) for _ in range(num_options - 1)), reverse=True)
+            energy = float(rng.randint(20, 40) + sum(steps))
+            opts = [InstructionOption(float(q), energy, knob=1410)]
+            for k, step in enumerate(steps, start=1):
+                energy -= step
+                opts.append(InstructionOption(float(q + k), energy, knob=1410 - 60 * k))
+            options[(stage, inst)] = opts
+    return options
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_iteration_frontier_equals_brute_force_on_toy(seed):
+    # 2 stages x 3 microbatches, 2 options per instruction: 4096 plans to enumerate.
+    rng = random.Random(seed)
+    blocking_power_w = rng.choice([0.0, 1.0, 3.0])
+    options = _random_toy_options(rng, 2, 2)
+    frontier = compose_iteration(options, 3, blocking_power_w=blocking_power_w, unit_time_s=1.0)
+    expected = _brute_force_iteration(options, 2, 3, blocking_power_w)
+    got = [(p.time_s, p.energy_j) for p in frontier.points]
+    assert _flat(got) == pytest.approx(_flat(expected))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_iteration_frontier_three_options_brute_force(seed):
+    rng = random.Random(100 + seed)
+    blocking_power_w = rng.choice([0.0, 2.0])
+    options = _random_toy_options(rng, 2, 3)
+    frontier = compose_iteration(options, 2, blocking_power_w=blocking_power_w, unit_time_s=1.0)
+    expected = _brute_force_iteration(options, 2, 2, blocking_power_w)
+    assert _flat([(p.time_s, p.energy_j) for p in frontier.points]) == pytest.approx(
+        _flat(expected)
+    )
+
+
+def test_iteration_endpoints_plans_and_monotone_energy():
+    # Gapped, non-uniform options: the solver is a relaxation here; endpoints must still hold.
+    rng = random.Random(5)
+    options = {}
+    for stage in range(2):
+        for inst in ("forward", "backward"):
+            base = rng.uniform(0.02, 0.05) * (2 if inst == "backward" else 1)
+            options[(stage, inst)] = [
+                InstructionOption(
+                    base * (1 + 0.05 * k),
+                    10.0 * (1 - 0.04 * k) ** 2 * base / 0.02,
+                    knob=1410 - 90 * k,
+                )
+                for k in range(5)
+            ]
+    frontier = compose_iteration(options, 3, blocking_power_w=60.0)
+    dag = build_1f1b_dag(2, 3)
+    fastest = {n: options[(n.stage, n.instruction)][0].time_s for n in dag.nodes}
+    assert frontier.points[0].time_s == pytest.approx(makespan_s(dag, fastest))
+    # ... and costs no more than running everything at the highest clock (off-critical
+    # instructions slow down for free).
+    all_fastest_energy = iteration_energy_j(
+        2,
+        makespan_s(dag, fastest),
+        sum(fastest.values()),
+        sum(options[(n.stage, n.instruction)][0].energy_j for n in dag.nodes),
+        60.0,
+    )
+    assert frontier.points[0].energy_j <= all_fastest_energy + 1e-9
+    # The solver starts from every instruction at its slowest Pareto-optimal option.
+    assert all(o.knob == 1410 - 90 * 4 for o in frontier.plan(frontier.trace[0]).values())
+    times = [p.time_s for p in frontier.points]
+    energies = [p.energy_j for p in frontier.points]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert all(a > b for a, b in zip(energies, energies[1:]))
+    # Each point's numbers are what its plan adds up to.
+    for point in frontier.points[:: max(1, len(frontier.points) // 5)]:
+        plan = frontier.plan(point)
+        t = makespan_s(dag, {n: o.time_s for n, o in plan.items()})
+        e = iteration_energy_j(
+            2, t, sum(o.time_s for o in plan.values()), sum(o.energy_j for o in plan.values()), 60.0
+        )
+        assert (point.time_s, point.energy_j) == pytest.approx((t, e))
+        assert frontier.option(point, 1, "backward", 2) is plan[PipelineNode(1, "backward", 2)]
+    # Quantization (floor) makes each instruction at most one unit longer than the solver thinks.
+    assert all(
+        p.time_s < p.solver_time_s + len(frontier.nodes) * frontier.unit_time_s
+        for p in frontier.trace
+    )
+
+
+def test_iteration_takes_microbatch_frontiers():
+    points, counts, outside, sequential = _two_type_problem(6.0, 60.0)
+    mb = compose_microbatch(points, counts, outside=outside, sequential=sequential)
+    options = {(s, inst): mb for s in range(2) for inst in ("forward", "backward")}
+    frontier = compose_iteration(options, 2, blocking_power_w=10.0, unit_time_s=0.1)
+    chosen = frontier.plan(frontier.points[0])
+    assert all(isinstance(o, MicrobatchPoint) for o in chosen.values())
+    assert all(any(o is q for q in mb.points) for o in chosen.values())
+    dag = build_1f1b_dag(2, 2)
+    assert frontier.points[0].time_s == pytest.approx(
+        makespan_s(dag, {n: mb.points[0].time_s for n in dag.nodes})
+    )
+
+
+@pytest.mark.parametrize(
+    "options, kwargs, match",
+    [
+        (
+            {(0, "forward"): [InstructionOption(1.0, 1.0)]},
+            {},
+            "missing options for stage 0 backward",
+        ),
+        (
+            {
+                (0, "forward"): [InstructionOption(1.0, 1.0)],
+                (0, "backward"): [InstructionOption(1.0, 1.0)],
+                (1, "forward"): [InstructionOption(1.0, 1.0)],
+            },
+            {},
+            "stage 1 backward",
+        ),
+        ({(0, "forward"): [], (0, "backward"): [InstructionOption(1.0, 1.0)]}, {}, "no options"),
+        ({(0, "recompute"): [InstructionOption(1.0, 1.0)]}, {}, "unknown instruction"),
+        (
+            {
+                (0, "forward"): [InstructionOption(1e-4, 1.0)],
+                (0, "backward"): [InstructionOption(1.0, 1.0)],
+            },
+            {},
+            "below the time quantum",
+        ),
+        (
+            {
+                (0, "forward"): [InstructionOption(1.0, float("inf"))],
+                (0, "backward"): [InstructionOption(1.0, 1.0)],
+            },
+            {},
+            "finite",
+        ),
+        (
+            {
+                (0, "forward"): [InstructionOption(1.0, 1.0)],
+                (0, "backward"): [InstructionOption(1.0, 1.0)],
+            },
+            {"blocking_power_w": -1.0},
+            "blocking_power_w",
+        ),
+        (
+            {
+                (0, "forward"): [InstructionOption(1.0, 1.0)],
+                (0, "backward"): [InstructionOption(1.0, 1.0)],
+            },
+            {"cost_model": "cubic"},
+            "cost_model",
+        ),
+        ({}, {}, "no options"),
+    ],
+)
+def test_iteration_bad_inputs(options, kwargs, match):
+    args = {"blocking_power_w": 50.0, **kwargs}
+    with pytest.raises(CompositionError, match=match):
+        compose_iteration(options, 2, **args)
+    with pytest.raises(CompositionError):
+        compose_iteration(
+            {
+                (0, "forward"): [InstructionOption(1.0, 1.0)],
+                (0, "backward"): [InstructionOption(1.0, 1.0)],
+            },
+            0,
+            blocking_power_w=1.0,
+        )
+
+
+def test_iteration_on_real_profile_small_pipeline():
+    # 2 stages x 4 microbatches of the GPT-3 175B A100 profile (fast), with the Perseus fit too.
+    profile = read_perseus_profile(PROFILE_CSV)
+    small = {key: opts for key, opts in profile.items() if key[0] < 2}
+    for cost_model in ("convex", "exponential"):
+        frontier = compose_iteration(
+            small, 4, blocking_power_w=A100_BLOCKING_POWER_W, cost_model=cost_model
+        )
+        plan = frontier.plan(frontier.points[0])
+        assert {o.knob for o in plan.values()} >= {1410}
+        freqs = plan_frequencies(frontier, frontier.points[-1])
+        assert len(freqs) == 2 and all(len(f) == 8 for f in freqs)
+        energies = [p.energy_j for p in frontier.points]
+        assert all(a > b for a, b in zip(energies, energies[1:]))
+
+
+@pytest.mark.slow
+def test_reproduces_perseus_planner_frontier_mb12():
+    """8 stages x 12 microbatches against the Perseus planner's own frontier (about 30-60 s)."""
+    import csv
+
+    profile = read_perseus_profile(PROFILE_CSV)
+    with open(DATA / "perseus_gpt3-175b_a100_sxm_frontier_mb12.csv") as f:
+        reference = [(float(r["time"]), float(r["energy"])) for r in csv.DictReader(f)]
+    frontier = compose_iteration(
+        profile, 12, blocking_power_w=A100_BLOCKING_POWER_W, cost_model="exponential"
+    )
+    # lowtime's own numbers are the planner's, step for step (the first trace entry is the
+    # slowest plan, which the planner does not print).
+    solver = [(p.solver_time_s, p.solver_energy_j) for p in frontier.trace[1:]]
+    assert len(solver) == len(reference)
+    for (t, e), (rt, re_) in zip(solver, reference):
+        assert t == pytest.approx(rt, abs=1e-9)
+        assert e == pytest.approx(re_, rel=1e-6)
+    # The measured re-evaluation stays within 2% of the planner's numbers.
+    for p in frontier.trace:
+        assert p.time_s == pytest.approx(p.solver_time_s, rel=0.02)
+        assert p.energy_j == pytest.approx(p.solver_energy_j, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- Perseus CSV
+
+
+def test_perseus_profile_round_trip_real_file(tmp_path):
+    profile = read_perseus_profile(PROFILE_CSV)
+    assert sorted(profile) == sorted((s, i) for s in range(8) for i in ("forward", "backward"))
+    assert all(len(opts) == 38 for opts in profile.values())
+    out = tmp_path / "profile.csv"
+    write_perseus_profile(out, profile)
+    again = read_perseus_profile(out)
+    assert again == profile
+    # Same rows as the original file (the order within a stage may differ).
+    original = sorted(PROFILE_CSV.read_text().splitlines()[1:])
+    assert sorted(out.read_text().splitlines()[1:]) == sorted(
+        ",".join([s, i, f, repr(float(t)), repr(float(e))])
+        for s, i, f, t, e in (line.split(",") for line in original)
+    )
+
+
+def test_perseus_profile_round_trip_microbatch_points():
+    points, counts, outside, sequential = _two_type_problem(6.0, 60.0)
+    mb = compose_microbatch(points, counts, outside=outside, sequential=sequential)
+    buffer = io.StringIO()
+    write_perseus_profile(buffer, {(0, "forward"): mb.points, (0, "backward"): mb.points})
+    buffer.seek(0)
+    back = read_perseus_profile(buffer)
+    assert [(o.knob, o.time_s, o.energy_j) for o in back[(0, "forward")]] == [
+        (p.clock_mhz, p.time_s, p.energy_j) for p in mb.points
+    ]
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("stage,instr,frequency,time,energy\n0,forward,1410,1.0,1.0\n", "header"),
+        (
+            "stage,instruction,frequency,time,energy\n0,sideways,1410,1.0,1.0\n",
+            "unknown instruction",
+        ),
+        ("stage,instruction,frequency,time,energy\n0,forward,1410,abc,1.0\n", ":2:"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1410,0,1.0\n", "time must be > 0"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1410,1.0\n", "expected 5 fields"),
+        (
+            "stage,instruction,frequency,time,energy\n"
+            "0,forward,1410,1.0,1.0\n0,forward,1410,2.0,1.0\n",
+            "repeated row",
+        ),
+        ("stage,instruction,frequency,time,energy\n", "no rows"),
+    ],
+)
+def test_perseus_profile_bad_input(text, match):
+    with pytest.raises(CompositionError, match=match):
+        read_perseus_profile(io.StringIO(text))
+
+
+def test_perseus_plan_round_trip():
+    plan = [[1410, 1395, 1200], [1080, 1410, 1410]]
+    buffer = io.StringIO()
+    write_perseus_plan(buffer, plan)
+    buffer.write("# Iteration 3: cost change 1.0\n")
+    buffer.seek(0)
+    assert read_perseus_plan(buffer) == plan
+    with pytest.raises(CompositionError):
+        read_perseus_plan(io.StringIO("__import__('os').system('true')"))
