@@ -34,8 +34,29 @@ def _layers_of_partitioned_collectives(graph):
     return found
 
 
+def _check_issue_order(graph):
+    """Each partition's collective precedes the other nanobatch's computation it overlaps, and
+    every wait sits just before the first use of its result (only views in between)."""
+    position = {n["name"]: i for i, n in enumerate(graph["nodes"])}
+    for partition in graph["partitions"]:
+        first_overlapped = min(position[name] for slot in partition["slots"] for name in slot)
+        assert max(position[c] for c in partition["collectives"]) < first_overlapped, partition["id"]
+    users: dict[str, list[int]] = {}
+    for i, node in enumerate(graph["nodes"]):
+        for inp in node["inputs"]:
+            users.setdefault(inp, []).append(i)
+    for i, node in enumerate(graph["nodes"]):
+        if node["kind"] != "wait":
+            continue
+        first_use = min(users[node["name"]])
+        between = graph["nodes"][i + 1:first_use]
+        assert all(n["kind"] == "other" for n in between), (node["name"], [n["name"] for n in between])
+
+
 def _check_llama_tp8(graphs, layers):
     forward, backward = graphs["forward"], graphs["backward"]
+    _check_issue_order(forward)
+    _check_issue_order(backward)
     # Forward: the attention-side all-reduce (o_proj) of one nanobatch overlaps the other's MLP,
     # the MLP-side all-reduce (down_proj) of layer l overlaps the other's attention of layer l+1.
     fwd_types = _types_by_label(forward)
