@@ -29,6 +29,7 @@ from kareus_fx.workload import Measurement, PartitionConfig, PartitionType, Prof
 
 SCHEMA_VERSION = 1
 _SEQUENTIAL = -1
+_MAX_TRIES = 20
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS measurements (
@@ -107,9 +108,10 @@ class ProfileDB:
             cur.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _write(self, work) -> Any:
-        """Run ``work(cursor)`` in one IMMEDIATE transaction (retried while another writer holds the lock)."""
+        """Run ``work(cursor)`` in one IMMEDIATE transaction, retried while another writer holds the
+        lock (each try already waits up to the busy timeout); gives up after ``_MAX_TRIES``."""
         delay = 0.01
-        while True:
+        for attempt in range(_MAX_TRIES):
             try:
                 cur = self._conn.cursor()
                 cur.execute("BEGIN IMMEDIATE")
@@ -123,8 +125,11 @@ class ProfileDB:
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) and "busy" not in str(exc):
                     raise
+                if attempt == _MAX_TRIES - 1:
+                    raise ProfileDBError(f"{self.path}: still locked by another writer after {_MAX_TRIES} tries") from exc
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+        raise AssertionError("unreachable")
 
     # ----- access -------------------------------------------------------------------------------
     @staticmethod
