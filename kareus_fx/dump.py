@@ -37,6 +37,7 @@ import torch.fx
 from kareus_fx import __version__
 from kareus_fx.passes.analysis import META_KEY, NodeCost, tensor_meta
 from kareus_fx.passes.partitions import GraphPartitioning
+from kareus_fx.workload import CollectiveSpec, OpCost, PartitionType, SlotSpec
 
 SCHEMA_VERSION = 1
 GRAPH_NAMES = ("forward", "backward")
@@ -165,6 +166,35 @@ def load_dump(path: str | Path) -> dict[str, Any]:
             f"version {SCHEMA_VERSION}: regenerate the dump with this version"
         )
     return data
+
+
+def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
+    """Rebuild every graph's :class:`PartitionType` from a dump (no model code needed).
+
+    Per-op costs come from the node records of the type's first partition, whose slots have the
+    type's structure by construction.
+    """
+    types: dict[str, PartitionType] = {}
+    for graph in dump["graphs"]:
+        nodes = {n["name"]: n for n in graph["nodes"]}
+        exemplar = {}
+        for partition in graph.get("partitions", []):
+            exemplar.setdefault(partition["type"], partition)
+        for record in graph.get("partition_types", []):
+            partition = exemplar[record["type"]]
+            slots = tuple(
+                SlotSpec(ops=tuple(
+                    OpCost(name=name, target=nodes[name]["op"], flops=nodes[name]["flops"],
+                           bytes=nodes[name]["bytes"], bound=nodes[name]["bound"])
+                    for name in slot))
+                for slot in partition["slots"]
+            )
+            types[record["type"]] = PartitionType(
+                type_id=record["type"], graph=graph["name"], slots=slots,
+                collective=CollectiveSpec(**record["collective"]), count=record["count"],
+                launch_slots=tuple(record["launch_slots"]),
+            )
+    return types
 
 
 def _op_name(node: torch.fx.Node) -> str:
