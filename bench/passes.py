@@ -18,7 +18,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import kareus_fx.backend as backend
-from kareus_fx.tracing import TraceSpec, trace_full_size
+from kareus_fx.tracing import BENCH_TRACE_SPEC, add_trace_arguments, trace_full_size, trace_spec_from_args
 
 _TIMED = ("split_nanobatches", "label_nanobatches", "partition_graph", "apply_issue_order")
 
@@ -37,17 +37,12 @@ def _timed(name: str, fn: Callable[..., Any], totals_s: dict[str, float]) -> Cal
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama3.2-3b")
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--mbs", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=28)
+    add_trace_arguments(parser, BENCH_TRACE_SPEC)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    spec = TraceSpec(model=args.model, tp=args.tp, cp=args.cp, mbs=args.mbs, seq=args.seq, layers=args.layers)
+    spec = trace_spec_from_args(args)
 
-    trace_full_size(TraceSpec(model=args.model, tp=args.tp, cp=args.cp, mbs=args.mbs, seq=args.seq, layers=1))
+    trace_full_size(trace_spec_from_args(args, layers=1))
     totals_s: dict[str, float] = defaultdict(float)
     originals = {name: getattr(backend, name) for name in _TIMED}
     for name, fn in originals.items():

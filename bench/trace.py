@@ -17,24 +17,19 @@ import json
 import statistics
 import tempfile
 
-from kareus_fx.tracing import TraceSpec, trace_full_size
+from kareus_fx.tracing import BENCH_TRACE_SPEC, add_trace_arguments, trace_full_size, trace_spec_from_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="llama3.2-3b")
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--mbs", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=28)
+    add_trace_arguments(parser, BENCH_TRACE_SPEC)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dump", action="store_true", help="also write the JSON dumps (kareus only)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    spec = TraceSpec(model=args.model, tp=args.tp, cp=args.cp, mbs=args.mbs, seq=args.seq, layers=args.layers)
-    warmup = TraceSpec(model=args.model, tp=args.tp, cp=args.cp, mbs=args.mbs, seq=args.seq, layers=1)
+    spec = trace_spec_from_args(args)
+    warmup = trace_spec_from_args(args, layers=1)
     with tempfile.TemporaryDirectory() as tmp:
         dump = {"dump_dir": tmp} if args.dump else {}
         configs: dict[str, tuple[str, dict | None]] = {

@@ -8,6 +8,7 @@ graphs exactly as a real rank would.
 
 from __future__ import annotations
 
+import argparse
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,23 @@ class TraceSpec:
     @property
     def world_size(self) -> int:
         return self.tp * self.cp
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser, spec: TraceSpec) -> None:
+    """Add --model/--tp/--cp/--mbs/--seq/--layers with ``spec``'s values as defaults."""
+    parser.add_argument("--model", default=spec.model)
+    for name in ("tp", "cp", "mbs", "seq", "layers"):
+        parser.add_argument(f"--{name}", type=int, default=getattr(spec, name))
+
+
+def trace_spec_from_args(args: argparse.Namespace, **overrides: int) -> TraceSpec:
+    """The :class:`TraceSpec` that :func:`add_trace_arguments`' arguments describe."""
+    values = {name: getattr(args, name) for name in ("model", "tp", "cp", "mbs", "seq", "layers")}
+    return TraceSpec(**{**values, **overrides})
+
+
+# The workload the benches trace by default: the issue's Llama-3.2-3B TP=8 at full size.
+BENCH_TRACE_SPEC = TraceSpec(model="llama3.2-3b", tp=8, mbs=8, seq=4096, layers=28)
 
 
 @dataclass(frozen=True)
