@@ -5,8 +5,10 @@ order wherever dependencies allow; every other node (waits, views, getitems, sha
 sunk to just before its first user, so each ``wait_tensor`` sits right before the first use of
 the collective's result. Nodes no anchor needs keep their relative order at the end.
 
-The reorder is a topological sort (networkx) keyed by those positions: it can only move nodes
-within what the data dependencies allow, so it never changes what the graph computes.
+The reorder sorts by those positions and checks the result is topological; where the positions
+alone break a dependency it is a topological sort (networkx) keyed by them instead. Either way
+it only moves nodes within what the data dependencies allow, so it never changes what the graph
+computes.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ def apply_issue_order(gm: torch.fx.GraphModule, anchors: list[torch.fx.Node]) ->
     """Reorder ``gm``'s nodes in place to follow ``anchors``; recompiles ``gm``."""
     nodes = list(gm.graph.nodes)
     key = _sort_keys(nodes, anchors)
-    graph = nx.DiGraph()
-    graph.add_nodes_from(nodes)
-    graph.add_edges_from((inp, node) for node in nodes for inp in node.all_input_nodes)
-    order = list(nx.lexicographical_topological_sort(graph, key=lambda n: key[n]))
+    order = sorted(nodes, key=key.__getitem__)
+    if not _is_topological(order):
+        graph = nx.DiGraph()
+        graph.add_nodes_from(nodes)
+        graph.add_edges_from((inp, node) for node in nodes for inp in node.all_input_nodes)
+        order = list(nx.lexicographical_topological_sort(graph, key=lambda n: key[n]))
     previous = order[0]
     for node in order[1:]:
         if previous.next is not node:
@@ -35,6 +39,16 @@ def apply_issue_order(gm: torch.fx.GraphModule, anchors: list[torch.fx.Node]) ->
         previous = node
     gm.graph.lint()
     gm.recompile()
+
+
+def _is_topological(order: list[torch.fx.Node]) -> bool:
+    """Whether every node comes after all its inputs (the keys alone usually give such an order)."""
+    seen: set[torch.fx.Node] = set()
+    for node in order:
+        if any(inp not in seen for inp in node.all_input_nodes):
+            return False
+        seen.add(node)
+    return True
 
 
 def _sort_keys(nodes: list[torch.fx.Node], anchors: list[torch.fx.Node]) -> dict[torch.fx.Node, tuple[float, int]]:
