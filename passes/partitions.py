@@ -94,12 +94,6 @@ class GraphPartitioning:
     leftover: list[torch.fx.Node]
     issue_order: list[torch.fx.Node]
 
-    def leftover_ops(self) -> tuple[OpCost, ...]:
-        return tuple(_op_cost(n) for n in self.leftover if _cost(n).kind == "compute")
-
-    def leftover_collectives(self) -> tuple[CollectiveSpec, ...]:
-        return tuple(_collective_spec([n]) for n in self.leftover if _cost(n).kind == "collective")
-
 
 def build_programs(gm: torch.fx.GraphModule, labels: dict[torch.fx.Node, int | None]) -> list[NanobatchProgram]:
     """Segment both nanobatches' computation at their communications (step 1)."""
