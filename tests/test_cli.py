@@ -10,8 +10,8 @@ from kareus_fx.cli import main
 from kareus_fx.dump_summary import summarise_graph
 
 
-def _dump(tmp_path, *extra: str, layers: int) -> dict:
-    args = ["dump", "--model", "llama3.2-3b", "--tp", "8", "--mbs", "8", "--seq", "4096",
+def _dump(tmp_path, *extra: str, layers: int, model: str = "llama3.2-3b") -> dict:
+    args = ["dump", "--model", model, "--tp", "8", "--mbs", "8", "--seq", "4096",
             "--layers", str(layers), "--out", str(tmp_path), *extra]
     assert main(args) == 0
     (path,) = tmp_path.glob("kareus_graph_*.json")
@@ -31,6 +31,10 @@ def test_dump_two_layers_without_and_with_nanobatches(tmp_path, capsys):
     _check_two_all_reduces_per_layer(_dump(tmp_path / "seq", "--no-nanobatch", layers=2), layers=2, nanobatches=1)
     assert "forward collectives: 2 decoder layers x (all_reduce 2)" in capsys.readouterr().out
     _check_two_all_reduces_per_layer(_dump(tmp_path / "nb", layers=2), layers=2, nanobatches=2)
+
+
+def test_dump_llama_70b_layers_at_full_width(tmp_path):
+    _check_two_all_reduces_per_layer(_dump(tmp_path, "--no-nanobatch", layers=2, model="llama3.3-70b"), layers=2, nanobatches=1)
 
 
 @pytest.mark.slow
