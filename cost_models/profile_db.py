@@ -69,6 +69,23 @@ def fingerprint(ptype: PartitionType) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+class FingerprintCache:
+    """:func:`fingerprint` per partition-type object, computed once (profilers call it per measurement).
+
+    Keyed by object identity, holding the object so its id cannot be reused while cached.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[PartitionType, str]] = {}
+
+    def __call__(self, ptype: PartitionType) -> str:
+        hit = self._by_id.get(id(ptype))
+        if hit is None or hit[0] is not ptype:
+            hit = (ptype, fingerprint(ptype))
+            self._by_id[id(ptype)] = hit
+        return hit[1]
+
+
 class ProfileDBError(RuntimeError):
     """The profile database file is not one this version can use."""
 
@@ -220,7 +237,7 @@ class CachedProfiler:
         self.gpu_name = inner.gpu_name
         self.kind = kind or getattr(inner, "kind", None) or type(inner).__name__
         self.stats = CacheStats()
-        self._fingerprints: dict[int, tuple[PartitionType, str]] = {}
+        self._fingerprint = FingerprintCache()
 
     @property
     def hits(self) -> int:
@@ -229,13 +246,6 @@ class CachedProfiler:
     @property
     def misses(self) -> int:
         return self.stats.misses
-
-    def _fingerprint(self, ptype: PartitionType) -> str:
-        hit = self._fingerprints.get(id(ptype))
-        if hit is None or hit[0] is not ptype:
-            hit = (ptype, fingerprint(ptype))
-            self._fingerprints[id(ptype)] = hit
-        return hit[1]
 
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
         fp = self._fingerprint(ptype)

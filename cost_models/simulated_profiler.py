@@ -14,7 +14,7 @@ import json
 import numpy as np
 
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
-from kareus_fx.cost_models.profile_db import fingerprint
+from kareus_fx.cost_models.profile_db import FingerprintCache
 from kareus_fx.cost_models.sim_params import SimParams, gpu_params
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.workload import Measurement, PartitionConfig, PartitionType
@@ -33,7 +33,7 @@ class SimulatedProfiler:
         self.seed = int(seed)
         self.simulator = Simulator(loaded.spec, params if params is not None else loaded.params)
         self._repeats: dict[tuple[str, PartitionConfig], int] = {}
-        self._fingerprints: dict[int, tuple[PartitionType, str]] = {}
+        self._fingerprint = FingerprintCache()
         params_text = json.dumps(self.simulator.params.to_dict(), sort_keys=True)
         self._params_hash = hashlib.sha256(params_text.encode()).hexdigest()[:12]
 
@@ -53,10 +53,3 @@ class SimulatedProfiler:
         slot = -1 if config.launch_slot is None else config.launch_slot
         rng = np.random.default_rng([self.seed, int(fp[:15], 16), config.clock_mhz, config.comm_sms, slot + 1, repeat])
         return self.simulator.with_noise(measurement, rng, self.noise_std)
-
-    def _fingerprint(self, ptype: PartitionType) -> str:
-        hit = self._fingerprints.get(id(ptype))
-        if hit is None or hit[0] is not ptype:
-            hit = (ptype, fingerprint(ptype))
-            self._fingerprints[id(ptype)] = hit
-        return hit[1]

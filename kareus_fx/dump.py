@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,14 +34,12 @@ from typing import Any
 import torch.fx
 
 from kareus_fx import __version__
-from kareus_fx.passes.analysis import META_KEY, NodeCost, tensor_meta
+from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path, tensor_meta
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionType, SlotSpec
 
 SCHEMA_VERSION = 1
 GRAPH_NAMES = ("forward", "backward")
-# The root local Dynamo names the compiled module by: L['self'], L['fn'], L['mod'], ...
-_DYNAMO_ROOT = re.compile(r"^L\['[^']+'\]\.?")
 
 
 def node_record(node: torch.fx.Node) -> dict[str, Any]:
@@ -114,15 +111,6 @@ def partitioning_record(partitioning: GraphPartitioning) -> dict[str, Any]:
             "collectives": [n.name for n in partitioning.leftover if n.meta[META_KEY].kind == "collective"],
         },
     }
-
-
-def module_path(node: torch.fx.Node) -> str | None:
-    """Innermost module path of a node (forward nodes, and backward nodes that kept it)."""
-    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    return _clean_module_path(str(path)) or None
 
 
 class GraphDumpFile:
@@ -203,9 +191,3 @@ def _op_name(node: torch.fx.Node) -> str:
             node.target, "__name__", str(node.target)
         )
     return node.op
-
-
-def _clean_module_path(path: str) -> str:
-    """Dynamo records paths like ``L['self'].layers[3].mlp``: keep ``layers.3.mlp``."""
-    path = _DYNAMO_ROOT.sub("", path)
-    return path.replace("[", ".").replace("]", "").replace("'", "").lstrip(".")

@@ -19,6 +19,7 @@ Assumptions:
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -37,6 +38,8 @@ NodeKind = Literal["collective", "wait", "compute", "other"]
 Bound = Literal["compute", "memory"]
 
 META_KEY = "kareus_cost"
+# The root local Dynamo names the compiled module by: L['self'], L['fn'], L['mod'], ...
+_DYNAMO_ROOT = re.compile(r"^L\['[^']+'\]\.?")
 
 # Functional collectives -> (kind, how one rank's full buffer is found: "input" or "output").
 _COLLECTIVES: dict[Any, tuple[CollectiveKind, str]] = {
@@ -112,6 +115,19 @@ def tensor_meta(node: torch.fx.Node) -> tuple[list[int] | None, str | None]:
     if not isinstance(val, torch.Tensor):
         return None, None
     return [_concrete(s) for s in val.shape], str(val.dtype).removeprefix("torch.")
+
+
+def module_path(node: torch.fx.Node) -> str | None:
+    """Innermost ``nn.Module`` path Dynamo recorded for a node (``layers.3.mlp.down_proj``).
+
+    Forward nodes carry ``nn_module_stack``; backward nodes that kept it carry
+    ``fwd_nn_module_stack``. None when neither is there or the node belongs to the root module.
+    """
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path = _DYNAMO_ROOT.sub("", str(list(stack.values())[-1][0]))
+    return path.replace("[", ".").replace("]", "").replace("'", "").lstrip(".") or None
 
 
 def _node_cost(node: torch.fx.Node, ridge_flops_per_byte: float) -> NodeCost:

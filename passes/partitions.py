@@ -43,7 +43,7 @@ import networkx as nx
 import torch.fx
 
 from kareus_fx.cost_models.hardware import GPUSpec
-from kareus_fx.passes.analysis import META_KEY, NodeCost
+from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path
 from kareus_fx.workload import CollectiveSpec, GraphName, OpCost, PartitionType, SlotSpec
 
 PARTITION_META_KEY = "kareus_partition"
@@ -344,8 +344,6 @@ def _op_cost(node: torch.fx.Node) -> OpCost:
 
 def _describe(partition: Partition) -> str:
     """Human label: collective kind and the module its compute-bound ops share (layer starred)."""
-    from kareus_fx.dump import module_path
-
     nodes = [n for slot in partition.slots for n in slot]
     heavy = [n for n in nodes if _cost(n).bound == "compute"] or nodes
     paths = [_LAYER_INDEX.sub(".*", module_path(n) or "").split(".") for n in heavy]
