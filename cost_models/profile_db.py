@@ -255,3 +255,8 @@ class CachedProfiler:
             return stored
         self.stats.misses += 1
         return self.db.put(self.kind, self.gpu_name, ptype, config, self.inner.measure(ptype, config), fp=fp)
+
+    def measure_sequence(self, ops, collectives, clock_mhz: int) -> Measurement:
+        """Work run op after op, measured by the inner profiler (not stored: the database keys
+        partitions; sequential work is one measurement per clock and graph)."""
+        return self.inner.measure_sequence(ops, collectives, clock_mhz)

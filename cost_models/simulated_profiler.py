@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.cost_models.profile_db import FingerprintCache
 from kareus_fx.cost_models.sim_params import SimParams, gpu_params
 from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.workload import Measurement, PartitionConfig, PartitionType
+from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
 
 
 class SimulatedProfiler:
@@ -52,4 +53,17 @@ class SimulatedProfiler:
         self._repeats[(fp, config)] = repeat + 1
         slot = -1 if config.launch_slot is None else config.launch_slot
         rng = np.random.default_rng([self.seed, int(fp[:15], 16), config.clock_mhz, config.comm_sms, slot + 1, repeat])
+        return self.simulator.with_noise(measurement, rng, self.noise_std)
+
+    def measure_sequence(
+        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int
+    ) -> Measurement:
+        """Work outside partitions, or a whole un-split microbatch: ``ops`` one after another,
+        then each collective alone with the default SM count, at ``clock_mhz``."""
+        measurement = self.simulator.predict_sequence(ops, collectives, clock_mhz=clock_mhz).measurement
+        if self.noise_std <= 0.0:
+            return measurement
+        text = json.dumps([[op.target, op.flops, op.bytes] for op in ops] + [list(vars(c).values()) for c in collectives])
+        digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+        rng = np.random.default_rng([self.seed, digest, int(clock_mhz)])
         return self.simulator.with_noise(measurement, rng, self.noise_std)

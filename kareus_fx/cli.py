@@ -1,4 +1,4 @@
-"""The ``kareus`` command line. Subcommands: ``dump``, ``inspect``.
+"""The ``kareus`` command line. Subcommands: ``plan``, ``dump``, ``inspect``, ``bench``.
 
 Every bad-input error (:class:`~kareus_fx.errors.KareusError`) is printed as one line naming the
 problem and the fix, with exit status 2; anything else is a bug and keeps its traceback.
@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
-from kareus_fx.errors import KareusError
+from kareus_fx.errors import KareusError, OptionsError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kareus", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan_parser(sub)
 
     dump = sub.add_parser(
         "dump",
@@ -45,10 +46,109 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("--no-nanobatch", action="store_true", help="trace without the nanobatch split")
     dump.set_defaults(run=_run_dump)
 
-    inspect = sub.add_parser("inspect", help="summarise a graph dump: graphs, collectives, partition types")
-    inspect.add_argument("file", type=Path, help="a kareus_graph_*.json dump")
+    inspect = sub.add_parser(
+        "inspect",
+        help="summarise a graph dump or a plan (text or --html), or compare two (--diff A B)",
+    )
+    inspect.add_argument("file", type=Path, nargs="?", help="a kareus_graph_*.json dump or a plan.json")
+    inspect.add_argument("--html", type=Path, metavar="OUT", help="also write a self-contained HTML report to OUT")
+    inspect.add_argument("--diff", type=Path, nargs=2, metavar=("A", "B"),
+                         help="compare two dumps or two plans instead of summarising one file")
     inspect.set_defaults(run=_run_inspect)
+    _add_bench_parser(sub)
     return parser
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    from kareus_fx.bench_runner import ABLATIONS, SUITES
+
+    bench = sub.add_parser(
+        "bench",
+        help="plan a suite of presets on the simulated GPU and compare its metrics with a baseline file",
+        description="Run the suite's presets through `kareus plan` (simulated profiler), record the frontier "
+        "metrics against the baselines, the tuner's hypervolume ratio against exhaustive search and its "
+        "measured fraction, and the wall time of each phase; compare with the baseline file under per-metric "
+        "tolerances and exit 1 when any metric regressed.",
+    )
+    bench.add_argument("--suite", choices=sorted(SUITES), default="smoke", help="smoke (CI) or paper (releases)")
+    bench.add_argument("--baseline", type=Path, default=Path("bench/baseline.json"), help="baseline file")
+    bench.add_argument("--update", action="store_true", help="rewrite the baseline file with this run's results")
+    bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    bench.add_argument("--ablate", choices=sorted(ABLATIONS), default=None,
+                       help="turn a part of the planner off (checks that the runner catches a worse planner)")
+    bench.set_defaults(run=_run_bench)
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="trace, tune and compose a training step's time-energy frontier; write plan.json and a report",
+        description="Plan a workload (a --preset, or --model with its layout) on a GPU: full-size trace on "
+        "the meta device, partitions, MBO tuning per partition type, microbatch and iteration frontiers, "
+        "and the baselines (Megatron-LM, Megatron-LM + Perseus, Nanobatching, Nanobatching + Perseus).",
+    )
+    plan.add_argument("--preset", help="a named workload (see kareus_fx/presets.py), e.g. qwen3-1.7b-tp8-mbs8-seq4k")
+    plan.add_argument("--model", help="reference model (instead of --preset)")
+    for name, what in (("tp", "tensor-parallel degree"), ("cp", "context-parallel degree"),
+                       ("pp", "pipeline stages"), ("microbatches", "microbatches per iteration"),
+                       ("mbs", "microbatch size"), ("seq", "sequence length"),
+                       ("layers", "decoder layers (default: the model's)")):
+        plan.add_argument(f"--{name}", type=int, default=None, help=what)
+    plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU to plan for (default {DEFAULT_GPU})")
+    plan.add_argument("--profiler", default="simulated", help="simulated (default) or cuda")
+    plan.add_argument("--seed", type=int, default=0, help="tuning seed")
+    plan.add_argument("--workers", type=int, default=1, help="tuning processes")
+    plan.add_argument("--clock-stride", type=int, default=30, help="tuning clock stride in MHz")
+    plan.add_argument("--out", type=Path, default=Path("kareus-plan"), help="output directory")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan.set_defaults(run=_run_plan)
+
+
+def _plan_request(args: argparse.Namespace):
+    from kareus_fx.planner import PlanRequest, plan_request_from_preset
+
+    shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
+    common = dict(gpu=args.gpu, profiler=args.profiler, seed=args.seed, workers=args.workers,
+                  clock_stride_mhz=args.clock_stride)
+    if args.preset:
+        if args.model:
+            raise OptionsError("give either --preset or --model, not both")
+        return plan_request_from_preset(args.preset, **{k: v for k, v in shape.items() if v is not None}, **common)
+    if not args.model:
+        raise OptionsError("give --preset NAME, or --model with --tp/--cp/--pp/--microbatches/--mbs/--seq")
+    defaults = {"tp": 1, "cp": 1, "pp": 1, "microbatches": 1}
+    missing = [f"--{k}" for k in ("mbs", "seq") if shape[k] is None]
+    if missing:
+        raise OptionsError(f"--model needs {' and '.join(missing)}")
+    return PlanRequest(model=args.model, **{k: (defaults.get(k) if v is None else v) for k, v in shape.items()},
+                       **common)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from kareus_fx.plan_format import write_plan
+    from kareus_fx.planner import make_plan, validate_plan_request
+    from kareus_fx.report import metrics_table, write_frontier_csv, write_report_html
+
+    request = _plan_request(args)
+    validate_plan_request(request)  # every bad-input error before any tracing
+    args.out.mkdir(parents=True, exist_ok=True)
+    outcome = make_plan(request, args.out / "work", progress=not args.json)
+    write_plan(args.out / "plan.json", outcome.data)
+    write_frontier_csv(outcome.data, args.out / "frontier.csv")
+    write_report_html(outcome.data, args.out)
+    if args.json:
+        methods = {name: {"frontier": m["frontier"], "metrics": m["metrics"]}
+                   for name, m in outcome.data["methods"].items()}
+        print(json.dumps({"methods": methods, "wall_s": outcome.wall_s["total_s"],
+                          "phases_s": outcome.wall_s, "out": str(args.out)}))
+        return 0
+    console = _console()
+    console.print(metrics_table(outcome.data))
+    phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in outcome.wall_s.items())
+    console.print(f"{phases}; wrote {args.out / 'plan.json'}, frontier.csv, report.html")
+    return 0
 
 
 def _run_dump(args: argparse.Namespace) -> int:
@@ -71,16 +171,34 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from kareus_fx.dump import load_dump
-    from kareus_fx.inspector import print_dump
+    from kareus_fx.inspector import inspected_html, load_inspectable, print_inspected
+    from kareus_fx.plan_diff import diff_dumps, diff_plans, format_changes
 
-    try:
-        dump = load_dump(args.file)
-    except (OSError, ValueError) as err:
-        print(f"kareus inspect: error: {err}", file=sys.stderr)
-        return 2
-    print_dump(dump, _console(), title=str(args.file))
+    if args.diff is not None:
+        if args.file is not None or args.html is not None:
+            raise OptionsError("--diff A B compares two files; give no other FILE and no --html with it")
+        a, b = (load_inspectable(path) for path in args.diff)
+        if (a.plan is None) != (b.plan is None):
+            raise OptionsError(f"--diff compares two plans or two dumps; {a.path} and {b.path} are one of each")
+        changes = diff_plans(a.plan, b.plan) if a.plan is not None else diff_dumps(a.dump, b.dump)
+        print(format_changes(changes, str(a.path), str(b.path)))
+        return 0
+    if args.file is None:
+        raise OptionsError("give a dump or plan FILE to inspect, or --diff A B")
+    item = load_inspectable(args.file)
+    print_inspected(item, _console())
+    if args.html is not None:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(inspected_html(item))
+        print(f"wrote {args.html}")
     return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from kareus_fx.bench_runner import run_bench_command
+
+    return run_bench_command(args.suite, args.baseline, update=args.update, as_json=args.json,
+                             ablate=args.ablate, console=_console())
 
 
 def _console() -> Console:

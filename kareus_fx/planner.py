@@ -1,0 +1,406 @@
+"""``kareus plan``: trace, partition, tune, compose and compare, end to end (DESIGN.md steps 1-6).
+
+1. Trace every distinct pipeline stage at full size on the meta device under the ``fake``
+   process group, twice: nanobatched (partition types, work outside partitions) and un-split
+   (the sequential microbatch of Megatron-LM and of execution-model switching).
+2. Tune each distinct partition type once (types of different stages with the same structure
+   share one tuning run) with multi-objective Bayesian optimisation; every measurement goes
+   through the profile database in the output directory, so a killed run resumes.
+3. Measure the baselines' microbatches on the same profiler (``methods.py``), compose each
+   method's microbatch options into an iteration frontier over the 1F1B pipeline (lowtime), and
+   compute the paper's metrics (``metrics.py``).
+4. Build the plan (``plan_format.py``).
+
+Assumptions: every rank of a stage costs what the traced rank (rank 0 of the tensor- and
+context-parallel group) costs, so a pipeline's energy is ``tp x cp`` times the traced GPUs'. With
+the simulated profiler every time and energy is a cost-model prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tempfile
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kareus_fx import __version__
+from kareus_fx.compose.iteration import IterationFrontier, compose_iteration
+from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint
+from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
+from kareus_fx.cost_models.profile_db import fingerprint
+from kareus_fx.cost_models.sim_params import gpu_params
+from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
+from kareus_fx.dump import load_dump
+from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
+from kareus_fx.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
+from kareus_fx.methods import (
+    BASELINES,
+    METHODS,
+    as_options,
+    kareus_microbatch_frontier,
+    nanobatching_measurements,
+    sequential_measurements,
+)
+from kareus_fx.metrics import frontier_metrics
+from kareus_fx.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
+from kareus_fx.presets import Preset, get_preset
+from kareus_fx.tracing import TraceSpec, distinct_stages, trace_full_size, validate_trace_spec
+from kareus_fx.tuner.mbo import MBOSettings, TuningResult
+from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
+from kareus_fx.tuner.space import clock_grid_mhz
+from kareus_fx.workload import GraphName, PartitionConfig, PartitionType
+
+__all__ = ["PlanOutcome", "PlanRequest", "make_plan", "plan_request_from_preset", "validate_plan_request"]
+
+PROFILERS = ("simulated", "cuda")
+MAX_SOLVER_STEPS = 400
+"""Iteration-frontier solver steps per method: the time quantum grows to fit (see compose)."""
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan: the workload, the GPU and how to tune."""
+
+    model: str
+    tp: int
+    cp: int
+    pp: int
+    microbatches: int
+    mbs: int
+    seq: int
+    layers: int | None = None
+    gpu: str = DEFAULT_GPU
+    profiler: str = "simulated"
+    seed: int = 0
+    clock_stride_mhz: int = 30
+    workers: int = 1
+    preset: str | None = None
+    launch_search: bool = True
+    """False restricts every partition to launching its collective first (slot 0): an ablation
+    that searches only clocks and SM counts (used to check that ``kareus bench`` catches it)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+    def trace_spec(self, stage: int = 0) -> TraceSpec:
+        return TraceSpec(model=self.model, tp=self.tp, cp=self.cp, mbs=self.mbs, seq=self.seq,
+                         layers=self.layers, pp=self.pp, stage=stage)
+
+
+def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
+    """The request of preset ``name`` (``kareus_fx.presets``), with ``overrides`` applied."""
+    p: Preset = get_preset(name)
+    fields = dict(model=p.model, tp=p.tp, cp=p.cp, pp=p.pp, microbatches=p.microbatches, mbs=p.mbs,
+                  seq=p.seq, preset=p.name)
+    return PlanRequest(**{**fields, **overrides})
+
+
+def validate_plan_request(req: PlanRequest) -> None:
+    """Raise a clear error for a request that cannot be planned, before any tracing."""
+    canonical_gpu_name(req.gpu)  # unknown GPU -> error listing the known ones
+    if req.profiler not in PROFILERS:
+        raise OptionsError(f"--profiler must be one of {', '.join(PROFILERS)}, got {req.profiler!r}")
+    if req.profiler == "cuda":
+        raise OptionsError(
+            "the on-device (cuda) profiler is not part of this build yet (it needs a GPU to be "
+            "developed against); plan with --profiler simulated"
+        )
+    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp
+    if req.microbatches < 1:
+        raise ParallelConfigError(f"--microbatches must be a positive integer, got {req.microbatches}")
+    if req.microbatches < req.pp:
+        raise ParallelConfigError(
+            f"{req.microbatches} microbatches cannot fill a {req.pp}-stage 1F1B pipeline (every stage "
+            f"needs a microbatch in flight); use --microbatches >= {req.pp} or a smaller --pp"
+        )
+    if req.workers < 1 or req.clock_stride_mhz < 1:
+        raise OptionsError("--workers and --clock-stride must be positive integers")
+
+
+@dataclass(frozen=True)
+class StageGraphs:
+    """One traced stage's forward and backward: un-split, and nanobatched when it partitions."""
+
+    stages: tuple[int, ...]
+    sequential: Mapping[GraphName, SequentialGraph]
+    partitioned: Mapping[GraphName, PartitionedGraph] | None
+
+
+@dataclass
+class PlanOutcome:
+    """The plan and how long each phase took."""
+
+    data: dict[str, Any]
+    wall_s: dict[str, float] = field(default_factory=dict)
+    iteration: dict[str, IterationFrontier] = field(default_factory=dict)
+
+
+def make_plan(req: PlanRequest, work_dir: str | Path | None = None, *, progress: bool = True) -> PlanOutcome:
+    """Plan ``req`` (see the module docstring). ``work_dir`` keeps the dumps and the profile
+    database (a rerun resumes from it); None uses a temporary directory."""
+    validate_plan_request(req)
+    started = time.perf_counter()
+    wall: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="kareus-plan-") as tmp:
+        work = Path(work_dir) if work_dir is not None else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        traced = _trace_stages(req, work / "dumps")
+        wall["trace_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        ptypes, local_to_plan = _distinct_types(traced, req.launch_search)
+        factory = CachedProfilerFactory(
+            db_path=str(work / "profile.sqlite"),
+            inner=functools.partial(SimulatedProfiler, canonical_gpu_name(req.gpu)),
+        )
+        settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
+        tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
+                                     workers=req.workers, progress=progress)
+        wall["tune_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        profiler = factory()
+        composed = _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress)
+        wall["compose_s"] = time.perf_counter() - t0
+    wall["total_s"] = time.perf_counter() - started
+    data = _plan_data(req, traced, ptypes, local_to_plan, tuned, composed, profiler.kind, wall)
+    return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
+
+
+# ----- 1. tracing -------------------------------------------------------------------------------
+def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
+    gpu = canonical_gpu_name(req.gpu)
+    traced = []
+    for group in distinct_stages(req.trace_spec()):
+        stage = group.stages[0]
+        spec = req.trace_spec(stage)
+        dumps = {}
+        for split in (True, False):
+            out = dump_root / f"stage{stage}-{'nanobatched' if split else 'sequential'}"
+            result = trace_full_size(spec, options={"dump_dir": str(out), "gpu": gpu, "nanobatch": split})
+            if len(result.dump_paths) != 1:
+                raise UnsupportedGraphError(
+                    f"stage {stage} traced into {len(result.dump_paths)} graphs; the planner needs one "
+                    f"graph per stage (a model that compiles with fullgraph=True)"
+                )
+            dumps[split] = load_dump(result.dump_paths[0])
+        try:
+            partitioned = partitioned_graphs(dumps[True])
+        except UnsupportedGraphError as err:
+            warnings.warn(f"stage {stage}: {err}; Kareus plans it sequentially", stacklevel=2)
+            partitioned = None
+        traced.append(StageGraphs(stages=tuple(group.stages), sequential=sequential_graphs(dumps[False]),
+                                  partitioned=partitioned))
+    return traced
+
+
+# ----- 2. distinct partition types -----------------------------------------------------------------
+LocalKey = tuple[int, GraphName, str]
+"""(index of the traced stage group, graph, the type id the partition pass gave)."""
+
+
+def _distinct_types(traced: Sequence[StageGraphs], launch_search: bool = True) -> tuple[dict[str, PartitionType], dict[LocalKey, str]]:
+    """One plan type id (T0, T1, ...) per distinct structure across all traced graphs.
+
+    ``launch_search=False`` leaves each type only launch slot 0 (see ``PlanRequest``)."""
+    by_fingerprint: dict[str, str] = {}
+    ptypes: dict[str, PartitionType] = {}
+    local_to_plan: dict[LocalKey, str] = {}
+    for g, stage in enumerate(traced):
+        for name, graph in sorted((stage.partitioned or {}).items()):
+            for ptype in graph.ptypes:
+                fp = fingerprint(ptype)
+                if fp not in by_fingerprint:
+                    plan_id = f"T{len(by_fingerprint)}"
+                    by_fingerprint[fp] = plan_id
+                    ptypes[plan_id] = dataclasses.replace(ptype, type_id=plan_id)
+                    if not launch_search:
+                        ptypes[plan_id] = dataclasses.replace(ptypes[plan_id], launch_slots=(0,))
+                local_to_plan[(g, name, ptype.type_id)] = by_fingerprint[fp]
+    return ptypes, local_to_plan
+
+
+# ----- 3. methods and composition ------------------------------------------------------------------
+@dataclass
+class _Composed:
+    microbatch: dict[tuple[int, GraphName], MicrobatchFrontier]
+    """Kareus's microbatch frontier per (traced stage group, graph)."""
+    iteration: dict[str, IterationFrontier]
+    metrics: dict[str, dict[str, float | None]]
+    energy_scale: float
+
+
+def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress) -> _Composed:
+    spec: GPUSpec = gpu_spec(canonical_gpu_name(req.gpu))
+    clocks = list(clock_grid_mhz(spec, req.clock_stride_mhz))
+    max_clock = [max(clocks)]
+    default_sms = gpu_params(spec.name).params.default_comm_sms
+    tuned_points = {tid: [(p.config, p.measurement) for p in result.points] for tid, result in tuned.items()}
+
+    per_group: dict[tuple[int, GraphName], dict[str, Sequence[Any]]] = {}
+    microbatch: dict[tuple[int, GraphName], MicrobatchFrontier] = {}
+    for g, stage in enumerate(traced):
+        for name in ("forward", "backward"):
+            sequential = sequential_measurements(profiler, stage.sequential[name], clocks)
+            options: dict[str, Sequence[Any]] = {
+                "megatron": as_options("megatron", sequential, max_clock),
+                "megatron+perseus": as_options("megatron+perseus", sequential, clocks),
+            }
+            if stage.partitioned is None:
+                nanobatched = sequential
+                frontier = _sequential_frontier(sequential)
+            else:
+                graph = _with_plan_ids(stage.partitioned[name], g, local_to_plan)
+                outside = sequential_measurements(profiler, graph.outside, clocks)
+                nanobatched, nb_points = nanobatching_measurements(profiler, graph, outside, default_sms)
+                candidates = {t.type_id: [*tuned_points[t.type_id], *nb_points[t.type_id]] for t in graph.ptypes}
+                frontier = kareus_microbatch_frontier(graph, candidates, outside, sequential)
+            options["nanobatching"] = as_options("nanobatching", nanobatched, max_clock)
+            options["nanobatching+perseus"] = as_options("nanobatching+perseus", nanobatched, clocks)
+            options["kareus"] = frontier.points
+            per_group[(g, name)] = options
+            microbatch[(g, name)] = frontier
+
+    stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
+    iteration = {}
+    for method in METHODS:
+        method_options = {
+            (s, name): per_group[(stage_group[s], name)][method]
+            for s in range(req.pp) for name in ("forward", "backward")
+        }
+        iteration[method] = compose_iteration(method_options, req.microbatches,
+                                              blocking_power_w=spec.blocking_power_w,
+                                              max_solver_steps=MAX_SOLVER_STEPS, progress=progress)
+    scale = float(req.tp * req.cp)
+    fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
+    megatron = min(fronts["megatron"])
+    metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
+    return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
+
+
+def _sequential_frontier(sequential: Mapping[int, Any]) -> MicrobatchFrontier:
+    """Kareus's options for a graph without partitions: the un-split microbatch at every clock."""
+    from kareus_fx.compose.microbatch import pareto_front
+
+    points = [MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, None)
+              for clock, m in sequential.items()]
+    return MicrobatchFrontier(points=tuple(pareto_front(points)))
+
+
+def _with_plan_ids(graph: PartitionedGraph, group: int, local_to_plan: Mapping[LocalKey, str]) -> PartitionedGraph:
+    renamed = tuple(dataclasses.replace(t, type_id=local_to_plan[(group, graph.graph, t.type_id)]) for t in graph.ptypes)
+    return dataclasses.replace(graph, ptypes=renamed)
+
+
+# ----- 4. the plan ---------------------------------------------------------------------------------
+def _option_record(point: MicrobatchPoint) -> dict[str, Any]:
+    return {
+        "clock_mhz": point.clock_mhz,
+        "sequential": point.sequential,
+        "configs": None if point.configs is None else {
+            tid: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot} for tid, c in point.configs
+        },
+        "time_s": point.time_s,
+        "energy_j": point.energy_j,
+        "dynamic_energy_j": point.dynamic_energy_j,
+        "static_energy_j": point.static_energy_j,
+    }
+
+
+def _type_record(ptype: PartitionType, result: TuningResult, counts: Mapping[str, int]) -> dict[str, Any]:
+    return {
+        "graph": ptype.graph,
+        "count": counts[ptype.type_id],
+        "fingerprint": fingerprint(ptype),
+        "collective": dataclasses.asdict(ptype.collective),
+        "slots": [{"bound": s.bound, "flops": s.flops, "bytes": s.bytes, "ops": [op.target for op in s.ops]}
+                  for s in ptype.slots],
+        "launch_slots": list(ptype.launch_slots),
+        "frontier": [
+            {**dataclasses.asdict(p.config), **dataclasses.asdict(p.measurement), "found_by": p.source}
+            for p in result.frontier
+        ],
+        "tuning": {
+            "space_size": result.stats.space_size,
+            "measured": result.stats.measured,
+            "fraction_measured": result.stats.fraction_measured,
+            "batches": result.stats.batches,
+            "stop_reason": result.stats.stop_reason,
+            "frontier_sources": result.frontier_sources(),
+        },
+    }
+
+
+def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, profiler_kind: str,
+               wall: Mapping[str, float]) -> dict[str, Any]:
+    stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
+    counts: dict[tuple[int, GraphName], dict[str, int]] = {}
+    for (g, name, local), plan_id in local_to_plan.items():
+        count = next(t.count for t in traced[g].partitioned[name].ptypes if t.type_id == local)
+        counts.setdefault((g, name), {})[plan_id] = count
+    stages = []
+    for s in range(req.pp):
+        g = stage_group[s]
+        graphs = {}
+        for name in ("forward", "backward"):
+            partitioned = traced[g].partitioned
+            graphs[name] = {
+                "fingerprint": (partitioned[name].fingerprint if partitioned else traced[g].sequential[name].fingerprint),
+                "sequential_fingerprint": traced[g].sequential[name].fingerprint,
+                "partition_types": {local: pid for (gg, nn, local), pid in sorted(local_to_plan.items())
+                                    if gg == g and nn == name},
+                "counts": counts.get((g, name), {}),
+            }
+        stages.append({"stage": s, "graphs": graphs})
+    max_count = {pid: max(c.get(pid, 0) for c in counts.values()) for pid in ptypes}
+
+    kareus = composed.iteration["kareus"]
+    options = {instruction_key(s, name): [_option_record(p) for p in kareus.options[(s, name)]]
+               for s in range(req.pp) for name in ("forward", "backward")}
+    frontier = []
+    for point in kareus.points:
+        choices: dict[str, list[int]] = {instruction_key(s, n): [0] * req.microbatches
+                                         for s in range(req.pp) for n in ("forward", "backward")}
+        for node, index in zip(kareus.nodes, point.choices):
+            choices[instruction_key(node.stage, node.instruction)][node.microbatch] = int(index)
+        frontier.append({"time_s": point.time_s, "energy_j": point.energy_j * composed.energy_scale,
+                         "choices": choices})
+    methods = {
+        m: {"frontier": [[p.time_s, p.energy_j * composed.energy_scale] for p in composed.iteration[m].points],
+            "metrics": composed.metrics[m]}
+        for m in METHODS
+    }
+    layers = req.layers
+    if layers is None:
+        from kareus_fx.models import get_config
+
+        layers = get_config(req.model).num_layers
+    return {
+        "format": PLAN_FORMAT,
+        "schema_version": PLAN_SCHEMA_VERSION,
+        "kareus_fx_version": __version__,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "workload": {"model": req.model, "tp": req.tp, "cp": req.cp, "pp": req.pp,
+                     "microbatches": req.microbatches, "mbs": req.mbs, "seq": req.seq, "layers": layers,
+                     "world_size": req.world_size, "preset": req.preset},
+        "gpu": canonical_gpu_name(req.gpu),
+        "profiler": profiler_kind,
+        "simulated": req.profiler == "simulated",
+        "energy_scope": (f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
+                         f"assumed to cost what the traced rank costs"),
+        "baselines": list(BASELINES),
+        "stages": stages,
+        "partition_types": {pid: _type_record(p, tuned[pid], max_count) for pid, p in ptypes.items()},
+        "microbatch_options": options,
+        "iteration_frontier": frontier,
+        "methods": methods,
+        "wall_s": dict(wall),
+    }

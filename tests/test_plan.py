@@ -1,0 +1,118 @@
+"""``kareus plan`` end to end: bad input, a small real plan, and (slow) a paper preset.
+
+Every time and energy here comes from the simulated A100 (a calibrated cost model).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from kareus_fx import cli
+from kareus_fx import planner as planner_module
+from kareus_fx.plan_format import load_plan
+
+RTOL = 1e-6
+"""Relative slack when checking frontier dominance (sums of floats)."""
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    """Fail the test if anything gets traced."""
+
+    def trace(*args, **kwargs):
+        raise AssertionError("traced before validating the input")
+
+    monkeypatch.setattr(planner_module, "trace_full_size", trace)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "qwen3-1.7b-tp9"], "unknown preset 'qwen3-1.7b-tp9'; did you mean"),
+        (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--gpu", "V100"], "unknown GPU"),
+        (["--model", "qwen3-1.7b", "--tp", "3", "--mbs", "8", "--seq", "4096"], "tp=3 does not divide 16 attention heads"),
+        (["--model", "llama3.2-3b", "--tp", "8", "--pp", "4", "--microbatches", "2", "--mbs", "8", "--seq", "4096"],
+         "2 microbatches cannot fill a 4-stage 1F1B pipeline"),
+        (["--model", "llama3.2-3b", "--tp", "8", "--pp", "40", "--microbatches", "64", "--mbs", "8", "--seq", "4096"],
+         "pp=40 pipeline stages need at least 40 decoder layers"),
+        (["--model", "llama3.2-3b", "--mbs", "8"], "--model needs --seq"),
+        (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cuda"], "on-device"),
+    ],
+)
+def test_bad_input_is_refused_before_tracing(no_tracing, tmp_path, capsys, argv, message):
+    assert cli.main(["plan", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def _dominates(front, other) -> bool:
+    """Every point of ``other`` is matched by a point of ``front`` no slower and no costlier."""
+    return all(
+        any(t <= ot * (1 + RTOL) and e <= oe * (1 + RTOL) for t, e in front) for ot, oe in other
+    )
+
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory):
+    """A real plan: Llama-3.2-3B's shapes at TP8 with 2 layers over 2 pipeline stages."""
+    out = tmp_path_factory.mktemp("plan")
+    argv = ["plan", "--model", "llama3.2-3b", "--tp", "8", "--pp", "2", "--microbatches", "4", "--mbs", "4",
+            "--seq", "2048", "--layers", "2", "--out", str(out), "--json"]
+    assert cli.main(argv) == 0
+    return out
+
+
+def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
+    plan = load_plan(small_plan / "plan.json")
+    assert plan.workload["pp"] == 2 and plan.workload["world_size"] == 16
+    assert set(plan.data["methods"]) == {"megatron", "megatron+perseus", "nanobatching",
+                                         "nanobatching+perseus", "kareus"}
+    with open(small_plan / "frontier.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["method"] for r in rows} == set(plan.data["methods"])
+    html = (small_plan / "report.html").read_text()
+    assert 'src="data:image/png;base64,' in html and "iso-time energy reduction" in html
+    assert (small_plan / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_small_plan_kareus_frontier_dominates_the_baselines(small_plan):
+    methods = load_plan(small_plan / "plan.json").data["methods"]
+    kareus = methods["kareus"]["frontier"]
+    for baseline in ("megatron", "megatron+perseus", "nanobatching", "nanobatching+perseus"):
+        assert _dominates(kareus, methods[baseline]["frontier"]), baseline
+    k, n = methods["kareus"]["metrics"], methods["nanobatching+perseus"]["metrics"]
+    for key in ("iso_time_energy_reduction", "iso_energy_time_reduction"):
+        assert k[key] is not None
+        assert n[key] is None or k[key] >= n[key] - RTOL, key
+
+
+def test_small_plan_frontier_points_replay_from_their_choices(small_plan):
+    """Each Kareus frontier point's time is the 1F1B critical path of the options it chose."""
+    from kareus_fx.compose.pipeline import build_1f1b_dag, makespan_s
+
+    plan = load_plan(small_plan / "plan.json")
+    w = plan.workload
+    dag = build_1f1b_dag(w["pp"], w["microbatches"])
+    for index, point in enumerate(plan.frontier):
+        durations = {node: plan.option(index, node.stage, node.instruction, node.microbatch)["time_s"]
+                     for node in dag.nodes}
+        assert makespan_s(dag, durations) == pytest.approx(point["time_s"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_qwen_preset_json_reports_the_four_methods(tmp_path, capsys):
+    """The issue's acceptance run (under 10 minutes on the 2-core machine; wall_s is reported)."""
+    assert cli.main(["plan", "--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--json", "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    methods = result["methods"]
+    for name in ("megatron", "megatron+perseus", "nanobatching+perseus", "kareus"):
+        assert methods[name]["frontier"] and set(methods[name]["metrics"]) == {
+            "max_throughput_time_reduction", "max_throughput_energy_reduction",
+            "iso_time_energy_reduction", "iso_energy_time_reduction"}
+    assert _dominates(methods["kareus"]["frontier"], methods["megatron+perseus"]["frontier"])
+    assert _dominates(methods["kareus"]["frontier"], methods["nanobatching+perseus"]["frontier"])
+    assert result["wall_s"] > 0
