@@ -1,0 +1,137 @@
+"""Per-iteration time and GPU energy of the running job, to compare with the plan.
+
+:class:`IterationEnergyMonitor` opens one Zeus measurement window (``ZeusMonitor.begin_window`` /
+``end_window``) per training iteration on this process's GPU(s). Zeus reads NVML's cumulative
+energy counter (Volta and newer) and synchronises CUDA at both ends of the window. Without a
+GPU (CPU runs) it measures time only and reports energy as None, never an estimate.
+
+NVML updates its counters about every 100 ms (paper 5.3): an iteration much shorter than that
+has an imprecise energy; compare over many iterations (:func:`compare_with_plan` averages).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kareus_fx.errors import KareusError
+
+
+class EnergyMonitorError(KareusError, ValueError):
+    """Measurements or predictions that cannot be compared (none, non-positive prediction)."""
+
+
+@dataclass(frozen=True)
+class IterationMeasurement:
+    """One iteration: wall time and the monitored GPUs' energy (None without a GPU)."""
+
+    iteration: int
+    time_s: float
+    energy_j: float | None
+
+
+@dataclass(frozen=True)
+class PlanComparison:
+    """Measured means against the plan's prediction; ratios are measured / predicted."""
+
+    iterations: int
+    predicted_time_s: float
+    measured_time_s: float
+    time_ratio: float
+    predicted_energy_j: float
+    measured_energy_j: float | None
+    energy_ratio: float | None
+
+
+class IterationEnergyMonitor:
+    """Measures each iteration's time and energy through Zeus.
+
+    ``gpu_indices``: the GPUs to measure (Zeus / CUDA indices); default this process's current
+    CUDA device, or none without CUDA. ``zeus_monitor``: an existing ``ZeusMonitor`` to use
+    instead of making one (its own GPU indices then apply).
+    """
+
+    def __init__(self, gpu_indices: list[int] | None = None, zeus_monitor: Any | None = None) -> None:
+        if zeus_monitor is None:
+            from zeus.monitor import ZeusMonitor
+
+            if gpu_indices is None:
+                gpu_indices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            zeus_monitor = ZeusMonitor(gpu_indices=gpu_indices, cpu_indices=[])
+        self._zeus = zeus_monitor
+        self.energy_available = bool(zeus_monitor.gpu_indices)
+        self.measurements: list[IterationMeasurement] = []
+        self._iterations = itertools.count()
+        self._open_window: str | None = None
+
+    def begin_iteration(self) -> None:
+        """Start measuring an iteration (waits for queued GPU work first)."""
+        if self._open_window is not None:
+            raise EnergyMonitorError(
+                f"{self._open_window} is still being measured: call end_iteration() first"
+            )
+        self._open_window = f"kareus_iteration_{next(self._iterations)}"
+        self._zeus.begin_window(self._open_window)
+
+    def end_iteration(self) -> IterationMeasurement:
+        """Stop measuring the iteration; return and keep its measurement."""
+        if self._open_window is None:
+            raise EnergyMonitorError("end_iteration() without begin_iteration()")
+        window, self._open_window = self._open_window, None
+        result = self._zeus.end_window(window)
+        measurement = IterationMeasurement(
+            iteration=len(self.measurements),
+            time_s=float(result.time),
+            energy_j=float(sum(result.gpu_energy.values())) if self.energy_available else None,
+        )
+        self.measurements.append(measurement)
+        return measurement
+
+    @contextmanager
+    def iteration(self) -> Iterator[None]:
+        """Measure the body as one iteration (a failed iteration is not kept)."""
+        self.begin_iteration()
+        try:
+            yield
+        except BaseException:
+            window, self._open_window = self._open_window, None
+            self._zeus.end_window(window, cancel=True)
+            raise
+        self.end_iteration()
+
+
+def compare_with_plan(
+    measurements: Sequence[IterationMeasurement],
+    predicted_time_s: float,
+    predicted_energy_j: float,
+) -> PlanComparison:
+    """Mean measured time and energy against the plan's per-iteration prediction.
+
+    The prediction must cover the same GPUs as the measurements (a plan's iteration energy
+    covers every GPU of the pipeline; one rank's monitor measures its own GPU). Drop warm-up
+    iterations before calling.
+    """
+    if not measurements:
+        raise EnergyMonitorError("no measurements to compare: measure at least one iteration")
+    if predicted_time_s <= 0 or predicted_energy_j <= 0:
+        raise EnergyMonitorError(
+            f"predictions must be positive, got {predicted_time_s} s and {predicted_energy_j} J"
+        )
+    measured_time_s = statistics.fmean(m.time_s for m in measurements)
+    energies_j = [m.energy_j for m in measurements]
+    measured_energy_j = None if None in energies_j else statistics.fmean(energies_j)
+    return PlanComparison(
+        iterations=len(measurements),
+        predicted_time_s=predicted_time_s,
+        measured_time_s=measured_time_s,
+        time_ratio=measured_time_s / predicted_time_s,
+        predicted_energy_j=predicted_energy_j,
+        measured_energy_j=measured_energy_j,
+        energy_ratio=None if measured_energy_j is None else measured_energy_j / predicted_energy_j,
+    )
