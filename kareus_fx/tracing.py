@@ -4,14 +4,21 @@ No real GPUs, processes or weights: parameters live on the meta device, collecti
 torch's ``fake`` backend at the real world size, and the compiled graphs run on meta tensors
 (shape propagation only), which makes Dynamo and aot_autograd produce the forward and backward
 graphs exactly as a real rank would.
+
+Pipeline parallelism: a spec with ``pp > 1`` traces one stage (``stage``) of the pipeline: its
+layers, plus the embedding on the first stage and the LM head and loss on the last (see
+``kareus_fx.models.pipeline``). The fake process group has the stage's ``tp * cp`` ranks: the
+stage's graphs communicate only within its TP x CP grid (sends between stages are outside them).
+:func:`distinct_stages` lists the stages worth tracing: one per group of identical stages.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -19,11 +26,16 @@ import torch
 import torch.distributed as dist
 
 from kareus_fx.errors import ParallelConfigError
+from kareus_fx.models.pipeline import StageGroup, check_stage_layers, group_stages
 
 
 @dataclass(frozen=True)
 class TraceSpec:
-    """What to trace: a reference model, its parallel layout and one microbatch's shape."""
+    """What to trace: a reference model, its parallel layout and one microbatch's shape.
+
+    ``layers`` is the whole model's layer count (None: the config's); ``pp`` pipeline stages split
+    it and ``stage`` picks the one to trace.
+    """
 
     model: str
     tp: int = 1
@@ -32,22 +44,27 @@ class TraceSpec:
     seq: int = 2048
     layers: int | None = None
     dtype: torch.dtype = torch.bfloat16
+    pp: int = 1
+    stage: int = 0
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp
 
 
+_INT_ARGUMENTS = ("tp", "cp", "mbs", "seq", "layers", "pp", "stage")
+
+
 def add_trace_arguments(parser: argparse.ArgumentParser, spec: TraceSpec) -> None:
-    """Add --model/--tp/--cp/--mbs/--seq/--layers with ``spec``'s values as defaults."""
+    """Add --model/--tp/--cp/--mbs/--seq/--layers/--pp/--stage with ``spec``'s values as defaults."""
     parser.add_argument("--model", default=spec.model)
-    for name in ("tp", "cp", "mbs", "seq", "layers"):
+    for name in _INT_ARGUMENTS:
         parser.add_argument(f"--{name}", type=int, default=getattr(spec, name))
 
 
 def trace_spec_from_args(args: argparse.Namespace, **overrides: int) -> TraceSpec:
     """The :class:`TraceSpec` that :func:`add_trace_arguments`' arguments describe."""
-    values = {name: getattr(args, name) for name in ("model", "tp", "cp", "mbs", "seq", "layers")}
+    values = {name: getattr(args, name) for name in ("model", *_INT_ARGUMENTS)}
     return TraceSpec(**{**values, **overrides})
 
 
@@ -79,6 +96,24 @@ def validate_trace_spec(spec: TraceSpec) -> None:
             f"rank needs an equal chunk; choose seq as a multiple of {spec.cp}"
         )
     config.check_parallel(tp=spec.tp, cp=spec.cp)
+    check_stage_layers(spec.layers or config.num_layers, spec.pp)
+    if not 0 <= spec.stage < spec.pp:
+        raise ParallelConfigError(
+            f"--stage {spec.stage} is not a stage of a pp={spec.pp} pipeline; "
+            f"choose a stage in 0..{spec.pp - 1}"
+        )
+
+
+def distinct_stages(spec: TraceSpec) -> list[StageGroup]:
+    """The pipeline's stages grouped by graph structure (role and layer count), in stage order.
+
+    Trace ``group.representative`` of each group once: every stage of a group has the same
+    forward and backward graphs. ``spec.stage`` is ignored.
+    """
+    from kareus_fx.models import get_config
+
+    validate_trace_spec(replace(spec, stage=0))
+    return group_stages(spec.layers or get_config(spec.model).num_layers, spec.pp)
 
 
 @contextmanager
@@ -88,34 +123,45 @@ def fake_process_group(world_size: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialised; trace in a fresh process")
+    # init_process_group wraps sys.excepthook to prefix "[rank0]:"; every trace would add one more
+    # prefix to a later traceback, so the hook is put back when the group goes.
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 def trace_full_size(
     spec: TraceSpec, *, backend: str = "kareus", options: dict[str, Any] | None = None
 ) -> TraceResult:
-    """Build ``spec.model`` on meta, compile it with ``backend`` and run forward + backward once.
+    """Build ``spec.model`` (stage ``spec.stage`` of ``spec.pp``) on meta, compile it with
+    ``backend`` and run forward + backward once.
 
+    The last (or only) stage's backward starts from its loss; any other stage's from a meta
+    gradient of its output's shape, as the next stage would send it.
     ``options`` go to ``torch.compile`` (for backend "kareus": ``dump_dir``, ``gpu``, ...).
     ``fullgraph=True``: a graph break in a reference model is an error, not a silent split.
     """
-    from kareus_fx.models import ParallelLayout, build_model
+    from kareus_fx.models import ParallelLayout, PipelineStage, build_model
 
     validate_trace_spec(spec)
     torch._dynamo.reset()
     with fake_process_group(spec.world_size):
         layout = ParallelLayout.from_default_group(tp=spec.tp, cp=spec.cp)
         with torch.device("meta"):
-            model = build_model(spec.model, layout, num_layers=spec.layers, dtype=spec.dtype)
+            model = build_model(
+                spec.model, layout, num_layers=spec.layers, dtype=spec.dtype,
+                stage=PipelineStage(spec.stage, spec.pp),
+            )
         batch = model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")
         compiled = torch.compile(model, backend=backend, options=options or None, fullgraph=True)
         start_s = time.perf_counter()
-        loss = compiled(**batch)
-        loss.backward()
+        out = compiled(**batch)
+        output_grad = None if model.stage.is_last else torch.empty_like(out)
+        torch.autograd.backward(out, grad_tensors=output_grad)
         wall_s = time.perf_counter() - start_s
     torch._dynamo.reset()
     dump_dir = (options or {}).get("dump_dir")

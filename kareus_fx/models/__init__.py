@@ -3,6 +3,8 @@
 ``build_model(name, layout, num_layers, dtype)`` gives a :class:`Transformer` whose
 ``forward(input_ids, labels)`` returns the mean token loss; ``model.example_batch(mbs, seq)``
 gives this rank's inputs. See ``transformer.py`` for the collectives each layout issues.
+``build_model(..., stage=PipelineStage(index, num_stages))`` builds one pipeline stage
+(``pipeline.py``: layer split, stage roles, groups of stages with the same graph structure).
 """
 
 from kareus_fx.models.configs import ModelConfig, UnknownModelError, get_config, model_names
@@ -13,11 +15,19 @@ from kareus_fx.models.parallel import (
     gather_from_tp,
     reduce_from_tp,
 )
+from kareus_fx.models.pipeline import (
+    PipelineStage,
+    StageGroup,
+    group_stages,
+    stage_layer_range,
+)
 from kareus_fx.models.transformer import Transformer, build_model
 
 __all__ = [
     "ModelConfig",
     "ParallelLayout",
+    "PipelineStage",
+    "StageGroup",
     "Transformer",
     "UnknownModelError",
     "build_model",
@@ -25,6 +35,8 @@ __all__ = [
     "cp_all_gather",
     "gather_from_tp",
     "get_config",
+    "group_stages",
     "model_names",
     "reduce_from_tp",
+    "stage_layer_range",
 ]

@@ -58,6 +58,20 @@ An unsharded model's weights (or gradients) map onto a layout with
 :meth:`Transformer.shard_full_state_dict` / :meth:`Transformer.load_full_state_dict`, which
 is how the tests build identical sharded and unsharded copies.
 
+Pipeline parallelism (``stage=PipelineStage(index, num_stages)``; see ``pipeline.py`` for the
+layer split): a stage holds its own decoder layers, numbered from 0 (``layers.0`` of stage 1 is
+global layer ``stage_layer_range(...)[0]``; :meth:`Transformer.full_parameter_name` maps back).
+The first stage also holds ``embed_tokens`` and returns the hidden states after its layers; a
+middle stage maps hidden states to hidden states; the last stage holds ``norm``, ``lm_head`` and
+``loss_fn`` and returns the loss. Hidden states between stages are [mbs, seq / cp, hidden] in the
+model's dtype; the point-to-point sends between stages are outside the stage's graph (as in
+Megatron's schedule), so a stage's graphs carry only its TP / CP collectives. With tied
+embeddings and more than one stage, the first stage's ``embed_tokens.weight`` and the last stage's
+``lm_head.weight`` are two copies of one weight, as in Megatron-LM: they must start equal
+(:meth:`Transformer.load_full_state_dict` loads both from ``embed_tokens.weight``) and the sum of
+their two gradients is the tied weight's gradient (Megatron's embedding-group all-reduce, a step
+outside the stage's graph, like :meth:`Transformer.finalize_grads`).
+
 The model has no data-dependent Python control flow and no ``.item()``: it builds and runs on the
 meta device at full size (build under ``with torch.device("meta")``).
 """
@@ -81,6 +95,7 @@ from kareus_fx.models.parallel import (
     gather_from_tp,
     reduce_from_tp,
 )
+from kareus_fx.models.pipeline import PipelineStage, stage_layer_range
 
 
 class RMSNorm(nn.Module):
@@ -354,7 +369,13 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder-only model; ``forward(input_ids, labels)`` returns the mean token loss."""
+    """The decoder-only model, or one pipeline stage of it (see the module docstring).
+
+    ``forward(input_ids, labels)`` of the whole model returns the mean token loss; a pipeline
+    stage takes ``input_ids`` (first stage) or ``hidden`` (the others), plus ``labels`` on the
+    last stage, and returns the hidden states (all but the last stage) or the loss.
+    ``config.num_layers`` counts the whole model's layers; the stage builds its share.
+    """
 
     def __init__(
         self,
@@ -362,35 +383,81 @@ class Transformer(nn.Module):
         layout: ParallelLayout | None = None,
         dtype=None,
         attention: str = "kareus",
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         layout = layout or ParallelLayout()
+        stage = stage or PipelineStage()
         config.check_parallel(layout.tp, layout.cp)
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-        self.config, self.layout = config, layout
+        self.config, self.layout, self.stage = config, layout, stage
+        self.layer_range = stage_layer_range(config.num_layers, stage.num_stages, stage.index)
         h, std = config.hidden_size, config.init_std
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype) if stage.is_first else None
+        )
         self.rotary = RotaryEmbedding(config, layout)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, dtype, attention) for _ in range(config.num_layers)
+            DecoderLayer(config, layout, dtype, attention) for _ in self.layer_range
         )
-        self.norm = RMSNorm(h, config.norm_eps, dtype)
-        self.lm_head = ColumnParallelLinear(h, (config.vocab_size,), layout, std, dtype)
-        self.tie_weights()
-        self.loss_fn = VocabParallelCrossEntropy(config.vocab_size, layout)
+        if stage.is_last:
+            self.norm = RMSNorm(h, config.norm_eps, dtype)
+            self.lm_head = ColumnParallelLinear(h, (config.vocab_size,), layout, std, dtype)
+            self.tie_weights()
+            self.loss_fn = VocabParallelCrossEntropy(config.vocab_size, layout)
+        else:
+            self.norm = self.lm_head = self.loss_fn = None
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(input_ids.shape[1], h.dtype)
+    @property
+    def ties_within(self) -> bool:
+        """The LM head shares the embedding's parameter (tied embeddings, one stage holds both)."""
+        return self.config.tie_embeddings and self.stage.is_first and self.stage.is_last
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self._check_inputs(input_ids, labels, hidden)
+        h = self.embed_tokens(input_ids) if self.stage.is_first else hidden
+        cos, sin = self.rotary(h.shape[1], h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)
+        if not self.stage.is_last:
+            return h
         return self.loss_fn(self.lm_head(self.norm(h)), labels)
 
+    def _check_inputs(self, input_ids, labels, hidden) -> None:
+        """Raise a ValueError naming the inputs this stage needs and those it does not take."""
+        wanted = {
+            "input_ids": self.stage.is_first,
+            "hidden": not self.stage.is_first,
+            "labels": self.stage.is_last,
+        }
+        given = {"input_ids": input_ids, "hidden": hidden, "labels": labels}
+        missing = [name for name, needed in wanted.items() if needed and given[name] is None]
+        extra = [name for name, needed in wanted.items() if not needed and given[name] is not None]
+        if missing or extra:
+            problems = [f"{verb} {', '.join(map(repr, names))}"
+                        for verb, names in (("needs", missing), ("does not take", extra)) if names]
+            raise ValueError(
+                f"{self.stage.role} pipeline stage {self.stage.index} of {self.stage.num_stages} "
+                f"{' and '.join(problems)}; pass the inputs its example_batch() returns"
+            )
+
     def tie_weights(self) -> None:
-        """Share the embedding with the LM head if the config ties them (vocab shards match)."""
-        if self.config.tie_embeddings:
+        """Share the embedding with the LM head if the config ties them and this stage has both."""
+        if self.ties_within:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def full_parameter_name(self, name: str) -> str:
+        """The whole model's name of this stage's parameter ``name`` (``layers.i`` renumbered)."""
+        if not name.startswith("layers."):
+            return name
+        _, local, rest = name.split(".", 2)
+        return f"layers.{self.layer_range[int(local)]}.{rest}"
 
     def init_weights(self, seed: int | None = None) -> None:
         """Re-tie and re-initialise every parameter and buffer (e.g. after ``to_empty``).
@@ -399,12 +466,15 @@ class Transformer(nn.Module):
         same order, as building the model after ``torch.manual_seed(seed)``. Each rank draws its
         own shards, so a sharded model is not a shard of an unsharded one with the same seed:
         use :meth:`load_full_state_dict` for that.
+
+        A tied last stage of a pipeline draws its own ``lm_head.weight``: copy the first stage's
+        embedding into it (or use :meth:`load_full_state_dict`) to tie them.
         """
         self.tie_weights()  # to_empty gives each use of a shared parameter its own copy
         if seed is not None:
             torch.manual_seed(seed)
         for module in self.modules():
-            if module is not self.lm_head or not self.config.tie_embeddings:
+            if module is not self.lm_head or not self.ties_within:
                 reset = getattr(module, "reset_parameters", None)
                 if reset is not None:
                     reset()
@@ -412,15 +482,22 @@ class Transformer(nn.Module):
     def shard_full_state_dict(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's shards of the unsharded tensors in ``full`` (parameters or gradients).
 
-        Keys of ``full`` that name no parameter of this model are ignored.
+        ``full`` is keyed by the whole model's names; the result by this stage's names (see
+        :meth:`full_parameter_name`). Keys of ``full`` that name no parameter of this stage are
+        ignored. The ``lm_head.weight`` of a tied last stage without the embedding comes from
+        ``full["embed_tokens.weight"]`` when ``full`` has no ``lm_head.weight`` (a weight copy; for
+        gradients the tied weight's gradient is the sum of the two copies' gradients).
         """
         out = {}
         for mod_name, module in self.named_modules():
             for p_name, _ in module.named_parameters(recurse=False):
                 key = f"{mod_name}.{p_name}" if mod_name else p_name
-                if key in full:
+                source = self.full_parameter_name(key)
+                if source == "lm_head.weight" and source not in full and self.config.tie_embeddings:
+                    source = "embed_tokens.weight"
+                if source in full:
                     shard = getattr(module, "shard", None)
-                    out[key] = full[key] if shard is None else shard(full[key])
+                    out[key] = full[source] if shard is None else shard(full[source])
         return out
 
     def load_full_state_dict(self, full: dict[str, torch.Tensor]) -> None:
@@ -454,26 +531,36 @@ class Transformer(nn.Module):
     def example_batch(
         self, mbs: int, seq: int, device: torch.device | str | None = None, seed: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Random tokens for this CP rank: ``input_ids`` and aligned ``labels``, [mbs, seq / cp].
+        """Random inputs of this stage for this CP rank, each [mbs, seq / cp, ...].
 
-        Every rank draws the same full [mbs, seq + 1] sequence from ``seed`` and keeps its chunk.
-        On the meta device the tensors have shapes only.
+        ``input_ids`` (first stage) and aligned ``labels`` (last stage): every rank draws the same
+        full [mbs, seq + 1] token sequence from ``seed`` and keeps its chunk, so each stage's
+        tokens are the whole model's. ``hidden`` (every stage but the first): N(0, 1) activations
+        [mbs, seq / cp, hidden_size] in the model's dtype with ``requires_grad``, drawn after the
+        tokens from the same generator. On the meta device the tensors have shapes only.
         """
         cp = self.layout.cp
         if seq % cp:
             raise ParallelConfigError(f"seq={seq} is not divisible by cp={cp}")
         device = torch.device(device) if device is not None else torch.get_default_device()
         chunk = seq // cp
+        dtype = self.layers[0].input_layernorm.weight.dtype
+        hidden_shape = (mbs, chunk, self.config.hidden_size)
         if device.type == "meta":
             ids = torch.empty(mbs, chunk, dtype=torch.long, device=device)
-            return {"input_ids": ids, "labels": torch.empty_like(ids)}
-        gen = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(self.config.vocab_size, (mbs, seq + 1), generator=gen)
-        lo = self.layout.cp_rank * chunk
-        return {
-            "input_ids": tokens[:, lo : lo + chunk].to(device),
-            "labels": tokens[:, lo + 1 : lo + chunk + 1].to(device),
-        }
+            labels = torch.empty_like(ids)
+            hidden = None if self.stage.is_first else torch.empty(hidden_shape, dtype=dtype, device=device)
+        else:
+            gen = torch.Generator().manual_seed(seed)
+            tokens = torch.randint(self.config.vocab_size, (mbs, seq + 1), generator=gen)
+            lo = self.layout.cp_rank * chunk
+            ids = tokens[:, lo : lo + chunk].to(device)
+            labels = tokens[:, lo + 1 : lo + chunk + 1].to(device)
+            hidden = None if self.stage.is_first else torch.randn(hidden_shape, generator=gen).to(device, dtype)
+        batch = {"input_ids": ids} if self.stage.is_first else {"hidden": hidden.requires_grad_()}
+        if self.stage.is_last:
+            batch["labels"] = labels
+        return batch
 
 
 def build_model(
@@ -482,14 +569,16 @@ def build_model(
     num_layers: int | None = None,
     dtype: torch.dtype = torch.float32,
     attention: str = "kareus",
+    stage: PipelineStage | None = None,
 ) -> Transformer:
     """The model ``name`` (see ``model_names()``) sharded for ``layout``, on the default device.
 
-    ``num_layers=None`` keeps the config's layer count. Weights are N(0, init_std) drawn from
+    ``num_layers=None`` keeps the config's layer count; it counts the whole model's layers also
+    when ``stage`` picks one pipeline stage (``stage=None``: the whole model). Weights are N(0, init_std) drawn from
     torch's global RNG: seed it with ``torch.manual_seed`` for a reproducible model.
     ``attention``: ``"kareus"`` (``kareus::attention``, one node forward and one backward on
     every device) or ``"sdpa"`` (``F.scaled_dot_product_attention``; on meta it lowers to the
     math path with the full score matrix in the graph).
     """
     config = get_config(name) if isinstance(name, str) else name
-    return Transformer(config.with_layers(num_layers), layout, dtype, attention)
+    return Transformer(config.with_layers(num_layers), layout, dtype, attention, stage)
