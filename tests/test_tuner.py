@@ -31,6 +31,7 @@ from kareus_fx.tuner import (
     tune_partition_types,
 )
 from kareus_fx.tuner.acquisition import PASSES, allocate_pass_counts
+from kareus_fx.tuner.mbo import capped_batch_size
 from kareus_fx.tuner.pareto import (
     Normalizer,
     domination_gap,
@@ -40,6 +41,7 @@ from kareus_fx.tuner.pareto import (
     pareto_mask,
     reference_point,
 )
+from kareus_fx.tuner.surrogate import BootstrapXGB, XGBParams
 from kareus_fx.tuner.synthetic import SyntheticProfiler, synthetic_partition_types
 from kareus_fx.workload import CollectiveSpec, Measurement, PartitionConfig, PartitionType
 
@@ -220,6 +222,39 @@ def test_budget_cap_by_fraction_of_space() -> None:
     assert res.stats.n_init == 9
 
 
+def test_capped_budget_keeps_the_number_of_refits() -> None:
+    budget = Budget(n_init=40, batch_size=20, max_batches=6)
+    assert capped_batch_size(budget, planned=160, n_init=40) == 20  # uncapped: the budget's batch
+    assert capped_batch_size(budget, planned=81, n_init=40) == 7  # 41 left over 6 batches
+    assert capped_batch_size(budget, planned=40, n_init=40) == 1
+    settings = MBOSettings(threshold=0.0, budgets={k: budget for k in ("small", "medium", "large")})
+    res = tune_partition(MEDIUM, SyntheticProfiler(), settings=settings, seed=0)  # 720 configs, cap 108
+    assert res.stats.n_init == 40 and res.stats.batch_size == 12
+    assert res.stats.batches == 6 and res.stats.measured == 108
+
+
+def test_surrogate_mean_follows_the_clock_between_measured_clocks() -> None:
+    """Measured at 4 of 18 clocks: plain trees would predict a constant between them; the clock
+    line makes the prediction fall with the clock in between, and the mean (the model on all
+    points) reproduces the measured points."""
+    clocks = np.linspace(0.0, 1.0, 18)
+    sms = np.linspace(0.0, 1.0, 10)
+    grid = np.array([[c, s, 0.0, 0.0, 0.5] for c in clocks for s in sms])
+
+    def truth(x: np.ndarray) -> np.ndarray:
+        return 2.0 - x[:, 0] + 0.3 * (x[:, 1] - 0.4) ** 2
+
+    train = grid[np.isin(np.round(grid[:, 0] * 17), [0, 6, 11, 17])]
+    model = BootstrapXGB(XGBParams(), seed=0).fit(train, truth(train))
+    mean, std = model.predict(grid)
+    assert np.max(np.abs(mean - truth(grid))) < 0.05
+    at_sms = mean.reshape(18, 10)[:, 4]
+    assert np.all(np.diff(at_sms) < 0), at_sms  # strictly falling: no ties between measured clocks
+    train_mean, _ = model.predict(train)
+    assert np.max(np.abs(train_mean - truth(train))) < 0.01
+    assert std.shape == mean.shape and np.all(std >= 0)
+
+
 # --------------------------------------------------------------------------------------------
 # Determinism, duplicates, provenance, serialisation
 
@@ -283,6 +318,7 @@ def test_result_json_round_trip() -> None:
     assert [p.config for p in back.frontier] == [p.config for p in res.frontier]
     assert data["frontier"] == [p.to_dict() for p in res.frontier]
     assert MBOSettings.from_dict(res.settings) == MBOSettings()
+    assert MBOSettings.from_dict(json.loads(json.dumps(res.settings))) == MBOSettings()
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,28 +370,32 @@ _KILLED_RUN = textwrap.dedent(
     from kareus_fx.tuner import CachedProfilerFactory, tune_partition_types
     from kareus_fx.tuner.synthetic import SyntheticProfiler, synthetic_partition_types
     sys.path.insert(0, os.environ["TEST_DIR"])
-    from test_tuner import LoggingProfiler
+    from test_tuner import RESUME_SETTINGS, LoggingProfiler
     factory = CachedProfilerFactory(
         os.environ["DB"],
-        functools.partial(LoggingProfiler, os.environ["LOG"], int(os.environ["KILL_AT"])),
+        functools.partial(LoggingProfiler, os.environ["LOG"], int(os.environ["KILL_AT"]), "syn_large"),
         "log",
     )
-    tune_partition_types(synthetic_partition_types(), factory, workers=1, progress=False)
+    tune_partition_types(synthetic_partition_types(), factory, settings=RESUME_SETTINGS, workers=1, progress=False)
     """
 )
+
+RESUME_SETTINGS = MBOSettings(threshold=0.0, budgets={k: Budget(12, 6, 3) for k in ("small", "medium", "large")})
+"""Small budgets (30 measurements a type, three refits) keep the killed-run test quick."""
 
 
 class LoggingProfiler(SyntheticProfiler):
     """Appends every config it really measures to a log; kills its process at its call ``kill_at``
-    (a worker builds one profiler per partition type, so the count restarts with each type)."""
+    on partition type ``kill_type`` (a worker builds one profiler per partition type)."""
 
-    def __init__(self, log_path: str, kill_at: int = 0) -> None:
+    def __init__(self, log_path: str, kill_at: int = 0, kill_type: str = "") -> None:
         super().__init__()
         self.log_path = log_path
         self.kill_at = kill_at
+        self.kill_type = kill_type
 
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
-        if self.calls + 1 == self.kill_at:
+        if ptype.type_id == self.kill_type and self.calls + 1 == self.kill_at:
             os.kill(os.getpid(), 9)  # SIGKILL mid-tuning: no cleanup, no flush
         m = super().measure(ptype, config)
         with open(self.log_path, "a") as fh:
@@ -364,22 +404,25 @@ class LoggingProfiler(SyntheticProfiler):
 
 
 def test_killed_run_resumes_without_measuring_twice(tmp_path) -> None:
-    pytest.importorskip("kareus_fx.cost_models.profile_db")
     db, log = tmp_path / "profiles.sqlite", tmp_path / "measured.log"
-    env = dict(os.environ, DB=str(db), LOG=str(log), KILL_AT="100", TEST_DIR=os.path.dirname(__file__))
+    env = dict(os.environ, DB=str(db), LOG=str(log), KILL_AT="20", TEST_DIR=os.path.dirname(__file__))
     proc = subprocess.run([sys.executable, "-c", _KILLED_RUN], env=env, capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr
     killed_at = log.read_text().splitlines()
-    assert len(killed_at) > 99 and killed_at[-1].startswith("syn_large")  # killed in the last type
+    # two finished types of 30 measurements, then 19 of the third (past its initial sample of 12)
+    assert len(killed_at) == 30 + 30 + 19 and killed_at[-1].startswith("syn_large")
 
     factory = CachedProfilerFactory(str(db), functools.partial(LoggingProfiler, str(log)), "log")
-    resumed = tune_partition_types(synthetic_partition_types(), factory, workers=1, progress=False)
+    resumed = tune_partition_types(
+        synthetic_partition_types(), factory, settings=RESUME_SETTINGS, workers=1, progress=False
+    )
     lines = log.read_text().splitlines()
     assert len(lines) == len(set(lines)), "a configuration was measured twice"
     assert len(lines) == sum(r.stats.measured for r in resumed.values()) > len(killed_at)
     # the resumed run is the run that was never killed
     fresh = tune_partition_types(
-        synthetic_partition_types(), functools.partial(SyntheticProfiler), workers=1, progress=False
+        synthetic_partition_types(), functools.partial(SyntheticProfiler), settings=RESUME_SETTINGS,
+        workers=1, progress=False,
     )
     for tid, res in fresh.items():
         assert [p.config for p in resumed[tid].points] == [p.config for p in res.points]

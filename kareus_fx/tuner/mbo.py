@@ -19,8 +19,15 @@ large    4 or more    40      20    6           135 of 900 (cap), 160 of 1,080-1
 ======== ============ ======= ===== =========== ==============================================
 
 ``MBOSettings.max_fraction`` (default 0.15) caps the measured share of the space: the initial
-sample shrinks to at most half the cap and the last batch is cut to fit. The stopping rule usually
-ends a run one or two batches before the limit.
+sample shrinks to at most half the cap and the batches shrink so that ``max_batches`` of them still
+fit in what is left (:func:`capped_batch_size`). The number of surrogate refits is what makes the
+search adaptive; cutting the last batches instead (our first version) left a forward type of a
+540-config space with 40 initial points and batches of 20, 20 and 1: three refits. Measured over 5
+seeds on the Llama MLP, Qwen MLP and Qwen attention forward types (the capped ones), mean HV ratio
+0.964 / 0.979 / 0.963 with three refits against 0.967 / 0.993 / 0.980 with batches of 7 (six
+refits), with a surrogate whose linear base used every feature; with plain trees 0.964 / 0.955 /
+0.966 against 0.978 / 0.946 / 0.971 (seed noise is about 0.01-0.02 on these types).
+The stopping rule usually ends a run one or two batches before the limit.
 
 The initial sample is large relative to the batches ("a relatively large initialisation set for
 informative exploration"). It always contains the sequential config at the maximum clock with the
@@ -135,7 +142,13 @@ class MBOSettings:
     def from_dict(cls, data: Mapping[str, Any]) -> MBOSettings:
         d = dict(data)
         d["budgets"] = {k: Budget(**v) for k, v in d.get("budgets", {}).items()} or dict(DEFAULT_BUDGETS)
-        d["xgb"] = XGBParams(**d["xgb"]) if "xgb" in d else XGBParams()
+        if "xgb" in d:
+            xgb_params = dict(d["xgb"])
+            if "linear_features" in xgb_params:
+                xgb_params["linear_features"] = tuple(xgb_params["linear_features"])
+            d["xgb"] = XGBParams(**xgb_params)
+        else:
+            d["xgb"] = XGBParams()
         if d.get("supported_clocks_mhz") is not None:
             d["supported_clocks_mhz"] = tuple(d["supported_clocks_mhz"])
         return cls(**d)
@@ -148,6 +161,13 @@ class MBOSettings:
             supported_clocks_mhz=self.supported_clocks_mhz,
             encoding=self.encoding,
         )
+
+
+def capped_batch_size(budget: Budget, planned: int, n_init: int) -> int:
+    """Batch size when at most ``planned`` measurements (``n_init`` of them initial) are allowed:
+    the budget's, or smaller so that ``max_batches`` batches still fit (see module docstring)."""
+    left = max(planned - n_init, 0)
+    return max(1, min(budget.batch_size, -(-left // budget.max_batches)))
 
 
 def converged(rel_improvements: Sequence[float], window: int, threshold: float) -> bool:
@@ -397,6 +417,7 @@ def tune_partition(
         cap = max(2, min(cap, int(settings.max_fraction * len(space))))
     planned = min(budget.max_measurements, cap)
     n_init = min(budget.n_init, (planned + 1) // 2)
+    batch_size = capped_batch_size(budget, planned, n_init)
     rng = np.random.default_rng(seed)
     rec = _Recorder(space, ptype, profiler, planned, progress)
     rec.measure(initial_sample(space, n_init, rng), ["initial"] * n_init, batch=0)
@@ -411,7 +432,7 @@ def tune_partition(
         if rec.measured.all():
             stop_reason = "exhausted"
             break
-        size = min(budget.batch_size, planned - len(rec.points))
+        size = min(batch_size, planned - len(rec.points))
         if size <= 0:
             stop_reason = "budget"
             break
@@ -453,7 +474,7 @@ def tune_partition(
         measured=len(rec.points),
         batches=batches,
         n_init=n_init,
-        batch_size=budget.batch_size,
+        batch_size=batch_size,
         max_batches=budget.max_batches,
         stop_reason=stop_reason,
         hv_history=_hv_history(rec.points, batches, settings.ref_margin, settings.ref_basis),
