@@ -10,7 +10,11 @@ graph:
 2. aot_autograd (min-cut partitioner, like ``aot_eager``) -> aten forward and backward graphs;
 3. per aten graph: node analysis against the GPU spec, nanobatch labels, partitions and types,
    reorder to the nanobatching issue order (collective as soon as possible, waits at first use);
-4. dump (``options={"dump_dir": ...}``), then run.
+4. dump (``options={"dump_dir": ...}``);
+5. with a plan (``options={"plan": PATH, "target": ..., "stage": s}``, or compile-time tuning
+   with ``"tune"``): check the graph against the plan and compile the plan's stream-scheduled
+   variants behind a microbatch dispatcher (``deploy.py``, ``passes/stream_schedule.py``);
+   without one, run the graph as it is.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import GPUSpec, gpu_spec
+from kareus_fx.deploy import Deployment
 from kareus_fx.dump import GraphDumpFile
 from kareus_fx.passes.analysis import analyse_graph
 from kareus_fx.passes.issue_order import apply_issue_order
@@ -45,13 +50,14 @@ def kareus_backend(
     opts = KareusOptions.from_user(options)
     gpu = gpu_spec(opts.gpu)
     dump = _dump_file(opts, next(_graph_counter))
+    deployment = Deployment.from_options(opts)
     nanobatched = False
     if opts.nanobatch and graph_communicates(gm, example_inputs):
         split = split_nanobatches(gm, example_inputs)
         gm, nanobatched = split.gm, split.split
     forward_labels: dict[str, int | None] = {}
 
-    def compile_aten(name: str) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
+    def compile_aten(name: str, inference: bool = False) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
         def compiler(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable[..., Any]:
             analyse_graph(aten_gm, gpu)
             partitioning = None
@@ -59,6 +65,8 @@ def kareus_backend(
                 partitioning = _schedule_nanobatches(aten_gm, name, forward_labels, gpu)
             if dump is not None:
                 dump.add(name, aten_gm, partitioning)
+            if deployment is not None and not inference:
+                return deployment.compile(name, aten_gm, partitioning, aten_inputs)
             return boxed_nop(aten_gm, aten_inputs)
 
         return compiler
@@ -66,7 +74,7 @@ def kareus_backend(
     return aot_autograd(
         fw_compiler=compile_aten("forward"),
         bw_compiler=compile_aten("backward"),
-        inference_compiler=compile_aten("forward"),
+        inference_compiler=compile_aten("forward", inference=True),
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

@@ -9,16 +9,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
+
+if TYPE_CHECKING:
+    from kareus_fx.runtime.frequency import FrequencyController
 
 _OPTION_HELP: dict[str, str] = {
     "dump_dir": "directory to write one JSON graph dump per compiled graph (str or Path)",
     "gpu": f"GPU whose spec labels ops compute- or memory-bound (default {DEFAULT_GPU})",
     "nanobatch": "split each microbatch into two nanobatches (bool, default True)",
+    "plan": "plan.json to deploy (str or Path; see kareus_fx/deploy.py)",
+    "target": "frontier point: 'max-throughput' (default), {'deadline_s': X} or {'energy_budget_j': Y}",
+    "stage": "pipeline stage this rank compiles (int, default 0)",
+    "tune": "tune at compile time: 'simulated' or 'cuda' (needs plan_out and tune_request)",
+    "plan_out": "where 'tune' writes the plan (str or Path)",
+    "tune_request": "the workload 'tune' plans: a dict of kareus_fx.planner.PlanRequest fields",
+    "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
 }
+_TARGET_KEYS = ("deadline_s", "energy_budget_j")
+_TUNE_PROFILERS = ("simulated", "cuda")
 
 
 @dataclass(frozen=True)
@@ -28,6 +40,13 @@ class KareusOptions:
     dump_dir: Path | None = None
     gpu: str = DEFAULT_GPU
     nanobatch: bool = True
+    plan: Path | None = None
+    target: str | Mapping[str, float] = "max-throughput"
+    stage: int = 0
+    tune: str | None = None
+    plan_out: Path | None = None
+    tune_request: Mapping[str, Any] | None = None
+    clock_controller: "FrequencyController | None" = None
 
     @classmethod
     def from_user(cls, options: Any) -> "KareusOptions":
@@ -63,7 +82,58 @@ class KareusOptions:
             if not isinstance(options["nanobatch"], bool):
                 raise OptionsError(f"option 'nanobatch' must be True or False, got {options['nanobatch']!r}")
             values["nanobatch"] = options["nanobatch"]
+        values.update(_deployment_options(options))
         return cls(**values)
+
+
+def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """plan, target, stage, tune, plan_out, tune_request, clock_controller (see deploy.py)."""
+    values: dict[str, Any] = {}
+    for key in ("plan", "plan_out"):
+        if options.get(key) is not None:
+            if not isinstance(options[key], (str, Path)):
+                raise OptionsError(f"option {key!r} must be a path (str or Path), got {type(options[key]).__name__}")
+            values[key] = Path(options[key])
+    if "target" in options:
+        values["target"] = _target(options["target"])
+    if "stage" in options:
+        stage = options["stage"]
+        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
+            raise OptionsError(f"option 'stage' must be a pipeline stage index (int >= 0), got {stage!r}")
+        values["stage"] = stage
+    if options.get("tune") is not None:
+        if options["tune"] not in _TUNE_PROFILERS:
+            raise OptionsError(f"option 'tune' must be one of {', '.join(_TUNE_PROFILERS)}, got {options['tune']!r}")
+        if options.get("plan") is not None:
+            raise OptionsError("give option 'plan' (deploy a plan) or 'tune' (make one), not both")
+        values["tune"] = options["tune"]
+    if options.get("tune_request") is not None:
+        if not isinstance(options["tune_request"], Mapping):
+            raise OptionsError(f"option 'tune_request' must be a dict of PlanRequest fields, got {options['tune_request']!r}")
+        values["tune_request"] = dict(options["tune_request"])
+    if options.get("clock_controller") is not None:
+        from kareus_fx.runtime.frequency import FrequencyController
+
+        if not isinstance(options["clock_controller"], FrequencyController):
+            raise OptionsError(
+                "option 'clock_controller' must be a kareus_fx.runtime.frequency.FrequencyController "
+                f"(e.g. FrequencyController.open('dry-run')), got {type(options['clock_controller']).__name__}"
+            )
+        values["clock_controller"] = options["clock_controller"]
+    return values
+
+
+def _target(target: Any) -> str | dict[str, float]:
+    if target == "max-throughput":
+        return target
+    if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in _TARGET_KEYS:
+        (key, value), = target.items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return {key: float(value)}
+    raise OptionsError(
+        f"option 'target' must be 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}} "
+        f"with a positive number, got {target!r}"
+    )
 
 
 def _valid_keys_text() -> str:

@@ -1,0 +1,402 @@
+"""Deploy a plan through the backend: pick the point, check the plan fits, compile, dispatch.
+
+``torch.compile(model, backend="kareus", options={"plan": PATH, "target": ..., "stage": s})``:
+
+1. At the first graph: load the plan (:func:`~kareus_fx.plan_format.load_plan`: a corrupt file
+   raises :class:`~kareus_fx.plan_format.PlanFormatError` as is), pick the frontier point of
+   ``target``, and refuse (:class:`PlanMismatchError`, saying what differs) a plan made for
+   another GPU (``options["gpu"]`` against the plan's), another world size (the initialised
+   process group against ``workload.world_size`` = tp x cp x pp; data parallelism is not
+   supported), or a stage the pipeline does not have.
+2. Per aten graph (forward, backward): refuse another rank layout (the group sizes of the
+   graph's collectives against the plan's tp and cp) and another graph (fingerprint of the
+   nanobatched, issue-ordered graph, as ``kareus plan`` computes it, against the plan's stage
+   graph: another model, microbatch size, sequence length, dtype or layer count).
+3. Variants: the chosen point gives every microbatch of this stage's forward and backward an
+   option (clock and per partition type a comm SM count and launch slot, or sequential). One
+   stream-scheduled GraphModule (``passes/stream_schedule.py``) is compiled per distinct set of
+   per-type schedules; at run time a dispatcher picks the variant of the running microbatch.
+   The running microbatch comes from the active
+   :class:`~kareus_fx.runtime.pipeline_hook.StepContext` (a pipeline schedule or a loop that
+   calls ``next_instruction``) when it runs this instruction, otherwise from a count of this
+   graph's forward (backward) calls modulo the plan's microbatches (a plain training loop
+   running forward and backward of each microbatch in order).
+4. Clocks: with ``options["clock_controller"]`` (a
+   :class:`~kareus_fx.runtime.frequency.FrequencyController`, any mode) the graphs' clock hooks
+   request the plan's clock of the running instruction; without one they do nothing.
+
+Known limitations: a microbatch option that is sequential as a whole (``configs: null``: the
+plan priced the un-split Megatron-LM microbatch) runs the nanobatched graph with every
+partition sequential, because the forward and backward of one microbatch must come from the
+same split; inference graphs (``torch.no_grad``) run the nanobatching order without the plan.
+
+Compile-time tuning (``options={"tune": "simulated", "plan_out": PATH, "tune_request": {...}}``)
+runs :func:`kareus_fx.planner.make_plan` on the :class:`~kareus_fx.planner.PlanRequest` given in
+``tune_request`` (model, tp, cp, pp, microbatches, mbs, seq, layers, ...): the planner traces the
+reference model at full size on the meta device under the fake process group, so it runs in a
+spawned process (rank 0 only; the other ranks wait at a barrier), not on the live graph, and it
+knows only the reference models. The plan is written to ``plan_out`` and then deployed like
+``options["plan"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing as mp
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch._dynamo.backends.debugging import boxed_nop
+
+from kareus_fx.compose.pipeline import INSTRUCTIONS, PipelineNode
+from kareus_fx.config import KareusOptions
+from kareus_fx.cost_models.hardware import DEFAULT_GPU
+from kareus_fx.dump import graph_record
+from kareus_fx.errors import KareusError, OptionsError
+from kareus_fx.graph_workload import graph_fingerprint
+from kareus_fx.hook_ops import ClockBinding, set_running
+from kareus_fx.passes.analysis import META_KEY
+from kareus_fx.passes.partitions import GraphPartitioning
+from kareus_fx.passes.stream_schedule import (
+    CommSchedule,
+    GroupRewrite,
+    ScheduledPartition,
+    copy_partitioned_graph,
+    insert_clock_hook,
+    schedule_partitions,
+)
+from kareus_fx.plan_format import Plan, load_plan, write_plan
+from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
+
+__all__ = ["DeployedGraph", "Deployment", "PlanMismatchError", "clock_schedule", "copy_graph", "deployed_graphs"]
+
+
+class PlanMismatchError(KareusError, ValueError):
+    """A valid plan made for another graph, world size, rank layout, GPU or pipeline stage."""
+
+
+@dataclass(frozen=True)
+class DeployedGraph:
+    """One compiled variant: print ``gm.code`` (or ``gm.print_readable()``) to see the schedule."""
+
+    name: str
+    stage: int
+    microbatches: tuple[int, ...]
+    gm: torch.fx.GraphModule
+    partitions: tuple[ScheduledPartition, ...]
+
+
+_DEPLOYED: list[DeployedGraph] = []
+_GROUP_BACKENDS: dict[str, Any] = {}
+"""Per base group name, the runtime's SM-limited communicators (created once per process)."""
+
+
+def deployed_graphs() -> list[DeployedGraph]:
+    """Every variant compiled from a plan in this process, oldest first."""
+    return list(_DEPLOYED)
+
+
+def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
+    """The plan's clock of every (stage, instruction, microbatch) at frontier point ``point_index``."""
+    workload = plan.workload
+    return ClockSchedule.from_entries(
+        (stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
+        for stage in range(workload["pp"]) for name in INSTRUCTIONS for mb in range(workload["microbatches"])
+    )
+
+
+class MicrobatchCursor:
+    """Which microbatch of this stage runs an instruction (see the module docstring, step 3)."""
+
+    def __init__(self, stage: int, microbatches: int) -> None:
+        self.stage = stage
+        self.microbatches = microbatches
+        self._calls = {name: 0 for name in INSTRUCTIONS}
+
+    def next(self, instruction: str) -> PipelineNode:
+        context = active_step_context()
+        current = None if context is None else context.current
+        if current is not None and current.instruction == instruction:
+            if current.stage != self.stage or current.microbatch >= self.microbatches:
+                raise PlanMismatchError(
+                    f"the pipeline hook runs {current} but this graph was compiled for stage "
+                    f"{self.stage} of a plan with {self.microbatches} microbatches; pass "
+                    f"options={{'stage': {current.stage}}} or re-plan for this pipeline"
+                )
+            return current
+        microbatch = self._calls[instruction] % self.microbatches
+        self._calls[instruction] += 1
+        return PipelineNode(self.stage, instruction, microbatch)  # type: ignore[arg-type]
+
+
+@dataclass
+class Deployment:
+    """A plan deployed on one Dynamo graph of this rank's pipeline stage."""
+
+    plan: Plan
+    point_index: int
+    stage: int
+    clock: ClockBinding | None
+    dump_dir: Path | None = None
+    cursor: MicrobatchCursor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cursor = MicrobatchCursor(self.stage, self.plan.workload["microbatches"])
+
+    @classmethod
+    def from_options(cls, opts: KareusOptions) -> Deployment | None:
+        """The deployment ``opts`` ask for (tuning first when asked), or None without a plan."""
+        path = _tuned_plan(opts) if opts.tune is not None else opts.plan
+        if path is None:
+            return None
+        plan = load_plan(path)
+        _check_plan_fits(plan, opts)
+        point = plan.point_index(opts.target)
+        clock = None
+        if opts.clock_controller is not None:
+            clock = ClockBinding(opts.clock_controller, clock_schedule(plan, point))
+        return cls(plan=plan, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir)
+
+    def compile(
+        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None, example_inputs: list[Any]
+    ) -> Callable[..., Any]:
+        """Check ``gm`` against the plan and compile its variants behind a microbatch dispatcher."""
+        stage_graph = self.plan.data["stages"][self.stage]["graphs"][name]
+        self._check_layout(name, gm)
+        self._check_fingerprint(name, gm, partitioning, stage_graph)
+        variant_of: list[str] = []
+        schedules: dict[str, dict[str, CommSchedule]] = {}
+        for mb in range(self.cursor.microbatches):
+            option = self.plan.option(self.point_index, self.stage, name, mb)
+            per_type = self._schedules(name, option, partitioning, stage_graph["partition_types"])
+            key = json.dumps({t: dataclasses.astuple(s) for t, s in sorted(per_type.items())})
+            schedules.setdefault(key, per_type)
+            variant_of.append(key)
+        variants = {}
+        for key, per_type in schedules.items():
+            microbatches = tuple(mb for mb, k in enumerate(variant_of) if k == key)
+            variants[key] = self._compile_variant(name, gm, partitioning, per_type, microbatches, example_inputs)
+        return self._dispatcher(name, variants, variant_of)
+
+    # ----- checks ------------------------------------------------------------------------------
+    def _check_layout(self, name: str, gm: torch.fx.GraphModule) -> None:
+        workload = self.plan.workload
+        planned = {workload["tp"], workload["cp"]} - {1}
+        live = {
+            node.meta[META_KEY].collective.group_size
+            for node in gm.graph.nodes
+            if META_KEY in node.meta and node.meta[META_KEY].kind == "collective"
+        }
+        unexpected = sorted(size for size in live if size is not None and size not in planned)
+        if unexpected:
+            raise PlanMismatchError(
+                f"rank layout differs from the plan {self.plan.source}: the {name} graph communicates "
+                f"over groups of {unexpected} ranks, but the plan was made for tp={workload['tp']}, "
+                f"cp={workload['cp']} (groups of {sorted(planned) or 'no'} ranks); build the model "
+                f"with that layout or re-plan with `kareus plan` for this one"
+            )
+
+    def _check_fingerprint(
+        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
+        stage_graph: Mapping[str, Any],
+    ) -> None:
+        record = graph_record(name, gm, partitioning)
+        live = graph_fingerprint(record)
+        planned = stage_graph["fingerprint"]
+        if live == planned:
+            return
+        workload = self.plan.workload
+        what = ", ".join(f"{k}={workload[k]}" for k in ("model", "tp", "cp", "pp", "mbs", "seq", "layers"))
+        if partitioning is None and live == stage_graph.get("sequential_fingerprint"):
+            raise PlanMismatchError(
+                f"the {name} graph ran un-split (options nanobatch=False, or the nanobatch split fell "
+                f"back with a warning) but the plan {self.plan.source} was made for the nanobatched "
+                f"graph; drop nanobatch=False or re-plan"
+            )
+        ops = [n for n in record["nodes"] if n["kind"] in ("compute", "collective")]
+        collectives = sum(1 for n in ops if n["kind"] == "collective")
+        live_types = sorted(partitioning.types) if partitioning is not None else []
+        planned_types = sorted(stage_graph["partition_types"])
+        types_note = (
+            "the same partition types" if live_types == planned_types
+            else f"partition types {live_types or 'none'} (the plan has {planned_types or 'none'})"
+        )
+        raise PlanMismatchError(
+            f"the {name} graph of stage {self.stage} is not the graph the plan {self.plan.source} was "
+            f"made for (fingerprint {live} vs the plan's {planned}): it has {len(ops) - collectives} "
+            f"compute ops, {collectives} collectives and {types_note}. The plan is for {what} with "
+            f"the reference model's dtype; another model, microbatch size, sequence length, layer "
+            f"count or dtype gives another graph: re-plan with `kareus plan` for this workload"
+        )
+
+    def _schedules(
+        self, name: str, option: Mapping[str, Any], partitioning: GraphPartitioning | None,
+        plan_types: Mapping[str, str],
+    ) -> dict[str, CommSchedule]:
+        """Per local partition type: the option's schedule (every type sequential if it is)."""
+        if partitioning is None:
+            return {}
+        configs = option["configs"]
+        result = {}
+        for local in sorted(partitioning.types):
+            if configs is None:
+                result[local] = CommSchedule(comm_sms=None, launch_slot=None)
+                continue
+            config = configs.get(plan_types[local])
+            if config is None:
+                raise PlanMismatchError(
+                    f"the plan {self.plan.source} gives {name} type {plan_types[local]} no schedule at "
+                    f"point {self.point_index}; regenerate the plan with `kareus plan`"
+                )
+            result[local] = CommSchedule(comm_sms=config["comm_sms"], launch_slot=config["launch_slot"])
+        return result
+
+    # ----- compile and dispatch -------------------------------------------------------------------
+    def _compile_variant(
+        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
+        per_type: Mapping[str, CommSchedule], microbatches: tuple[int, ...], example_inputs: list[Any],
+    ) -> Callable[..., Any]:
+        if partitioning is None:
+            variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
+            insert_clock_hook(variant, self.stage, name)
+            summary: list[ScheduledPartition] = []
+        else:
+            variant, copied = copy_partitioned_graph(gm, partitioning)
+            summary = schedule_partitions(variant, copied, per_type, stage=self.stage, instruction=name,
+                                          group_for=self._group_rewrite())
+        deployed = DeployedGraph(name=name, stage=self.stage, microbatches=microbatches, gm=variant,
+                                 partitions=tuple(summary))
+        _DEPLOYED.append(deployed)
+        if self.dump_dir is not None:
+            self._write_code(deployed)
+        return boxed_nop(variant, example_inputs)
+
+    def _dispatcher(self, name: str, variants: Mapping[str, Callable[..., Any]], variant_of: list[str]) -> Callable[..., Any]:
+        cursor, clock = self.cursor, self.clock
+
+        def run(args: list[Any]) -> Any:
+            node = cursor.next(name)
+            set_running(node, clock)
+            return variants[variant_of[node.microbatch]](args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    def _group_rewrite(self) -> GroupRewrite | None:
+        """The runtime's SM-limited communicator per (group, SM count); None without a process group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        from kareus_fx.runtime.collectives import CollectiveBackends
+
+        def group_for(group_name: str, comm_sms: int) -> str:
+            backends = _GROUP_BACKENDS.get(group_name)
+            if backends is None:
+                backends = _GROUP_BACKENDS[group_name] = CollectiveBackends(_resolve_process_group(group_name))
+            return backends.group_name_for(comm_sms)
+
+        return group_for
+
+    def _write_code(self, deployed: DeployedGraph) -> None:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        mbs = "-".join(map(str, deployed.microbatches))
+        path = self.dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}_mb{mbs}_rank{rank}.py"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(deployed.gm.code)
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """An independent copy of ``graph`` (node metadata copied shallowly)."""
+    copy = torch.fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    return copy
+
+
+def _check_plan_fits(plan: Plan, opts: KareusOptions) -> None:
+    """GPU, world size and stage (step 1 of the module docstring)."""
+    workload = plan.workload
+    if plan.gpu != opts.gpu:
+        raise PlanMismatchError(
+            f"GPU differs: the plan {plan.source} was made for {plan.gpu}, but options gpu is {opts.gpu} "
+            f"({DEFAULT_GPU} when not given); pass options gpu={plan.gpu!r} if this job runs on that "
+            f"GPU, or re-plan with `kareus plan --gpu {opts.gpu}`"
+        )
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world != workload["world_size"]:
+        raise PlanMismatchError(
+            f"world size differs: the plan {plan.source} was made for {workload['world_size']} processes "
+            f"(tp={workload['tp']} x cp={workload['cp']} x pp={workload['pp']}) but this job runs {world}; "
+            f"launch {workload['world_size']} processes or re-plan with `kareus plan` for {world}"
+        )
+    if opts.stage >= workload["pp"]:
+        raise PlanMismatchError(
+            f"options stage={opts.stage}, but the plan {plan.source} has {workload['pp']} pipeline "
+            f"stage(s); pass the stage this rank runs (0..{workload['pp'] - 1})"
+        )
+
+
+# ----- compile-time tuning ----------------------------------------------------------------------
+_TUNED: set[Path] = set()
+
+
+def _tuned_plan(opts: KareusOptions) -> Path:
+    """Plan ``opts.tune_request`` once per process into ``opts.plan_out`` (module docstring)."""
+    from kareus_fx.planner import PlanRequest, validate_plan_request
+
+    if opts.plan_out is None or opts.tune_request is None:
+        raise OptionsError(
+            "option 'tune' needs 'plan_out' (where to write the plan) and 'tune_request' (the workload: "
+            "{'model': 'tiny-llama', 'tp': 2, 'cp': 1, 'pp': 1, 'microbatches': 2, 'mbs': 4, 'seq': 64, "
+            "'layers': 2}); the tuner plans a reference model at full size, not the live graph"
+        )
+    known = {f.name for f in dataclasses.fields(PlanRequest)} - {"gpu", "profiler"}
+    unknown = sorted(set(opts.tune_request) - known)
+    if unknown:
+        raise OptionsError(f"option 'tune_request': unknown field(s) {unknown}; valid: {sorted(known)}")
+    try:
+        request = PlanRequest(**opts.tune_request, gpu=opts.gpu, profiler=opts.tune)
+    except TypeError as err:
+        raise OptionsError(f"option 'tune_request': {err}") from None
+    validate_plan_request(request)
+    path = opts.plan_out
+    if path in _TUNED:
+        return path
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed or dist.get_rank() == 0:
+        _plan_in_child(request, path)
+    if distributed:
+        dist.barrier()
+    _TUNED.add(path)
+    return path
+
+
+def _plan_in_child(request: Any, path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_plan_worker, args=(request, str(path), send), name="kareus-tune")
+    child.start()
+    send.close()
+    try:
+        error = receive.recv()
+    except EOFError:
+        error = "the tuning process ended without a result (killed?)"
+    child.join()
+    if error is not None:
+        raise KareusError(f"compile-time tuning failed: {error}")
+
+
+def _plan_worker(request: Any, path: str, send: Any) -> None:
+    from kareus_fx.planner import make_plan
+
+    try:
+        write_plan(path, make_plan(request, Path(path).parent / (Path(path).stem + "-work"), progress=False).data)
+        send.send(None)
+    except BaseException as err:  # noqa: BLE001 - sent to the compiling process
+        send.send(f"{type(err).__name__}: {err}")
