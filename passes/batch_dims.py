@@ -339,6 +339,11 @@ def is_rng(node: fx.Node) -> bool:
         "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like")
 
 
+def is_barrier(node: fx.Node) -> bool:
+    """Nothing may move across a global-state switch, an in-place op or a random op."""
+    return is_global_state_op(node) or is_inplace(node) or (node.op != "placeholder" and is_rng(node))
+
+
 # --------------------------------------------------------------------------------------------
 
 

@@ -63,6 +63,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch.fx._lazy_graph_module import _make_graph_module
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from kareus_fx.passes.batch_dims import (
@@ -74,11 +75,10 @@ from kareus_fx.passes.batch_dims import (
     Step,
     Unsupported,
     _shape,
-    is_global_state_op,
-    is_inplace,
-    is_rng,
+    is_barrier,
     op_name,
 )
+from kareus_fx.passes.nanobatch_verify import FakeRun, verify_split
 
 __all__ = [
     "NANOBATCH_META",
@@ -146,7 +146,7 @@ def split_nanobatches(
                            allow_rng=allow_rng).run()
         emitter = _Emitter(an)
         new_gm = emitter.build()
-        _verify(new_gm, emitter, fake_mode, fake_inputs)
+        verify_split(new_gm, fake_mode, fake_inputs, an.halves, emitter.expected, emitter.body_of)
         _interleave(new_gm.graph)
         new_gm.graph.lint()
         new_gm.recompile()
@@ -219,7 +219,7 @@ def _values(gm, placeholders, mode, fake_inputs) -> dict[fx.Node, Any]:
     tensor_nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
     if all("example_value" in n.meta for n in tensor_nodes + placeholders):
         return {n: n.meta.get("example_value") for n in gm.graph.nodes}
-    run = _FakeRun(gm, mode)
+    run = FakeRun(gm, mode)
     run.run(*fake_inputs)
     return {**run.vals, **{n: n.meta.get("example_value") for n in gm.graph.nodes
                            if n not in run.vals and "example_value" in n.meta}}
@@ -444,101 +444,21 @@ class _Emitter:
 
 
 def _graph_module(orig: fx.GraphModule, graph: fx.Graph, new_attrs: dict) -> fx.GraphModule:
+    """A module for ``graph``, of the class Dynamo itself builds (``_make_graph_module``): a
+    ``_LazyGraphModule`` unless ``TORCH_COMPILE_USE_LAZY_GRAPH_MODULE=0``. Its Python code is
+    generated only if something calls or prints it; ``aot_autograd`` and the HOPs run graphs
+    through ``fx.Interpreter``, so the several hundred HOP bodies of a deep model never need it."""
     root = {}
     for n in graph.nodes:
         if n.op in ("get_attr", "call_module"):
             root[n.target] = new_attrs[n.target] if n.target in new_attrs else _fetch(orig, n.target)
-    return fx.GraphModule(root, graph, class_name=type(orig).__name__)
+    return _make_graph_module(root, graph, class_name=type(orig).__name__)
 
 
 def _fetch(mod, target: str):
     for part in target.split("."):
         mod = getattr(mod, part)
     return mod
-
-
-# --------------------------------------------------------------------------------------------
-# Verification: a fake run of the split graph; every node must have its expected shape.
-
-
-class _FakeRun(fx.Interpreter):
-    """Runs a graph on fake tensors; with ``expected``, checks every listed node's shape and
-    records the fake values as ``meta["example_value"]`` (as Dynamo does)."""
-
-    def __init__(self, gm, mode, halves=None, expected=None, bodies=None):
-        super().__init__(gm)
-        self.mode = mode
-        self.halves = halves
-        self.vals: dict[fx.Node, Any] = {}
-        self.expected = expected
-        self.bodies = bodies or {}
-
-    def run(self, *args):
-        with self.mode:
-            return super().run(*args)
-
-    def run_node(self, n):
-        try:
-            out = super().run_node(n)
-        except Unsupported:
-            raise
-        except Exception as e:  # a rewrite produced an op that does not run
-            raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): "
-                              f"{type(e).__name__}: {e}") from None
-        self.vals[n] = out
-        if self.expected is not None:
-            if n in self.expected:
-                self._check_shape(n, out, *self.expected[n])
-            if n.op not in ("output", "get_attr"):
-                n.meta["example_value"] = out
-        if n in self.bodies:
-            self._check_bodies(n)
-        return out
-
-    def _run_sub(self, gm, *args):
-        return _FakeRun(gm, self.mode, self.halves, self.expected, self.bodies).run(*args)
-
-    def _check_bodies(self, n):
-        """Run a HOP's per-nanobatch bodies on its fake inputs (and an autograd.Function's
-        backward body on fake gradients), so shapes inside the bodies are checked too."""
-        bodies = self.bodies[n]
-        args = [self.vals[a] if isinstance(a, fx.Node) else a for a in n.args[len(bodies):]]
-        if len(bodies) == 1:  # tag_activation_checkpoint
-            self._run_sub(bodies[0], *args)
-            return
-        fwd, bwd = bodies
-        fwd_outs, saved = self._run_sub(fwd, *args)
-        self._run_sub(bwd, *[torch.zeros_like(o) for o in fwd_outs], *saved)
-
-    def _check_shape(self, n, out, v, info, h) -> None:
-        want = self._want(v, info, h)
-        got = _shapes(out)
-        if want is not None and got != want:
-            raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): shape {got}, "
-                              f"expected {want}")
-
-    def _want(self, v, info, h):
-        if isinstance(v, (tuple, list)):
-            infos = info if isinstance(info, tuple) else (info,) * len(v)
-            return tuple(self._want(x, i, h) for x, i in zip(v, infos))
-        if not isinstance(v, torch.Tensor):
-            return None
-        s = list(_shape(v))
-        if isinstance(info, BatchDim):
-            s[info.dim] = info.size(self.halves[h])
-        return tuple(s)
-
-
-def _shapes(out):
-    if isinstance(out, (tuple, list)):
-        return tuple(_shapes(o) for o in out)
-    if not isinstance(out, torch.Tensor):
-        return None
-    return tuple(int(s) for s in out.shape)
-
-
-def _verify(gm: fx.GraphModule, emitter: _Emitter, mode, fake_inputs) -> None:
-    _FakeRun(gm, mode, emitter.an.halves, emitter.expected, emitter.body_of).run(*fake_inputs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,16 +502,12 @@ def _has_collective(n: fx.Node) -> bool:
     return False
 
 
-def _is_barrier(n: fx.Node) -> bool:
-    return is_global_state_op(n) or is_inplace(n) or (n.op != "placeholder" and is_rng(n))
-
-
 def _interleave(graph: fx.Graph) -> None:
     """Reorder ``graph`` in place into the nanobatching issue order (module docstring)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     segments, cur = [], []
     for n in nodes:
-        if _is_barrier(n):
+        if is_barrier(n):
             segments += [cur, [n]]
             cur = []
         else:

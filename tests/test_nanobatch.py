@@ -522,6 +522,126 @@ def test_unknown_op_on_batch_falls_back_naming_it():
 
 
 # ---------------------------------------------------------------------------------------------
+# The soundness check of the split graph (passes/nanobatch_verify.py): its output memo
+
+
+class _Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class RepeatedLayers(nn.Module):
+    """Identical layers with an autograd.Function each: the graph the memo is for."""
+
+    def __init__(self, d=8, layers=3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x, y):
+        for layer in self.layers:
+            x = torch.tanh(_Scale.apply(layer(x)))
+        return F.mse_loss(x, y)
+
+
+def _repeated_layers_inputs():
+    return torch.randn(4, 5, 8), torch.randn(4, 5, 8)
+
+
+def _capture_verify(monkeypatch, corrupt=None):
+    """Record each ``verify_split`` call (after ``corrupt(gm, expected, bodies)`` if given)."""
+    import kareus_fx.passes.nanobatch as nanobatch
+    from kareus_fx.passes import nanobatch_verify
+
+    calls = []
+
+    def spy(gm, mode, fake_inputs, halves, expected, bodies, **kwargs):
+        if corrupt is not None:
+            corrupt(gm, expected, bodies)
+        calls.append((gm, mode, fake_inputs, halves, expected, bodies))
+        run = nanobatch_verify.verify_split(gm, mode, fake_inputs, halves, expected, bodies, **kwargs)
+        calls[-1] += (run,)
+        return run
+
+    monkeypatch.setattr(nanobatch, "verify_split", spy)
+    return calls
+
+
+def _node_metadata(gm, bodies):
+    """(shape, stride, dtype, device, requires_grad) of every node's example_value, bodies too."""
+    modules = [("", gm)] + [(f"{n.name}/{i}", b) for n, bs in bodies.items() for i, b in enumerate(bs)]
+    out = {}
+    for prefix, module in modules:
+        for node in module.graph.nodes:
+            value = node.meta.get("example_value")
+            leaves = value if isinstance(value, (tuple, list)) else (value,)
+            out[f"{prefix}:{node.name}"] = tuple(
+                (tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
+                if isinstance(v, torch.Tensor) else v for v in leaves)
+    return out
+
+
+def test_verify_memo_gives_the_values_of_a_full_run(monkeypatch):
+    from kareus_fx.passes.nanobatch_verify import verify_split
+
+    torch.manual_seed(0)
+    calls = _capture_verify(monkeypatch)
+    backend = Capture()
+    ref, got = run_eager_and_compiled(RepeatedLayers(), _repeated_layers_inputs(), backend)
+    assert backend.result.split, backend.result.reason
+    assert_same(ref, got)
+    gm, mode, fake_inputs, halves, expected, bodies, run = calls[0]
+    served = run.memo.served
+    # Nanobatch B and the later layers repeat the first layer of A, HOPs included.
+    hops = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.autograd_function_apply]
+    assert len(hops) == 6 and sum(n in served for n in hops) == 5
+    # Linears in emission order A1 B1 A2 B2 A3 B3: B1's input slice has another storage offset
+    # and A2's input requires grad (A1's does not), so those run; the rest repeat one of them.
+    linears = [n for n in expected if op_name(n) == "linear"]  # emission order
+    assert [n in served for n in linears] == [False, False, False, True, True, True]
+    with_memo = _node_metadata(gm, bodies)
+    full = verify_split(gm, mode, fake_inputs, halves, expected, bodies, reuse_outputs=False)
+    assert full.memo is None
+    assert _node_metadata(gm, bodies) == with_memo
+
+
+def test_verify_checks_a_node_the_memo_answers(monkeypatch):
+    """A wrong expectation on the last layer's nanobatch-B linear (a memo hit) is caught."""
+
+    def corrupt(gm, expected, bodies):
+        node = [n for n in gm.graph.nodes if op_name(n) == "linear" and n.meta[NANOBATCH_META] == 1][-1]
+        value, info, half = expected[node]
+        expected[node] = (torch.empty(4, 5, 3), info, half)
+
+    torch.manual_seed(0)
+    calls = _capture_verify(monkeypatch, corrupt)
+    _, _, backend = _expect_fallback(RepeatedLayers(), _repeated_layers_inputs(), "internal check failed")
+    assert "shape (2, 5, 8), expected (2, 5, 3)" in backend.result.reason
+    assert len(calls) == 1
+
+
+def test_verify_checks_the_bodies_of_a_repeated_function(monkeypatch):
+    """A wrong expectation inside the last HOP's forward body (its op and inputs repeat the
+    first HOP's) is caught: the bodies' expected shapes are part of the memo key."""
+
+    def corrupt(gm, expected, bodies):
+        hop = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.autograd_function_apply][-1]
+        fwd_body = bodies[hop][0]
+        node = next(n for n in fwd_body.graph.nodes if op_name(n) == "mul")
+        value, info, half = expected[node]
+        expected[node] = (torch.empty(4, 5, 3), info, half)
+
+    torch.manual_seed(0)
+    _capture_verify(monkeypatch, corrupt)
+    _, _, backend = _expect_fallback(RepeatedLayers(), _repeated_layers_inputs(), "internal check failed")
+    assert "(mul): shape (2, 5, 8), expected (2, 5, 3)" in backend.result.reason
+
+
+# ---------------------------------------------------------------------------------------------
 # Functional collectives inside a custom autograd.Function (single-process gloo group)
 
 
