@@ -40,7 +40,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Lower-right-aligned causal attention of ``q [b, h, sq, d]`` over ``k, v [b, hkv, sk, d]``."""
     if k.shape[-2] < q.shape[-2]:
         raise ValueError(f"attention needs seq_k >= seq_q, got seq_q={q.shape[-2]}, seq_k={k.shape[-2]}")
-    return _reference_attention(q, k, v, scale)
+    # Contiguous, like the fake: SDPA's CPU kernels may return another layout for transposed inputs.
+    return _reference_attention(q, k, v, scale).contiguous()
 
 
 @attention.register_fake
@@ -73,12 +74,14 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale:
     def fold(t: Tensor) -> Tensor:
         return t.unflatten(1, (k.shape[1], group)).sum(dim=2)
 
-    return grad_q, fold(grad_k_full), fold(grad_v_full)
+    return grad_q.contiguous(), fold(grad_k_full).contiguous(), fold(grad_v_full).contiguous()
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous like the real op's matmul outputs (not empty_like: q, k, v are usually transposed
+    # views, and a stride mismatch breaks the views aot_autograd puts after this op).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library signature)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kareus_fx.attention_op import attention, attention_flops, causal_pair_fraction
+from kareus_fx.attention_op import attention, attention_backward, attention_flops, causal_pair_fraction
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.passes.analysis import analyse_graph
 
@@ -41,6 +41,34 @@ def test_opcheck():
     q = torch.randn(1, 2, 4, 8)
     kv = torch.randn(1, 2, 6, 8)
     torch.library.opcheck(attention, (q, kv, kv.clone(), 0.5))
+
+
+def test_opcheck_on_transposed_views_as_the_models_pass_them():
+    """The fakes must give the real ops' strides: the models pass [b, s, h, d].transpose(1, 2)
+    views, and a stride mismatch broke aot_autograd's views after the backward op (tp=1)."""
+    q = torch.randn(2, 16, 4, 8).transpose(1, 2)
+    k = torch.randn(2, 16, 2, 8).transpose(1, 2)
+    v = torch.randn(2, 16, 2, 8).transpose(1, 2)
+    torch.library.opcheck(attention, (q, k, v, 0.5))
+    torch.library.opcheck(attention_backward, (torch.randn(2, 4, 16, 8), q, k, v, 0.5))
+
+
+def test_tp1_model_compiles_forward_and_backward():
+    from kareus_fx.models import ParallelLayout, build_model
+
+    torch._dynamo.reset()
+    model = build_model("tiny-llama", ParallelLayout(), num_layers=1)
+    model.init_weights(seed=0)
+    batch = model.example_batch(mbs=2, seq=16)
+    eager_loss = model(**batch)
+    eager_loss.backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    loss = torch.compile(model, backend="aot_eager", fullgraph=True)(**batch)
+    loss.backward()
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, eager_grads[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_one_node_each_way_on_meta_with_causal_flops():
