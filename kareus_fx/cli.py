@@ -72,7 +72,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--suite", choices=sorted(SUITES), default="smoke", help="smoke (CI) or paper (releases)")
     bench.add_argument("--baseline", type=Path, default=Path("bench/baseline.json"), help="baseline file")
-    bench.add_argument("--update", action="store_true", help="rewrite the baseline file with this run's results")
+    bench.add_argument("--update", action="store_true",
+                       help="record this run's cases in the baseline file (other cases kept)")
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     bench.add_argument("--ablate", choices=sorted(ABLATIONS), default=None,
                        help="turn a part of the planner off (checks that the runner catches a worse planner)")
@@ -95,6 +96,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                        ("layers", "decoder layers (default: the model's)")):
         plan.add_argument(f"--{name}", type=int, default=None, help=what)
     plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU to plan for (default {DEFAULT_GPU})")
+    plan.add_argument("--dtype", default="bfloat16", help="model dtype: bfloat16 (default), float16, float32")
     plan.add_argument("--profiler", default="simulated", help="simulated (default) or cuda")
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
@@ -108,7 +110,7 @@ def _plan_request(args: argparse.Namespace):
     from kareus_fx.planner import PlanRequest, plan_request_from_preset
 
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
-    common = dict(gpu=args.gpu, profiler=args.profiler, seed=args.seed, workers=args.workers,
+    common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
                   clock_stride_mhz=args.clock_stride)
     if args.preset:
         if args.model:

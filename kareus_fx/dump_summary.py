@@ -92,3 +92,16 @@ def collectives_by_layer_text(dump: dict[str, Any]) -> str:
         outside = ", ".join(f"{k} {v}" for k, v in sorted(s.collectives_outside_layers.items())) or "none"
         lines.append(f"{graph['name']} collectives: {layers_text}; outside the layers: {outside}")
     return "\n".join(lines)
+
+
+def short_op_name(target: str) -> str:
+    """``aten.mm.default`` -> ``mm``; other targets unchanged."""
+    return target.split(".")[1] if target.startswith(("aten.", "kareus.")) and "." in target else target
+
+
+def short_ops_text(targets: list[str]) -> str:
+    """A slot's ops in a few words: the op, or the first and last of several and how many."""
+    names = [short_op_name(t) for t in targets]
+    if not names:
+        return "no ops"
+    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} ops)"

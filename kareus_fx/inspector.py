@@ -1,13 +1,30 @@
-"""``kareus inspect``: read a graph dump without the model code and show what the passes found."""
+"""``kareus inspect``: read a graph dump or a plan without the model code and show what it holds.
+
+A file is a plan when its JSON has ``"format": "kareus-plan"`` (``plan_format``); otherwise it
+must be a graph dump (``dump``). Both render as text (rich) or as one self-contained HTML page.
+"""
 
 from __future__ import annotations
 
+import html
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from kareus_fx.dump_summary import summary_table
+from kareus_fx.dump import load_dump
+from kareus_fx.dump_summary import short_ops_text, summary_table
+from kareus_fx.errors import KareusError
+from kareus_fx.plan_format import PLAN_FORMAT, Plan, load_plan
+from kareus_fx.plan_summary import plan_report_html, print_plan
+
+
+class InspectError(KareusError, ValueError):
+    """A file ``kareus inspect`` cannot read."""
 
 
 def partition_types_table(graph: dict[str, Any]) -> Table | None:
@@ -20,7 +37,7 @@ def partition_types_table(graph: dict[str, Any]) -> Table | None:
         table.add_column(column)
     for t in sorted(types, key=lambda t: -t["count"]):
         slots = "\n".join(
-            f"{i}. {slot['bound'] or '?'}: {_short_ops(slot['ops'])} "
+            f"{i}. {slot['bound'] or '?'}: {short_ops_text(slot['ops'])} "
             f"({slot['flops'] / 1e9:.1f} / {slot['bytes'] / 1e6:.1f})"
             for i, slot in enumerate(t["slots"])
         )
@@ -51,6 +68,53 @@ def print_dump(dump: dict[str, Any], console: Console, title: str) -> None:
         )
 
 
-def _short_ops(targets: list[str]) -> str:
-    names = [t.split(".")[1] if t.startswith(("aten.", "kareus.")) else t for t in targets]
-    return names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]} ({len(names)} ops)"
+# ----- plans or dumps ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Inspected:
+    """A file ``kareus inspect`` read: a plan (``plan`` set) or a graph dump (``dump`` set)."""
+
+    path: Path
+    plan: Plan | None = None
+    dump: dict[str, Any] | None = None
+
+
+def load_inspectable(path: str | Path) -> Inspected:
+    """Read a plan (its ``format`` is ``"kareus-plan"``) or a graph dump, validated.
+
+    Raises a :class:`~kareus_fx.errors.KareusError` naming the problem."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise InspectError(f"cannot read {path}: {err.strerror}; check the path") from None
+    except json.JSONDecodeError:
+        data = None  # load_dump words the error
+    if isinstance(data, dict) and data.get("format") == PLAN_FORMAT:
+        return Inspected(path, plan=load_plan(path))
+    try:
+        return Inspected(path, dump=load_dump(path))
+    except ValueError as err:
+        raise InspectError(str(err)) from None
+
+
+def print_inspected(item: Inspected, console: Console) -> None:
+    """The text summary of a plan or a dump."""
+    if item.plan is not None:
+        print_plan(item.plan, console, title=str(item.path))
+    else:
+        print_dump(item.dump, console, title=str(item.path))
+
+
+def inspected_html(item: Inspected) -> str:
+    """A self-contained HTML page: the plan report, or the dump summary and partition types."""
+    if item.plan is not None:
+        return plan_report_html(item.plan)
+    console = Console(record=True, width=160, file=io.StringIO())
+    print_dump(item.dump, console, title=str(item.path))
+    body = console.export_html(inline_styles=True, code_format="<pre style=\"font-size:12px\">{code}</pre>")
+    title = f"kareus graph dump: {item.path.name}"
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+            f"</head>\n<body><h1>{html.escape(title)}</h1>\n"
+            f"<p>GPU {html.escape(str(item.dump.get('gpu')))}, rank {item.dump.get('rank')} of "
+            f"{item.dump.get('world_size')}, kareus-fx {html.escape(str(item.dump.get('kareus_fx_version')))}</p>\n"
+            f"{body}\n</body></html>\n")

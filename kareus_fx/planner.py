@@ -29,6 +29,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kareus_fx import __version__
 from kareus_fx.compose.iteration import IterationFrontier, compose_iteration
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint
@@ -81,6 +83,8 @@ class PlanRequest:
     clock_stride_mhz: int = 30
     workers: int = 1
     preset: str | None = None
+    dtype: str = "bfloat16"
+    """Parameter and activation dtype of the traced model (a torch dtype name)."""
     launch_search: bool = True
     """False restricts every partition to launching its collective first (slot 0): an ablation
     that searches only clocks and SM counts (used to check that ``kareus bench`` catches it)."""
@@ -91,7 +95,7 @@ class PlanRequest:
 
     def trace_spec(self, stage: int = 0) -> TraceSpec:
         return TraceSpec(model=self.model, tp=self.tp, cp=self.cp, mbs=self.mbs, seq=self.seq,
-                         layers=self.layers, pp=self.pp, stage=stage)
+                         layers=self.layers, pp=self.pp, stage=stage, dtype=torch_dtype(self.dtype))
 
 
 def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
@@ -120,8 +124,17 @@ def validate_plan_request(req: PlanRequest) -> None:
             f"{req.microbatches} microbatches cannot fill a {req.pp}-stage 1F1B pipeline (every stage "
             f"needs a microbatch in flight); use --microbatches >= {req.pp} or a smaller --pp"
         )
+    torch_dtype(req.dtype)
     if req.workers < 1 or req.clock_stride_mhz < 1:
         raise OptionsError("--workers and --clock-stride must be positive integers")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name`` ("bfloat16", "float16", "float32")."""
+    dtype = getattr(torch, name, None) if name in ("bfloat16", "float16", "float32") else None
+    if dtype is None:
+        raise OptionsError(f"dtype must be bfloat16, float16 or float32, got {name!r}")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -390,7 +403,7 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "workload": {"model": req.model, "tp": req.tp, "cp": req.cp, "pp": req.pp,
                      "microbatches": req.microbatches, "mbs": req.mbs, "seq": req.seq, "layers": layers,
-                     "world_size": req.world_size, "preset": req.preset},
+                     "world_size": req.world_size, "preset": req.preset, "dtype": req.dtype},
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,
         "simulated": req.profiler == "simulated",

@@ -2,9 +2,8 @@
 
 The plan is made once per module by the real planner (``make_plan``: trace, tune, compose) for
 tiny-llama, TP=2, 2 microbatches of [2, 1536] tokens, 2 layers. At that sequence length the
-attention op is compute-bound, so the attention partitions have 3 launch slots. The planner
-traces in bf16 (``PlanRequest`` has no dtype); the parity test runs fp32, so the module plans the
-fp32 graph by overriding the trace spec's dtype (a different dtype is a different graph, which
+attention op is compute-bound, so the attention partitions have 3 launch slots. The parity
+test runs fp32, so the module plans the fp32 graph (a different dtype is a different graph, which
 the deployment refuses). The planner's chosen options at this size are all sequential (too
 little to overlap), so the test gives microbatch 0 and 1 new options whose partition types use
 different launch slots (0, 1, 2, sequential) and SM counts, and points the frontier at them.
@@ -36,12 +35,8 @@ def base_plan(tmp_path_factory):
     """A real plan of WORKLOAD, traced in fp32 (see the module docstring)."""
     from kareus_fx.planner import PlanRequest, make_plan
 
-    original = PlanRequest.trace_spec
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PlanRequest, "trace_spec",
-                      lambda self, stage=0: dataclasses.replace(original(self, stage), dtype=torch.float32))
-        outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120),
-                            tmp_path_factory.mktemp("plan-work"), progress=False)
+    outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
+                        tmp_path_factory.mktemp("plan-work"), progress=False)
     return outcome.data
 
 
