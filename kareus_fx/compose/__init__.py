@@ -13,7 +13,9 @@ from kareus_fx.compose.iteration import (
     InstructionOption,
     IterationFrontier,
     IterationPoint,
+    choose_unit_time_s,
     compose_iteration,
+    count_solver_steps,
 )
 from kareus_fx.compose.microbatch import (
     MicrobatchFrontier,
@@ -45,7 +47,9 @@ __all__ = [
     "MicrobatchPoint",
     "PipelineNode",
     "build_1f1b_dag",
+    "choose_unit_time_s",
     "compose_iteration",
+    "count_solver_steps",
     "compose_microbatch",
     "one_f_one_b_order",
     "pareto_front",

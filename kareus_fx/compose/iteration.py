@@ -22,6 +22,29 @@ unit between the slowest and the fastest plan. The default ``unit_time_s = 1 ms`
 (T_max - T_min) / unit steps, each a max-flow on the critical DAG. A plan's real time can exceed
 its quantized time by less than one unit per instruction on the critical path.
 
+Adaptive quantum (``max_solver_steps``): the number of steps grows with the pipeline (about
+``(N + S) x (slowest - fastest instruction time) / unit``: ~10^4 at 1 ms for 10 stages x 128
+microbatches of 0.1 / 0.2 s instructions), so a caller with a time budget can bound it instead:
+:func:`choose_unit_time_s` picks the smallest quantum ``>= unit_time_s`` for which the solve takes
+at most ``max_solver_steps`` steps (the quantized span of the slowest and fastest plans, counted
+on lowtime's own candidate options). What a coarser quantum ``u`` costs:
+
+- every frontier point is still a real plan, re-evaluated exactly (measured time and energy);
+- a plan's measured time exceeds its quantized time by less than ``u`` per instruction on its
+  critical path (``floor`` quantization), so the solver's ranking of plans near the same time
+  is only that precise;
+- options closer than ``u`` collapse to one (lowtime keeps the fastest per quantum), so fewer
+  clock choices per instruction remain and the frontier can lose energy it would have found
+  with a finer quantum. ``bench/compose_scaling.py`` measures that loss against the 1 ms solve
+  (synthetic clock sweeps: about 1% more energy at a given deadline with a 2-3x coarser
+  quantum, 2-4% at 5-10x);
+- the solver's last plan (least quantized time) can be slower than the fastest possible plan by
+  up to ``u`` per critical instruction. With a coarsened quantum the composer therefore walks
+  on from that plan: each walk step moves every instruction on the measured critical path to
+  its next faster option, until the critical path runs only fastest options (the least
+  iteration time). Those plans join the frontier candidates (not the ``trace``; their
+  ``solver_*`` fields are NaN).
+
 Cost model (lowtime fits one per (stage, instruction) over the quantized time; the solver needs
 it convex to be exact):
 
@@ -30,6 +53,12 @@ it convex to be exact):
 - ``"exponential"``: lowtime's ``ExponentialModel`` (``a * exp(b * t) + c``), grid search with
   strategy ``"best"``, as the Perseus artifact fits it. Reproduces the artifact's numbers;
   needs at least 3 options per (stage, instruction) (fewer fall back to ``"convex"``).
+
+Solver loop: ``solver_loop="fast"`` (default) runs lowtime's iteration through
+``solver_loop.py``, which keeps lowtime's flow bounds, min-cut and duration changes but computes
+the critical DAG over precomputed index lists (2-4x less CPU per step, the same plans step
+by step);
+``solver_loop="lowtime"`` runs ``PhillipsDessouky.run`` itself.
 
 Whatever model guides the solver, each frontier point is re-evaluated exactly: ``time_s`` is the
 critical path of the chosen options' measured times and ``energy_j`` the accounting above with
@@ -42,7 +71,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -65,19 +94,24 @@ from kareus_fx.compose.pipeline import (
     PipelineNode,
     build_1f1b_dag,
     iteration_energy_j,
+    makespan_s,
 )
+from kareus_fx.compose.solver_loop import run_phillips_dessouky
 
 __all__ = [
     "ConvexPiecewiseLinearModel",
     "InstructionOption",
     "IterationFrontier",
     "IterationPoint",
+    "choose_unit_time_s",
     "compose_iteration",
+    "count_solver_steps",
 ]
 
 logger = logging.getLogger(__name__)
 
 CostModelName = Literal["convex", "exponential"]
+SolverLoop = Literal["fast", "lowtime"]
 DEFAULT_UNIT_TIME_S = 1e-3
 """Perseus's time quantum (its planner's ``unit_time`` default)."""
 
@@ -108,9 +142,11 @@ class IterationPoint:
     energy_j: float
     """Chosen options' measured energies plus blocking power times idle GPU time."""
     solver_time_s: float
-    """lowtime's quantized iteration time (quant_time x unit_time)."""
+    """lowtime's quantized iteration time (quant_time x unit_time); NaN for a plan of the
+    fast-end walk after a coarsened solve (module docstring)."""
     solver_energy_j: float
-    """lowtime's model energy plus ``S x solver_time_s x blocking power`` (Perseus's number)."""
+    """lowtime's model energy plus ``S x solver_time_s x blocking power`` (Perseus's number);
+    NaN where ``solver_time_s`` is."""
     choices: np.ndarray = field(compare=False, repr=False)
     """Index of the chosen option per node, in :attr:`IterationFrontier.nodes` order."""
 
@@ -128,7 +164,8 @@ class IterationFrontier:
     options: Mapping[tuple[int, Instruction], tuple[Any, ...]]
     """The options as given, per (stage, instruction); ``choices`` index into these."""
     points: tuple[IterationPoint, ...]
-    """Pareto-optimal plans by measured time and energy, fastest first."""
+    """Pareto-optimal plans by measured time and energy, fastest first (among the trace and,
+    after a coarsened solve, the fast-end walk)."""
     trace: tuple[IterationPoint, ...]
     """Every plan in solver order: the slowest plan first, then one per solver step."""
 
@@ -195,14 +232,17 @@ class ConvexPiecewiseLinearModel(CostModel):
 
 @contextmanager
 def _quiet_lowtime() -> Iterator[None]:
-    """lowtime logs every sped-up operation at INFO; keep that out of the caller's logs."""
-    lt_logger = logging.getLogger("lowtime")
-    previous = lt_logger.level
-    lt_logger.setLevel(max(previous, logging.WARNING))
+    """lowtime logs every sped-up operation at INFO (its Rust min-cut under ``_lowtime_rs``);
+    keep that out of the caller's logs (and skip formatting records nobody reads)."""
+    loggers = [logging.getLogger(name) for name in ("lowtime", "_lowtime_rs")]
+    previous = [lt_logger.level for lt_logger in loggers]
+    for lt_logger, level in zip(loggers, previous):
+        lt_logger.setLevel(max(level, logging.WARNING))
     try:
         yield
     finally:
-        lt_logger.setLevel(previous)
+        for lt_logger, level in zip(loggers, previous):
+            lt_logger.setLevel(level)
 
 
 def _normalize_options(
@@ -258,6 +298,90 @@ def _normalize_options(
     return num_stages, normalized
 
 
+def _candidates(items: tuple[Any, ...], unit_time_s: float) -> CandidateExecutionOptions[int]:
+    """Pareto filter, then one option per quantized time (lowtime keeps the costliest, i.e. the
+    fastest within the quantum): the same candidate set the Perseus planner uses."""
+    return CandidateExecutionOptions[int](
+        options=[
+            ExecutionOption[int](
+                real_time=float(o.time_s), unit_time=unit_time_s, cost=float(o.energy_j), knob=i
+            )
+            for i, o in enumerate(items)
+        ]
+    )
+
+
+def _quantized_span(
+    pipeline: nx.DiGraph, options: Mapping[tuple[int, Instruction], tuple[Any, ...]], unit: float
+) -> int:
+    """Solver steps at quantum ``unit`` (an upper bound: lowtime may stop earlier): quantized
+    critical path of the slowest plan minus that of the fastest."""
+    ranges = {}
+    for key, items in options.items():
+        quant_times = [o.quant_time for o in _candidates(items, unit).options]
+        ranges[key] = (min(quant_times), max(quant_times))
+    slowest = makespan_s(pipeline, {n: ranges[(n.stage, n.instruction)][1] for n in pipeline})
+    fastest = makespan_s(pipeline, {n: ranges[(n.stage, n.instruction)][0] for n in pipeline})
+    return int(slowest - fastest)
+
+
+def choose_unit_time_s(
+    options: Mapping[tuple[int, Instruction], Sequence[OptionLike] | Any],
+    num_microbatches: int,
+    max_steps: int,
+    *,
+    min_unit_time_s: float = DEFAULT_UNIT_TIME_S,
+) -> float:
+    """The smallest time quantum ``>= min_unit_time_s`` whose solve takes ``<= max_steps`` steps.
+
+    Counts steps the way lowtime does (the quantized critical path of the slowest plan minus
+    that of the fastest, on lowtime's candidate options); see the module docstring for what a
+    coarser quantum costs.
+
+    Raises:
+        CompositionError: ``max_steps`` is not a positive integer, or so few steps would need a
+            quantum above the shortest option time (the fix: allow more steps).
+    """
+    if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+        raise CompositionError(f"max_solver_steps must be an integer >= 1, got {max_steps!r}")
+    _check_unit_time(min_unit_time_s)
+    num_stages, normalized = _normalize_options(options, min_unit_time_s)
+    pipeline = build_1f1b_dag(num_stages, num_microbatches)
+    shortest_s = min(float(o.time_s) for items in normalized.values() for o in items)
+    fine_steps = _quantized_span(pipeline, normalized, min_unit_time_s)
+    unit = min_unit_time_s * max(1.0, fine_steps / max_steps)
+    while unit <= shortest_s:
+        steps = _quantized_span(pipeline, normalized, unit)
+        if steps <= max_steps:
+            return unit
+        # Floor quantization adds up to one unit per critical instruction: grow by the excess.
+        unit *= max(steps / max_steps, 1.01)
+    raise CompositionError(
+        f"max_solver_steps={max_steps} is too few for {num_stages} stages x "
+        f"{num_microbatches} microbatches: the time quantum would exceed the shortest "
+        f"option time ({shortest_s:.4g} s); allow more steps (at least "
+        f"{math.ceil(fine_steps * min_unit_time_s / shortest_s) + 1})"
+    )
+
+
+def count_solver_steps(
+    options: Mapping[tuple[int, Instruction], Sequence[OptionLike] | Any],
+    num_microbatches: int,
+    unit_time_s: float = DEFAULT_UNIT_TIME_S,
+) -> int:
+    """At most how many solver steps :func:`compose_iteration` takes at quantum ``unit_time_s``."""
+    _check_unit_time(unit_time_s)
+    num_stages, normalized = _normalize_options(options, unit_time_s)
+    return _quantized_span(build_1f1b_dag(num_stages, num_microbatches), normalized, unit_time_s)
+
+
+def _check_unit_time(unit_time_s: Any) -> None:
+    if not (
+        isinstance(unit_time_s, (int, float)) and math.isfinite(unit_time_s) and unit_time_s > 0
+    ):
+        raise CompositionError(f"unit_time_s must be a positive number, got {unit_time_s!r}")
+
+
 def _operation_spec(
     items: tuple[Any, ...],
     unit_time_s: float,
@@ -265,15 +389,7 @@ def _operation_spec(
     cost_model: CostModelName,
     label: str,
 ) -> OperationSpec[int]:
-    execution_options = [
-        ExecutionOption[int](
-            real_time=float(o.time_s), unit_time=unit_time_s, cost=float(o.energy_j), knob=i
-        )
-        for i, o in enumerate(items)
-    ]
-    # Pareto filter, then one option per quantized time (lowtime keeps the costliest, i.e. the
-    # fastest within the quantum): the same candidate set the Perseus planner uses.
-    candidates = CandidateExecutionOptions[int](options=execution_options)
+    candidates = _candidates(items, unit_time_s)
     for option in candidates.options:
         option.cost -= blocking_power_w * option.quant_time * option.unit_time
     model: CostModel
@@ -306,6 +422,8 @@ def compose_iteration(
     unit_time_s: float = DEFAULT_UNIT_TIME_S,
     cost_model: CostModelName = "convex",
     progress: bool = False,
+    max_solver_steps: int | None = None,
+    solver_loop: SolverLoop = "fast",
 ) -> IterationFrontier:
     """The iteration time-energy frontier of a 1F1B pipeline.
 
@@ -316,18 +434,20 @@ def compose_iteration(
             same options.
         num_microbatches: microbatches per iteration.
         blocking_power_w: power of a GPU blocked on pipeline communication (idle time).
-        unit_time_s: lowtime's time quantum (see the module docstring).
+        unit_time_s: lowtime's time quantum (see the module docstring); with
+            ``max_solver_steps``, the finest quantum allowed.
         cost_model: ``"convex"`` or ``"exponential"`` (see the module docstring).
         progress: show a progress bar over the solver steps.
+        max_solver_steps: ``None``: solve at ``unit_time_s``. An integer: coarsen the quantum
+            (:func:`choose_unit_time_s`) so the solve takes at most this many steps; the
+            quantum used is the frontier's ``unit_time_s``.
+        solver_loop: ``"fast"`` or ``"lowtime"`` (same plans; see the module docstring).
 
     Raises:
         CompositionError: a missing (stage, instruction), an empty option list, a non-finite,
             negative or sub-quantum option, or a bad parameter.
     """
-    if not (
-        isinstance(unit_time_s, (int, float)) and math.isfinite(unit_time_s) and unit_time_s > 0
-    ):
-        raise CompositionError(f"unit_time_s must be a positive number, got {unit_time_s!r}")
+    _check_unit_time(unit_time_s)
     if not (
         isinstance(blocking_power_w, (int, float))
         and math.isfinite(blocking_power_w)
@@ -336,6 +456,15 @@ def compose_iteration(
         raise CompositionError(f"blocking_power_w must be a number >= 0, got {blocking_power_w!r}")
     if cost_model not in ("convex", "exponential"):
         raise CompositionError(f'cost_model must be "convex" or "exponential", got {cost_model!r}')
+    if solver_loop not in ("fast", "lowtime"):
+        raise CompositionError(f'solver_loop must be "fast" or "lowtime", got {solver_loop!r}')
+    coarsened = False
+    if max_solver_steps is not None:
+        fine_unit_time_s = unit_time_s
+        unit_time_s = choose_unit_time_s(
+            options, num_microbatches, max_solver_steps, min_unit_time_s=unit_time_s
+        )
+        coarsened = unit_time_s > fine_unit_time_s
     num_stages, normalized = _normalize_options(options, unit_time_s)
     pipeline = build_1f1b_dag(num_stages, num_microbatches)
 
@@ -369,50 +498,62 @@ def compose_iteration(
     # Exact evaluation of a plan: longest path over measured times, in topological order.
     index = {node: i for i, node in enumerate(nodes)}
     preds = [tuple(index[p] for p in pipeline.predecessors(node)) for node in nodes]
-    node_options = [normalized[(node.stage, node.instruction)] for node in nodes]
-    times = [np.array([float(o.time_s) for o in items]) for items in node_options]
-    energies = [np.array([float(o.energy_j) for o in items]) for items in node_options]
+    keys = sorted(normalized)
+    key_offset = dict(zip(keys, np.cumsum([0] + [len(normalized[k]) for k in keys]).tolist()))
+    node_offset = np.array([key_offset[(n.stage, n.instruction)] for n in nodes], dtype=np.int64)
+    option_times_s = np.array([float(o.time_s) for k in keys for o in normalized[k]])
+    option_energies_j = np.array([float(o.energy_j) for k in keys for o in normalized[k]])
     most_options = max(len(items) for items in normalized.values())
     choice_dtype = np.uint16 if most_options <= np.iinfo(np.uint16).max else np.uint32
 
-    def longest_path(durations: Sequence[float]) -> float:
-        finish = [0.0] * len(nodes)
-        for i, ps in enumerate(preds):
-            finish[i] = max((finish[p] for p in ps), default=0.0) + durations[i]
-        return max(finish)
+    def evaluate_choices(
+        choices: np.ndarray, solver_time_s: float, solver_energy_j: float
+    ) -> IterationPoint:
+        flat = node_offset + choices
+        chosen_t, chosen_e = option_times_s[flat], option_energies_j[flat]
+        time_s = _longest_path(preds, chosen_t.tolist())[0]
+        energy_j = iteration_energy_j(
+            num_stages, time_s, float(chosen_t.sum()), float(chosen_e.sum()), blocking_power_w
+        )
+        choices.setflags(write=False)
+        return IterationPoint(time_s, energy_j, solver_time_s, solver_energy_j, choices)
 
     def evaluate(solver_time_s: float, solver_cost: float) -> IterationPoint:
         choices = np.fromiter(
             (op.assigned_knob for op in operations), dtype=choice_dtype, count=len(nodes)
         )
-        chosen_t = [float(times[i][c]) for i, c in enumerate(choices)]
-        chosen_e = [float(energies[i][c]) for i, c in enumerate(choices)]
-        time_s = longest_path(chosen_t)
-        energy_j = iteration_energy_j(
-            num_stages, time_s, sum(chosen_t), sum(chosen_e), blocking_power_w
-        )
-        choices.setflags(write=False)
-        return IterationPoint(
-            time_s=time_s,
-            energy_j=energy_j,
-            solver_time_s=solver_time_s,
-            solver_energy_j=solver_cost + num_stages * solver_time_s * blocking_power_w,
-            choices=choices,
-        )
+        solver_energy_j = solver_cost + num_stages * solver_time_s * blocking_power_w
+        return evaluate_choices(choices, solver_time_s, solver_energy_j)
 
     # Slowest plan: lowtime starts from every operation at its longest duration but yields only
     # after its first step, so evaluate the starting plan here.
-    max_quant = round(longest_path([op.max_duration for op in operations]))
-    min_quant = round(longest_path([op.min_duration for op in operations]))
+    max_quant = round(_longest_path(preds, [op.max_duration for op in operations])[0])
+    min_quant = round(_longest_path(preds, [op.min_duration for op in operations])[0])
     trace = [evaluate(max_quant * unit_time_s, sum(op.get_cost() for op in operations))]
 
-    solver = PhillipsDessouky(dag)
+    steps: Iterator[tuple[float, float]]
+    if solver_loop == "fast":
+        steps = ((r.quant_time * unit_time_s, r.cost) for r in run_phillips_dessouky(dag))
+    else:
+        steps = ((r.real_time, r.cost) for r in PhillipsDessouky(dag).run())
     with _quiet_lowtime(), _progress(progress, max_quant - min_quant) as advance:
-        for result in solver.run():
-            trace.append(evaluate(result.real_time, result.cost))
+        for solver_time_s, solver_cost in steps:
+            trace.append(evaluate(solver_time_s, solver_cost))
             advance()
 
-    points = tuple(pareto_front(trace))
+    candidates = list(trace)
+    if coarsened:
+        # The solver's last plan can be up to a quantum per critical instruction slower than
+        # the fastest plan: walk from it to the fastest plan (see _sprint_to_fastest).
+        faster_by_key = {key: _next_faster_options(items) for key, items in normalized.items()}
+        faster = [faster_by_key[(n.stage, n.instruction)] for n in nodes]
+
+        def durations_s(choices: np.ndarray) -> list[float]:
+            return option_times_s[node_offset + choices].tolist()
+
+        for choices in _sprint_to_fastest(trace[-1].choices, faster, preds, durations_s):
+            candidates.append(evaluate_choices(choices, math.nan, math.nan))
+    points = tuple(pareto_front(candidates))
     return IterationFrontier(
         num_stages=num_stages,
         num_microbatches=num_microbatches,
@@ -424,6 +565,67 @@ def compose_iteration(
         points=points,
         trace=tuple(trace),
     )
+
+
+def _longest_path(
+    preds: Sequence[tuple[int, ...]], durations: Sequence[float]
+) -> tuple[float, list[int]]:
+    """Length of the longest path (nodes in topological order, ``preds`` their predecessors)
+    and one longest path, last node first."""
+    finish = [0.0] * len(preds)
+    via = [-1] * len(preds)
+    for i, ps in enumerate(preds):
+        start = 0.0
+        for p in ps:
+            if finish[p] > start:
+                start, via[i] = finish[p], p
+        finish[i] = start + durations[i]
+    node = max(range(len(finish)), key=finish.__getitem__)
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = via[node]
+    return finish[path[0]], path
+
+
+def _next_faster_options(items: tuple[Any, ...]) -> list[int]:
+    """Per option, the index of the next faster option on the (time, energy) Pareto front (the
+    option itself for the fastest)."""
+    front = sorted(
+        pareto_front(range(len(items)), key=lambda i: (items[i].time_s, items[i].energy_j)),
+        key=lambda i: items[i].time_s,
+    )
+    faster = []
+    for option in items:
+        quicker = [i for i in front if items[i].time_s < option.time_s]
+        faster.append(quicker[-1] if quicker else front[0])
+    return faster
+
+
+def _sprint_to_fastest(
+    start: np.ndarray,
+    faster: Sequence[Sequence[int]],
+    preds: Sequence[tuple[int, ...]],
+    durations_s: Callable[[np.ndarray], list[float]],
+) -> list[np.ndarray]:
+    """Plans from ``start`` to the fastest plan: repeatedly move every instruction on the
+    measured critical path that has a faster option to its next faster option
+    (``faster[node][choice]``), keeping the others as they are.
+
+    Each plan is a real plan (evaluated exactly by the caller); the walk ends when the critical
+    path runs only fastest options, i.e. at the least possible iteration time.
+    """
+    plans = []
+    current = start
+    while True:
+        _, path = _longest_path(preds, durations_s(current))
+        moved = current.copy()
+        for i in path:
+            moved[i] = faster[i][current[i]]
+        if np.array_equal(moved, current):
+            return plans
+        current = moved
+        plans.append(current)
 
 
 @contextmanager
