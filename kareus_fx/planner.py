@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kareus_fx import __version__
-from kareus_fx.compose.iteration import IterationFrontier, compose_iteration
+from kareus_fx.compose.iteration import DEFAULT_UNIT_TIME_S, IterationFrontier, compose_iteration
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
@@ -61,8 +61,9 @@ from kareus_fx.workload import GraphName, PartitionConfig, PartitionType
 __all__ = ["PlanOutcome", "PlanRequest", "make_plan", "plan_request_from_preset", "validate_plan_request"]
 
 PROFILERS = ("simulated", "cuda")
-MAX_SOLVER_STEPS = 400
-"""Iteration-frontier solver steps per method: the time quantum grows to fit (see compose)."""
+MAX_SOLVER_STEPS = 500
+"""Iteration-frontier solver steps per method: the time quantum grows from Perseus's 1 ms (or a
+quarter of the shortest instruction, if shorter) until the solve fits (see compose.iteration)."""
 
 
 @dataclass(frozen=True)
@@ -289,8 +290,10 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
             (s, name): per_group[(stage_group[s], name)][method]
             for s in range(req.pp) for name in ("forward", "backward")
         }
+        shortest_s = min(o.time_s for options in method_options.values() for o in options)
         iteration[method] = compose_iteration(method_options, req.microbatches,
                                               blocking_power_w=spec.blocking_power_w,
+                                              unit_time_s=min(DEFAULT_UNIT_TIME_S, shortest_s / 4),
                                               max_solver_steps=MAX_SOLVER_STEPS, progress=progress)
     scale = float(req.tp * req.cp)
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}

@@ -32,6 +32,7 @@ from kareus_fx.tuner import (
 )
 from kareus_fx.tuner.acquisition import PASSES, allocate_pass_counts
 from kareus_fx.tuner.mbo import capped_batch_size
+from kareus_fx.tuner.space import N_FEATURES, slot_roofline_times_s
 from kareus_fx.tuner.pareto import (
     Normalizer,
     domination_gap,
@@ -131,11 +132,41 @@ def test_search_space_axes_a100() -> None:
     assert space.launch_options == LARGE.launch_slots + (None,)
     assert len(space) == 18 * 10 * 7 == len(set(space.configs))
     feats = space.features()
-    assert feats.shape == (len(space), 5) and feats.min() >= 0 and feats.max() <= 1
+    assert feats.shape == (len(space), N_FEATURES) and feats.min() >= 0 and feats.max() <= 1
     seq = space.index(PartitionConfig(1410, 30, None))
-    assert feats[seq, 3] == 1 and feats[seq, 4] == 0
+    assert feats[seq, 3] == 1 and feats[seq, 4] == 0 and feats[seq, 5] == 0
     onehot = build_search_space(LARGE, A100, encoding="onehot").features()
-    assert onehot.shape == (len(space), 5 + 7) and np.all(onehot[:, 5:].sum(axis=1) == 1)
+    assert onehot.shape == (len(space), N_FEATURES + 7) and np.all(onehot[:, N_FEATURES:].sum(axis=1) == 1)
+
+
+def test_hiding_capacity_and_compute_time_features() -> None:
+    """Feature 5 (SMs x compute left after the launch at the config's clock) and feature 6 (compute
+    time on the SMs the collective leaves) move the way the physics says along every axis."""
+    space = build_search_space(MEDIUM, A100)
+    feats = space.features()
+
+    def f(clock: int, sms: int, slot: int | None, col: int) -> float:
+        return float(feats[space.index(PartitionConfig(clock, sms, slot)), col])
+
+    first, last = space.launch_options[0], space.launch_options[-2]
+    sms = space.comm_sms
+    # more SMs: the collective hides under more of the computation, which runs on fewer SMs
+    assert all(f(1200, a, first, 5) < f(1200, b, first, 5) for a, b in zip(sms, sms[1:]))
+    assert all(f(1200, a, first, 6) < f(1200, b, first, 6) for a, b in zip(sms, sms[1:]))
+    # a later launch leaves less computation to hide under; the compute estimate does not care
+    assert f(1200, 9, last, 5) < f(1200, 9, first, 5)
+    assert f(1200, 9, last, 6) == f(1200, 9, first, 6)
+    # a lower clock slows the computation: more to hide under, longer compute time
+    assert f(900, 9, first, 5) > f(1410, 9, first, 5) and f(900, 9, first, 6) > f(1410, 9, first, 6)
+    # sequential: nothing to hide under, and the computation has every SM
+    assert f(1200, 9, None, 5) == 0 and f(1200, 9, None, 6) < f(1200, 3, first, 6)
+    # feature 6 is the roofline estimate, min-max scaled (fastest: sequential at the top clock)
+    def compute_s(clock: int, comm_sms: int) -> float:
+        return slot_roofline_times_s(MEDIUM, A100, clock).sum() * A100.sm_count / (A100.sm_count - comm_sms)
+
+    lo, hi = compute_s(1410, 0), compute_s(900, sms[-1])
+    assert f(1200, 9, first, 6) == pytest.approx((compute_s(1200, 9) - lo) / (hi - lo))
+    assert f(1410, 9, None, 6) == pytest.approx(0.0) and f(900, sms[-1], first, 6) == pytest.approx(1.0)
 
 
 def test_search_space_small_group_stride_and_bigger_gpu() -> None:

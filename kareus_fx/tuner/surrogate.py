@@ -44,6 +44,18 @@ constant trees resolve from 10-15 % of the space:
   half its members and is pulled towards the bulk; with it the worst seed of the Llama attention
   forward type reached an HV ratio of 0.933, with the all-points mean 0.992.
 
+Features (:meth:`~kareus_fx.tuner.space.SearchSpace.features`): besides the three knobs and the
+launch position, the trees get two roofline estimates, the collective's *hiding capacity* (SMs x
+compute left after the launch at the config's clock) and the *compute time* on the SMs the
+collective leaves (the space module says why). Measured with ``bench/mbo_quality.py --seeds 5``
+(simulated A100; mean / worst seed HV ratio, 5-column encoding -> 7-column encoding): Llama-3.2-3B
+forward MLP 0.949 / 0.938 -> 0.997 / 0.992, Qwen3-1.7B forward attention 0.973 / 0.955 -> 0.997 /
+0.996, Qwen3-1.7B forward MLP 0.990 / 0.971 -> 0.994 / 0.989, Llama forward attention 0.9996 /
+0.998 -> 0.9992 / 0.998 (noise); the backward types stay at 0.999-1.0;
+synthetic types 0.978 / 0.943, 0.9995 / 0.999, 0.995 / 0.989 -> 0.980 / 0.959, 0.999 / 0.998,
+0.998 / 0.997. The clock stays the only column of the linear base: adding the compute-time
+estimate to it (a line through SMs again) dropped ``syn_medium`` to 0.948 / 0.881 (3 seeds).
+
 Static power: taken from the measurements, per clock (``static_energy_j / time_s``), interpolated in
 the clock between measured clocks and the GPU spec's ``static_power_w`` where nothing is measured.
 With a profiler whose static power is the spec constant this is exactly ``static_power_w``.
