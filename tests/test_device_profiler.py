@@ -1,0 +1,268 @@
+"""The on-device profiler: kernels rebuilt from partition types, launch order, measurement logic.
+
+CPU tests run the replay with wall-clock timing and check the measurement bookkeeping with a
+fake energy monitor; the GPU tests (skipped without CUDA) measure a real partition.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from kareus_fx.dump import load_dump, partition_types_from_dump
+from kareus_fx.errors import KareusError
+from kareus_fx.runtime.device_profiler import (
+    DeviceProfiler,
+    DeviceProfilerError,
+    PartitionReplay,
+    build_collective_kernel,
+    build_kernel,
+    collective_traffic_bytes,
+    node_tables_from_dump,
+    replay_partition,
+    wait_for_cooldown,
+)
+from kareus_fx.runtime.frequency import FrequencyController
+from kareus_fx.tracing import TraceSpec, trace_full_size
+from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
+
+MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
+
+
+@pytest.fixture(scope="module")
+def tiny_dump(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dump")
+    spec = TraceSpec(model="tiny-llama", tp=2, mbs=2, seq=64, layers=2)
+    (path,) = trace_full_size(spec, options={"dump_dir": str(out)}).dump_paths
+    dump = load_dump(path)
+    return partition_types_from_dump(dump), node_tables_from_dump(dump)
+
+
+def kernel_flops(kernel) -> int:
+    with FlopCounterMode(display=False) as counter:
+        kernel.run()
+    return counter.get_total_flops()
+
+
+def small_ptype(n_slots: int = 3) -> PartitionType:
+    slots = tuple(
+        SlotSpec(ops=(OpCost(f"mm_{i}", "aten.mm.default", 2.0 * 32**3, 2.0 * 3 * 32**2, "compute"),
+                      OpCost(f"mul_{i}", "aten.mul.Tensor", 1024.0, 12288.0, "memory")))
+        for i in range(n_slots)
+    )
+    return PartitionType(type_id="hand", graph="forward", slots=slots,
+                         collective=CollectiveSpec("all_reduce", 8192.0, 4), count=1,
+                         launch_slots=tuple(range(n_slots)))
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(32768, 1024, 3072), (32768, 3072, 1024), (4096, 4096, 4096), (64, 64, 64), (1024, 8192, 512)],
+)
+def test_matmul_proxy_reproduces_recorded_flops(m, n, k):
+    flops = 2.0 * m * n * k
+    bytes_ = 2.0 * (m * k + k * n + m * n)
+    kernel = build_kernel(OpCost("mm", "aten.mm.default", flops, bytes_), "meta")
+    assert kernel.source == "proxy"
+    assert kernel_flops(kernel) == pytest.approx(flops, rel=0.01)
+
+
+def test_attention_proxy_is_the_attention_op_with_close_flops():
+    from kareus_fx.attention_op import attention_backward_flops, attention_flops
+
+    q = k = v = torch.Size([2, 8, 512, 128])
+    for target, flops, tensors in (("kareus.attention.default", attention_flops(q, k, v), 4),
+                                   ("kareus.attention_backward.default", attention_backward_flops(q, k, v), 7)):
+        op = OpCost("attn", target, flops, tensors * 2.0 * q.numel())
+        kernel = build_kernel(op, "cpu")
+        assert kernel.source == "proxy"
+        out = kernel.run()
+        (first,) = out[:1] if isinstance(out, tuple) else (out,)
+        # seq and heads x head_dim are solved from FLOPs and bytes and rounded
+        assert first.shape[-2] == pytest.approx(512, rel=0.01)
+        assert first.shape[1] * first.shape[-1] == pytest.approx(2 * 8 * 128, rel=0.02)
+
+
+def test_memory_proxy_moves_recorded_bytes():
+    kernel = build_kernel(OpCost("neg", "aten.neg.default", 1.0e6, 8.0e6), "cpu")
+    out = kernel.run()
+    assert kernel.source == "proxy" and out.numel() * out.element_size() * 2 == pytest.approx(8.0e6)
+
+
+def test_replay_runs_recorded_matmuls_and_attention(tiny_dump):
+    types, tables = tiny_dump
+    checked = 0
+    for ptype in types.values():
+        for slot in ptype.slots:
+            for op in slot.ops:
+                if op.target not in (*MATMULS, "kareus.attention.default", "kareus.attention_backward.default"):
+                    continue
+                kernel = build_kernel(op, "cpu", tables[ptype.graph])
+                assert kernel.source == "replay", op
+                if op.target in MATMULS:  # the recorded shapes give exactly the recorded FLOPs
+                    assert kernel_flops(kernel) == op.flops, op
+                checked += 1
+    assert checked > 10
+
+
+def test_unreplayable_op_falls_back_to_proxy_with_warning(tiny_dump, caplog):
+    types, tables = tiny_dump
+    op = next(op for t in types.values() for s in t.slots for op in s.ops if op.target == "aten.sum.dim_IntList")
+    graph = next(t.graph for t in types.values() if any(op in s.ops for s in t.slots))
+    with caplog.at_level(logging.WARNING):
+        kernel = build_kernel(op, "cpu", tables[graph])
+    assert kernel.source == "proxy"
+    assert "not replayable" in caplog.text and op.name in caplog.text
+    mismatched = OpCost(op.name, "aten.mm.default", op.flops, op.bytes)
+    assert build_kernel(mismatched, "cpu", tables[graph]).source == "proxy"
+
+
+def test_replay_partition_times_traced_types_on_cpu(tiny_dump):
+    types, tables = tiny_dump
+    for ptype in types.values():
+        log: list[str] = []
+        config = PartitionConfig(clock_mhz=1410, comm_sms=8, launch_slot=ptype.launch_slots[0])
+        times_s = replay_partition(ptype, config, table=tables[ptype.graph], warmup=1, repeats=2, launch_log=log)
+        assert len(times_s) == 2 and all(t > 0 for t in times_s)
+        n_ops = sum(len(slot.ops) for slot in ptype.slots)
+        assert len(log) == 3 * (n_ops + 1)  # every kernel and the collective, in each of 3 runs
+        replayed = PartitionReplay.build([s.ops for s in ptype.slots], [ptype.collective], "cpu", tables[ptype.graph])
+        sources = [k.source for slot in replayed.slots for k in slot]
+        assert sources.count("replay") >= 0.75 * len(sources)
+
+
+@pytest.mark.parametrize("launch_slot", [0, 1, 2, None])
+def test_launch_order_respects_launch_slot(launch_slot):
+    ptype = small_ptype()
+    log: list[str] = []
+    replay_partition(ptype, PartitionConfig(1410, 8, launch_slot), warmup=0, repeats=1, launch_log=log)
+    kernels = [f"slot{i}:{op.name}" for i, slot in enumerate(ptype.slots) for op in slot.ops]
+    position = 2 * (3 if launch_slot is None else launch_slot)
+    assert log == kernels[:position] + ["collective0"] + kernels[position:]
+
+
+def test_launch_slot_outside_partition_is_an_error():
+    replay = PartitionReplay.build([s.ops for s in small_ptype(2).slots], [], "cpu")
+    with pytest.raises(ValueError, match="launch_slot 3 outside"):
+        replay.issue(3, 8)
+
+
+def test_collective_proxy_moves_ring_traffic():
+    all_reduce = CollectiveSpec("all_reduce", 8.0e6, 8)
+    assert collective_traffic_bytes(all_reduce) == pytest.approx(2 * 7 / 8 * 8.0e6)
+    assert collective_traffic_bytes(CollectiveSpec("all_gather", 8.0e6, 4)) == pytest.approx(3 / 4 * 8.0e6)
+    kernel = build_collective_kernel(all_reduce, "cpu")
+    assert kernel.elements * 2 == pytest.approx(collective_traffic_bytes(all_reduce))
+    kernel.run(8)
+
+
+def test_cooldown_waits_for_idle_temperature_and_times_out():
+    readings = iter([70.0, 60.0, 52.0, 49.0])
+    slept: list[float] = []
+    assert wait_for_cooldown(lambda: next(readings), 48.0, tolerance_c=3.0, timeout_s=100.0,
+                             poll_s=1.0, sleep=slept.append)
+    assert slept == [1.0, 1.0, 1.0]  # 70, 60, 52 above 48 + 3; 49 within
+    now = [0.0]
+
+    def advance(seconds: float) -> None:
+        now[0] += seconds
+
+    assert not wait_for_cooldown(lambda: 80.0, 40.0, tolerance_c=3.0, timeout_s=5.0, poll_s=1.0,
+                                 sleep=advance, monotonic=lambda: now[0])
+    assert now[0] == pytest.approx(5.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_measure_without_cuda_raises_clear_error():
+    profiler = DeviceProfiler("A100-SXM4-40GB")
+    with pytest.raises(DeviceProfilerError, match="--profiler cuda needs a CUDA GPU") as err:
+        profiler.measure(small_ptype(), PartitionConfig(1410, 8, 0))
+    assert isinstance(err.value, KareusError) and "simulated" in str(err.value)
+    with pytest.raises(DeviceProfilerError, match="needs a CUDA GPU"):
+        profiler.measure_sequence(small_ptype().slots[0].ops, [], 1410)
+
+
+@dataclass
+class FakeWindow:
+    time: float
+    gpu_energy: dict[int, float]
+
+
+class FakeZeus:
+    """Energy = a constant power x the window's wall time."""
+
+    gpu_indices = [0]
+
+    def __init__(self, power_w: float) -> None:
+        self.power_w = power_w
+        self.windows: list[str] = []
+        self._start_s = 0.0
+
+    def begin_window(self, key: str) -> None:
+        import time
+
+        self.windows.append(key)
+        self._start_s = time.perf_counter()
+
+    def end_window(self, key: str) -> FakeWindow:
+        import time
+
+        elapsed_s = time.perf_counter() - self._start_s
+        return FakeWindow(time=elapsed_s, gpu_energy={0: self.power_w * elapsed_s})
+
+
+def test_measurement_window_energy_split_and_clock(monkeypatch):
+    """The measurement logic with a CPU replay and a fake energy counter (no GPU here)."""
+    monkeypatch.setattr(DeviceProfiler, "_check_cuda", lambda self: None)
+    temperatures = iter([45.0, 45.0])
+    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    zeus = FakeZeus(power_w=200.0)
+    profiler = DeviceProfiler("A100-SXM4-40GB", frequency=controller, min_window_s=0.2, warmup=1, repeats=3,
+                              zeus_monitor=zeus, read_temperature_c=lambda: next(temperatures))
+    replay = PartitionReplay.build([s.ops for s in small_ptype().slots], [small_ptype().collective], "cpu")
+    with profiler:
+        measurement = profiler._measure(replay, 1200, 1, 8)
+        assert controller.applied_clock_mhz == 1200
+    assert controller.applied_clock_mhz is None  # restored on close
+    assert [r.clock_mhz for r in controller.requests] == [1200]
+    assert len(zeus.windows) == 1 and profiler.last_window_s >= 0.2
+    assert measurement.time_s > 0
+    assert measurement.static_energy_j == pytest.approx(profiler.static_power_w * measurement.time_s)
+    assert measurement.energy_j == pytest.approx(measurement.static_energy_j + measurement.dynamic_energy_j)
+    # per-run energy = window energy / runs: about power x one run's time
+    assert measurement.energy_j == pytest.approx(200.0 * measurement.time_s, rel=0.5)
+
+
+def spec_name_of_this_gpu() -> str:
+    name = torch.cuda.get_device_name(0)
+    for marker, spec in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if "80GB" in name else "a100")):
+        if marker in name:
+            return spec
+    pytest.skip(f"no GPU spec for {name}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_measures_traced_partition(tiny_dump):
+    types, tables = tiny_dump
+    ptype = next(iter(types.values()))
+    # no frequency controller: measured at the card's current clock (never change a lent card's clocks)
+    with DeviceProfiler(spec_name_of_this_gpu(), node_tables=tables, min_window_s=1.0, warmup=2,
+                        repeats=5) as profiler:
+        measurement = profiler.measure(ptype, PartitionConfig(1410, 8, ptype.launch_slots[0]))
+        sequential = profiler.measure(ptype, PartitionConfig(1410, 8, None))
+    assert measurement.time_s > 0 and sequential.time_s > 0
+    assert measurement.energy_j > 0
+    assert profiler.last_window_s >= 1.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_replay_times_with_cuda_events():
+    ptype = small_ptype()
+    log: list[str] = []
+    times_s = replay_partition(ptype, PartitionConfig(1410, 8, 1), device="cuda", warmup=2, repeats=5, launch_log=log)
+    assert all(t > 0 for t in times_s)
+    assert log.index("collective0") == 2
