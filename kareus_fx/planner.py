@@ -114,8 +114,9 @@ def validate_plan_request(req: PlanRequest) -> None:
         raise OptionsError(f"--profiler must be one of {', '.join(PROFILERS)}, got {req.profiler!r}")
     if req.profiler == "cuda":
         raise OptionsError(
-            "the on-device (cuda) profiler is not part of this build yet (it needs a GPU to be "
-            "developed against); plan with --profiler simulated"
+            "--profiler cuda is not wired into kareus plan yet: the on-device profiler "
+            "(kareus_fx.runtime.device_profiler) has not been verified on a GPU; plan with "
+            "--profiler simulated"
         )
     validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp
     if req.microbatches < 1:
