@@ -129,6 +129,7 @@ def _plan_request(args: argparse.Namespace):
 def _run_plan(args: argparse.Namespace) -> int:
     import json
 
+    from kareus_fx.compose.perseus_csv import write_perseus_profile
     from kareus_fx.plan_format import write_plan
     from kareus_fx.planner import make_plan, validate_plan_request
     from kareus_fx.report import metrics_table, write_frontier_csv, write_report_html
@@ -139,6 +140,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     outcome = make_plan(request, args.out / "work", progress=not args.json)
     write_plan(args.out / "plan.json", outcome.data)
     write_frontier_csv(outcome.data, args.out / "frontier.csv")
+    # The sequential (Megatron-LM) microbatch profile in Perseus's CSV format, per GPU: the input
+    # the Perseus planner takes, measured on the same profiler.
+    write_perseus_profile(args.out / "perseus_profile.csv", outcome.iteration["megatron+perseus"].options)
     write_report_html(outcome.data, args.out)
     if args.json:
         methods = {name: {"frontier": m["frontier"], "metrics": m["metrics"]}
@@ -149,7 +153,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     console = _console()
     console.print(metrics_table(outcome.data))
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in outcome.wall_s.items())
-    console.print(f"{phases}; wrote {args.out / 'plan.json'}, frontier.csv, report.html")
+    console.print(f"{phases}; wrote {args.out / 'plan.json'}, frontier.csv, report.html, perseus_profile.csv")
     return 0
 
 

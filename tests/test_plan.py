@@ -79,6 +79,21 @@ def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
     assert (small_plan / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_small_plan_exports_a_perseus_profile_the_composer_reads_back(small_plan):
+    """perseus_profile.csv: the sequential microbatch per stage, instruction and clock; composed
+    again it gives the Megatron-LM + Perseus frontier of the plan (per GPU, so scaled by tp x cp)."""
+    from kareus_fx.compose.iteration import compose_iteration
+    from kareus_fx.compose.perseus_csv import read_perseus_profile
+
+    plan = load_plan(small_plan / "plan.json")
+    profile = read_perseus_profile(small_plan / "perseus_profile.csv")
+    assert sorted(profile) == [(0, "backward"), (0, "forward"), (1, "backward"), (1, "forward")]
+    assert all(len(options) == 18 for options in profile.values())  # 900-1410 MHz by 30
+    w = plan.workload
+    fastest = min(p.time_s for p in compose_iteration(profile, w["microbatches"], blocking_power_w=80.0).points)
+    assert fastest == pytest.approx(min(t for t, _ in plan.data["methods"]["megatron+perseus"]["frontier"]), rel=1e-6)
+
+
 def test_small_plan_kareus_frontier_dominates_the_baselines(small_plan):
     methods = load_plan(small_plan / "plan.json").data["methods"]
     kareus = methods["kareus"]["frontier"]
