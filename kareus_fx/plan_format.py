@@ -94,26 +94,20 @@ class Plan:
         points = self.frontier
         if target == "max-throughput":
             return min(range(len(points)), key=lambda i: (points[i]["time_s"], points[i]["energy_j"]))
-        if isinstance(target, Mapping) and set(target) == {"deadline_s"}:
-            deadline = float(target["deadline_s"])
-            ok = [i for i, p in enumerate(points) if p["time_s"] <= deadline]
+        # (limited field, optimised field, what the limit is, its unit)
+        rules = {"deadline_s": ("time_s", "energy_j", "meets the deadline", "s"),
+                 "energy_budget_j": ("energy_j", "time_s", "fits the energy budget", "J")}
+        if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in rules:
+            (key, limit), = target.items()
+            limited, optimised, what, unit = rules[key]
+            ok = [i for i, p in enumerate(points) if p[limited] <= float(limit)]
             if not ok:
-                fastest = min(p["time_s"] for p in points)
+                best = min(p[limited] for p in points)
                 raise PlanFormatError(
-                    f"no plan point meets the deadline {deadline:.4g} s (fastest: {fastest:.4g} s); "
-                    f"raise the deadline or use target 'max-throughput'"
+                    f"no plan point {what} {float(limit):.4g} {unit} (best: {best:.4g} {unit}); "
+                    f"relax the target or use target 'max-throughput'"
                 )
-            return min(ok, key=lambda i: (points[i]["energy_j"], points[i]["time_s"]))
-        if isinstance(target, Mapping) and set(target) == {"energy_budget_j"}:
-            budget = float(target["energy_budget_j"])
-            ok = [i for i, p in enumerate(points) if p["energy_j"] <= budget]
-            if not ok:
-                least = min(p["energy_j"] for p in points)
-                raise PlanFormatError(
-                    f"no plan point fits the energy budget {budget:.4g} J (least: {least:.4g} J); "
-                    f"raise the budget or use target 'max-throughput'"
-                )
-            return min(ok, key=lambda i: (points[i]["time_s"], points[i]["energy_j"]))
+            return min(ok, key=lambda i: (points[i][optimised], points[i][limited]))
         raise PlanFormatError(
             f"target must be 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}}, "
             f"got {target!r}"
