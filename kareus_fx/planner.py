@@ -29,11 +29,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kareus_fx import __version__
-from kareus_fx.compose.iteration import DEFAULT_UNIT_TIME_S, IterationFrontier, compose_iteration
-from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint
+from kareus_fx.compose.iteration import (
+    DEFAULT_UNIT_TIME_S,
+    IterationFrontier,
+    choose_unit_time_s,
+    compose_iteration,
+)
+from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
 from kareus_fx.cost_models.sim_params import gpu_params
@@ -46,6 +52,7 @@ from kareus_fx.methods import (
     METHODS,
     as_options,
     kareus_microbatch_frontier,
+    nanobatching_config,
     nanobatching_measurements,
     sequential_measurements,
 )
@@ -62,8 +69,9 @@ __all__ = ["PlanOutcome", "PlanRequest", "make_plan", "plan_request_from_preset"
 
 PROFILERS = ("simulated", "cuda")
 MAX_SOLVER_STEPS = 500
-"""Iteration-frontier solver steps per method: the time quantum grows from Perseus's 1 ms (or a
-quarter of the shortest instruction, if shorter) until the solve fits (see compose.iteration)."""
+"""Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
+from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
+solve fits (see compose.iteration)."""
 
 
 @dataclass(frozen=True)
@@ -280,22 +288,30 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
                 frontier = kareus_microbatch_frontier(graph, candidates, outside, sequential)
             options["nanobatching"] = as_options("nanobatching", nanobatched, max_clock)
             options["nanobatching+perseus"] = as_options("nanobatching+perseus", nanobatched, clocks)
-            options["kareus"] = frontier.points
+            nb_configs = None if stage.partitioned is None else tuple(
+                (t.type_id, nanobatching_config(0, default_sms)) for t in graph.ptypes)
+            options["kareus"] = [*frontier.points, *_baseline_points(sequential, None),
+                                 *_baseline_points(nanobatched, nb_configs)]
             per_group[(g, name)] = options
             microbatch[(g, name)] = frontier
 
     stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
-    iteration = {}
-    for method in METHODS:
-        method_options = {
-            (s, name): per_group[(stage_group[s], name)][method]
-            for s in range(req.pp) for name in ("forward", "backward")
-        }
-        shortest_s = min(o.time_s for options in method_options.values() for o in options)
-        iteration[method] = compose_iteration(method_options, req.microbatches,
-                                              blocking_power_w=spec.blocking_power_w,
-                                              unit_time_s=min(DEFAULT_UNIT_TIME_S, shortest_s / 4),
-                                              max_solver_steps=MAX_SOLVER_STEPS, progress=progress)
+    by_method = {
+        method: {(s, name): per_group[(stage_group[s], name)][method]
+                 for s in range(req.pp) for name in ("forward", "backward")}
+        for method in METHODS
+    }
+    shortest_s = min(o.time_s for options in by_method.values() for opts in options.values() for o in opts)
+    floor_s = min(DEFAULT_UNIT_TIME_S, shortest_s / 4)
+    # One time quantum for every method, so their frontiers differ by their options, not by rounding.
+    unit_s = max(choose_unit_time_s(options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s)
+                 for options in by_method.values())
+    iteration = {
+        method: compose_iteration(options, req.microbatches, blocking_power_w=spec.blocking_power_w,
+                                  unit_time_s=unit_s, max_solver_steps=MAX_SOLVER_STEPS, progress=progress)
+        for method, options in by_method.items()
+    }
+    iteration["kareus"] = _with_baseline_plans(iteration, ("megatron+perseus", "nanobatching+perseus"))
     scale = float(req.tp * req.cp)
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
@@ -303,10 +319,52 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
 
 
+def _baseline_points(by_clock: Mapping[int, Any], configs) -> list[MicrobatchPoint]:
+    """A baseline's microbatch at every clock as Kareus options: the un-split microbatch
+    (``configs=None``) or every type on the nanobatching schedule (its clock set per point).
+
+    They lie in Kareus's search space; listing them (even where the microbatch frontier dominates
+    them in time and energy) lets every baseline plan be written as a Kareus plan."""
+    def at(clock: int):
+        return None if configs is None else tuple(
+            (tid, dataclasses.replace(c, clock_mhz=clock)) for tid, c in configs)
+
+    return [MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, at(clock))
+            for clock, m in by_clock.items()]
+
+
+def _with_baseline_plans(iteration: Mapping[str, IterationFrontier], baselines: Sequence[str]) -> IterationFrontier:
+    """Kareus's frontier with the baselines' plans added where they are not dominated.
+
+    The lowtime solver is a heuristic on a convex cost model: on the same options it can end a few
+    hundredths of a percent apart at the frontier's ends. Every plan of ``baselines`` is also a
+    Kareus plan (their microbatch options are among Kareus's, see ``_baseline_points``), with
+    the same exactly evaluated time and energy, so it is a candidate of Kareus's frontier."""
+    kareus = iteration["kareus"]
+    candidates = list(kareus.points)
+    for name in baselines:
+        base = iteration[name]
+        index = {key: {(o.clock_mhz, o.configs is None): i for i, o in enumerate(options)}
+                 for key, options in kareus.options.items()}
+        for point in base.points:
+            choices = np.array([_kareus_index(index[key], base.options[key][c].knob.clock_mhz, name)
+                                for key, c in (((n.stage, n.instruction), c) for n, c in zip(base.nodes, point.choices))],
+                               dtype=np.uint32)
+            choices.setflags(write=False)
+            candidates.append(dataclasses.replace(point, choices=choices))
+    return dataclasses.replace(kareus, points=tuple(pareto_front(candidates)))
+
+
+def _kareus_index(index: Mapping[tuple[int, bool], int], clock_mhz: int, baseline: str) -> int:
+    """Kareus's option index of ``baseline``'s microbatch at ``clock_mhz`` (a graph without
+    partitions runs nanobatching un-split, so its options are the sequential ones)."""
+    if baseline == "megatron+perseus":
+        return index[(clock_mhz, True)]
+    return index.get((clock_mhz, False), index[(clock_mhz, True)])
+
+
 def _sequential_frontier(sequential: Mapping[int, Any]) -> MicrobatchFrontier:
     """Kareus's options for a graph without partitions: the un-split microbatch at every clock."""
-    from kareus_fx.compose.microbatch import pareto_front
-
     points = [MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, None)
               for clock, m in sequential.items()]
     return MicrobatchFrontier(points=tuple(pareto_front(points)))

@@ -464,7 +464,8 @@ def compose_iteration(
         unit_time_s = choose_unit_time_s(
             options, num_microbatches, max_solver_steps, min_unit_time_s=unit_time_s
         )
-        coarsened = unit_time_s > fine_unit_time_s
+        # A caller may pass an already-coarse floor (one quantum for several frontiers).
+        coarsened = unit_time_s > min(fine_unit_time_s, DEFAULT_UNIT_TIME_S)
     num_stages, normalized = _normalize_options(options, unit_time_s)
     pipeline = build_1f1b_dag(num_stages, num_microbatches)
 
