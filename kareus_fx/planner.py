@@ -269,6 +269,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     tuned_points = {tid: [(p.config, p.measurement) for p in result.points] for tid, result in tuned.items()}
 
     per_group: dict[tuple[int, GraphName], dict[str, Sequence[Any]]] = {}
+    baseline_offsets: dict[tuple[int, GraphName], dict[str, int]] = {}
     microbatch: dict[tuple[int, GraphName], MicrobatchFrontier] = {}
     for g, stage in enumerate(traced):
         for name in ("forward", "backward"):
@@ -277,21 +278,25 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
                 "megatron": as_options("megatron", sequential, max_clock),
                 "megatron+perseus": as_options("megatron+perseus", sequential, clocks),
             }
+            nanobatched_types: tuple[str, ...] | None = None
             if stage.partitioned is None:
                 nanobatched = sequential
-                frontier = _sequential_frontier(sequential)
+                frontier = MicrobatchFrontier(points=tuple(pareto_front(_baseline_points(sequential))))
             else:
                 graph = _with_plan_ids(stage.partitioned[name], g, local_to_plan)
                 outside = sequential_measurements(profiler, graph.outside, clocks)
                 nanobatched, nb_points = nanobatching_measurements(profiler, graph, outside, default_sms)
                 candidates = {t.type_id: [*tuned_points[t.type_id], *nb_points[t.type_id]] for t in graph.ptypes}
                 frontier = kareus_microbatch_frontier(graph, candidates, outside, sequential)
+                nanobatched_types = tuple(t.type_id for t in graph.ptypes)
             options["nanobatching"] = as_options("nanobatching", nanobatched, max_clock)
             options["nanobatching+perseus"] = as_options("nanobatching+perseus", nanobatched, clocks)
-            nb_configs = None if stage.partitioned is None else tuple(
-                (t.type_id, nanobatching_config(0, default_sms)) for t in graph.ptypes)
-            options["kareus"] = [*frontier.points, *_baseline_points(sequential, None),
-                                 *_baseline_points(nanobatched, nb_configs)]
+            # Kareus's options: its frontier, then the M+P and the N+P microbatch at every clock
+            # (in the baselines' option order, so a baseline plan maps by an offset).
+            options["kareus"] = [*frontier.points, *_baseline_points(sequential),
+                                 *_baseline_points(nanobatched, nanobatched_types, default_sms)]
+            baseline_offsets[(g, name)] = {"megatron+perseus": len(frontier.points),
+                                           "nanobatching+perseus": len(frontier.points) + len(clocks)}
             per_group[(g, name)] = options
             microbatch[(g, name)] = frontier
 
@@ -311,7 +316,8 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
                                   unit_time_s=unit_s, max_solver_steps=MAX_SOLVER_STEPS, progress=progress)
         for method, options in by_method.items()
     }
-    iteration["kareus"] = _with_baseline_plans(iteration, ("megatron+perseus", "nanobatching+perseus"))
+    iteration["kareus"] = _with_baseline_plans(
+        iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]})
     scale = float(req.tp * req.cp)
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
@@ -319,55 +325,43 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
 
 
-def _baseline_points(by_clock: Mapping[int, Any], configs) -> list[MicrobatchPoint]:
-    """A baseline's microbatch at every clock as Kareus options: the un-split microbatch
-    (``configs=None``) or every type on the nanobatching schedule (its clock set per point).
+def _baseline_points(
+    by_clock: Mapping[int, Any], nanobatched_types: Sequence[str] | None = None, comm_sms: int = 0
+) -> list[MicrobatchPoint]:
+    """A baseline's microbatch at every clock as Kareus options: the un-split microbatch, or with
+    ``nanobatched_types`` every partition type on the nanobatching schedule with ``comm_sms``.
 
     They lie in Kareus's search space; listing them (even where the microbatch frontier dominates
     them in time and energy) lets every baseline plan be written as a Kareus plan."""
-    def at(clock: int):
-        return None if configs is None else tuple(
-            (tid, dataclasses.replace(c, clock_mhz=clock)) for tid, c in configs)
+    def configs(clock: int):
+        return None if nanobatched_types is None else tuple(
+            (tid, nanobatching_config(clock, comm_sms)) for tid in nanobatched_types)
 
-    return [MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, at(clock))
+    return [MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, configs(clock))
             for clock, m in by_clock.items()]
 
 
-def _with_baseline_plans(iteration: Mapping[str, IterationFrontier], baselines: Sequence[str]) -> IterationFrontier:
+def _with_baseline_plans(
+    iteration: Mapping[str, IterationFrontier], offsets: Mapping[tuple[int, str], Mapping[str, int]]
+) -> IterationFrontier:
     """Kareus's frontier with the baselines' plans added where they are not dominated.
 
     The lowtime solver is a heuristic on a convex cost model: on the same options it can end a few
-    hundredths of a percent apart at the frontier's ends. Every plan of ``baselines`` is also a
-    Kareus plan (their microbatch options are among Kareus's, see ``_baseline_points``), with
+    hundredths of a percent apart at the frontier's ends. Every plan of a baseline named in
+    ``offsets`` is also a Kareus plan: option ``j`` of the baseline at (stage, instruction) is
+    Kareus's option ``offsets[(stage, instruction)][baseline] + j`` (``_baseline_points``), with
     the same exactly evaluated time and energy, so it is a candidate of Kareus's frontier."""
     kareus = iteration["kareus"]
     candidates = list(kareus.points)
-    for name in baselines:
+    for name in next(iter(offsets.values())):
         base = iteration[name]
-        index = {key: {(o.clock_mhz, o.configs is None): i for i, o in enumerate(options)}
-                 for key, options in kareus.options.items()}
+        assert base.nodes == kareus.nodes, "methods composed over different pipelines"
+        shift = np.array([offsets[(n.stage, n.instruction)][name] for n in base.nodes], dtype=np.uint32)
         for point in base.points:
-            choices = np.array([_kareus_index(index[key], base.options[key][c].knob.clock_mhz, name)
-                                for key, c in (((n.stage, n.instruction), c) for n, c in zip(base.nodes, point.choices))],
-                               dtype=np.uint32)
+            choices = point.choices.astype(np.uint32) + shift
             choices.setflags(write=False)
             candidates.append(dataclasses.replace(point, choices=choices))
     return dataclasses.replace(kareus, points=tuple(pareto_front(candidates)))
-
-
-def _kareus_index(index: Mapping[tuple[int, bool], int], clock_mhz: int, baseline: str) -> int:
-    """Kareus's option index of ``baseline``'s microbatch at ``clock_mhz`` (a graph without
-    partitions runs nanobatching un-split, so its options are the sequential ones)."""
-    if baseline == "megatron+perseus":
-        return index[(clock_mhz, True)]
-    return index.get((clock_mhz, False), index[(clock_mhz, True)])
-
-
-def _sequential_frontier(sequential: Mapping[int, Any]) -> MicrobatchFrontier:
-    """Kareus's options for a graph without partitions: the un-split microbatch at every clock."""
-    points = [MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, None)
-              for clock, m in sequential.items()]
-    return MicrobatchFrontier(points=tuple(pareto_front(points)))
 
 
 def _with_plan_ids(graph: PartitionedGraph, group: int, local_to_plan: Mapping[LocalKey, str]) -> PartitionedGraph:
