@@ -13,8 +13,9 @@ graph:
 4. dump (``options={"dump_dir": ...}``);
 5. with a plan (``options={"plan": PATH, "target": ..., "stage": s}``, or compile-time tuning
    with ``"tune"``): check the graph against the plan and compile the plan's stream-scheduled
-   variants behind a microbatch dispatcher (``deploy.py``, ``passes/stream_schedule.py``);
-   without one, run the graph as it is.
+   variants behind a microbatch dispatcher (``deploy.py``, ``passes/stream_schedule.py``; when
+   the plan runs some microbatches un-split, the un-split Dynamo graph is compiled too and a
+   Dynamo-level dispatcher picks per microbatch); without one, run the graph as it is.
 """
 
 from __future__ import annotations
@@ -51,10 +52,24 @@ def kareus_backend(
     gpu = gpu_spec(opts.gpu)
     dump = _dump_file(opts, next(_graph_counter))
     deployment = Deployment.from_options(opts)
-    nanobatched = False
-    if opts.nanobatch and graph_communicates(gm, example_inputs):
-        split = split_nanobatches(gm, example_inputs)
-        gm, nanobatched = split.gm, split.split
+    if not (opts.nanobatch and graph_communicates(gm, example_inputs)):
+        return _compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
+    split = split_nanobatches(gm, example_inputs)
+    compiled = _compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=split.split)
+    if split.split and deployment is not None and deployment.runs_unsplit:
+        # The plan runs some microbatches as the un-split Megatron-LM microbatch it priced.
+        unsplit = _compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True)
+        return deployment.select_graph(compiled, unsplit)
+    return compiled
+
+
+def _compile_autograd(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
+    deployment: Deployment | None, *, nanobatched: bool, unsplit: bool = False,
+) -> Callable[..., Any]:
+    """aot_autograd of ``gm`` with steps 3-5 of the module docstring on each aten graph.
+
+    ``unsplit``: ``gm`` is the un-split graph a deployment runs beside the nanobatched one."""
     forward_labels: dict[str, int | None] = {}
 
     def compile_aten(name: str, inference: bool = False) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
@@ -66,7 +81,7 @@ def kareus_backend(
             if dump is not None:
                 dump.add(name, aten_gm, partitioning)
             if deployment is not None and not inference:
-                return deployment.compile(name, aten_gm, partitioning, aten_inputs)
+                return deployment.compile(name, aten_gm, partitioning, aten_inputs, unsplit=unsplit)
             return boxed_nop(aten_gm, aten_inputs)
 
         return compiler

@@ -97,7 +97,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         plan.add_argument(f"--{name}", type=int, default=None, help=what)
     plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU to plan for (default {DEFAULT_GPU})")
     plan.add_argument("--dtype", default="bfloat16", help="model dtype: bfloat16 (default), float16, float32")
-    plan.add_argument("--profiler", default="simulated", help="simulated (default) or cuda")
+    plan.add_argument("--profiler", default="simulated",
+                      help="simulated (default: the cost model, CPU only) or cuda (measure on this machine's GPU)")
+    plan.add_argument("--clock-mode", choices=("real", "dry-run"), default=None,
+                      help="with --profiler cuda: real (default) locks each measured clock; dry-run leaves the "
+                      "card's clock alone (every point measured at its current clock) and records the requests")
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
     plan.add_argument("--clock-stride", type=int, default=30, help="tuning clock stride in MHz")
@@ -111,7 +115,7 @@ def _plan_request(args: argparse.Namespace):
 
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
     common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
-                  clock_stride_mhz=args.clock_stride)
+                  clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode)
     if args.preset:
         if args.model:
             raise OptionsError("give either --preset or --model, not both")

@@ -13,9 +13,14 @@
    nanobatched, issue-ordered graph, as ``kareus plan`` computes it, against the plan's stage
    graph: another model, microbatch size, sequence length, dtype or layer count).
 3. Variants: the chosen point gives every microbatch of this stage's forward and backward an
-   option (clock and per partition type a comm SM count and launch slot, or sequential). One
-   stream-scheduled GraphModule (``passes/stream_schedule.py``) is compiled per distinct set of
-   per-type schedules; at run time a dispatcher picks the variant of the running microbatch.
+   option: a clock, and either per partition type a comm SM count and launch slot, or
+   ``sequential`` (the un-split Megatron-LM microbatch the plan priced). A microbatch whose
+   forward option is sequential runs the un-split Dynamo graph (compiled through its own
+   aot_autograd, so its backward is the un-split backward); every other microbatch runs the
+   nanobatched graph. Per graph, one stream-scheduled GraphModule
+   (``passes/stream_schedule.py``) is compiled per distinct set of per-type schedules; at run
+   time a dispatcher picks the split or un-split graph (at the Dynamo level, before the forward)
+   and the variant of the running microbatch.
    The running microbatch comes from the active
    :class:`~kareus_fx.runtime.pipeline_hook.StepContext` (a pipeline schedule or a loop that
    calls ``next_instruction``) when it runs this instruction, otherwise from a count of this
@@ -24,11 +29,18 @@
 4. Clocks: with ``options["clock_controller"]`` (a
    :class:`~kareus_fx.runtime.frequency.FrequencyController`, any mode) the graphs' clock hooks
    request the plan's clock of the running instruction; without one they do nothing.
+5. Collectives: each scheduled collective's group argument becomes the runtime's communicator
+   for its SM count (:mod:`kareus_fx.runtime.collectives`). Those are created at startup by
+   :func:`~kareus_fx.runtime.collectives.prepare_comm_groups` (required when the job has more
+   than one TP or CP group, e.g. with pipeline stages); a job whose collectives all run over the
+   whole world may leave them to the first compile.
 
-Known limitations: a microbatch option that is sequential as a whole (``configs: null``: the
-plan priced the un-split Megatron-LM microbatch) runs the nanobatched graph with every
-partition sequential, because the forward and backward of one microbatch must come from the
-same split; inference graphs (``torch.no_grad``) run the nanobatching order without the plan.
+Known limitations: the forward and backward of one microbatch come from the same graph (split
+or not), but the plan chooses their options independently; where they disagree the backward
+follows its forward (an un-split forward's backward runs un-split at its planned clock; a split
+forward's sequential backward runs the nanobatched backward with every partition sequential),
+with one warning at deployment naming the microbatches. Inference graphs (``torch.no_grad``) run
+the nanobatching order without the plan.
 
 Compile-time tuning (``options={"tune": "simulated", "plan_out": PATH, "tune_request": {...}}``)
 runs :func:`kareus_fx.planner.make_plan` on the :class:`~kareus_fx.planner.PlanRequest` given in
@@ -44,7 +56,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing as mp
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,14 +84,19 @@ from kareus_fx.passes.stream_schedule import (
     insert_clock_hook,
     schedule_partitions,
 )
-from kareus_fx.plan_format import Plan, load_plan, write_plan
+from kareus_fx.plan_format import Plan, Target, load_plan, write_plan
+from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
 
-__all__ = ["DeployedGraph", "Deployment", "PlanMismatchError", "clock_schedule", "copy_graph", "deployed_graphs"]
+__all__ = ["DeployedGraph", "Deployment", "PlanDeviationWarning", "PlanMismatchError", "clock_schedule", "prepare_collectives", "copy_graph", "deployed_graphs"]
 
 
 class PlanMismatchError(KareusError, ValueError):
     """A valid plan made for another graph, world size, rank layout, GPU or pipeline stage."""
+
+
+class PlanDeviationWarning(UserWarning):
+    """The deployment runs part of the plan otherwise than priced (the message says what)."""
 
 
 @dataclass(frozen=True)
@@ -90,16 +108,31 @@ class DeployedGraph:
     microbatches: tuple[int, ...]
     gm: torch.fx.GraphModule
     partitions: tuple[ScheduledPartition, ...]
+    nanobatched: bool = True
+    """False: the un-split graph of the microbatches whose option is sequential."""
 
 
 _DEPLOYED: list[DeployedGraph] = []
-_GROUP_BACKENDS: dict[str, Any] = {}
-"""Per base group name, the runtime's SM-limited communicators (created once per process)."""
 
 
 def deployed_graphs() -> list[DeployedGraph]:
     """Every variant compiled from a plan in this process, oldest first."""
     return list(_DEPLOYED)
+
+
+def prepare_collectives(
+    plan: str | Path | Plan, target: Target = "max-throughput", groups: Iterable[dist.ProcessGroup | None] = (),
+) -> frozenset[int]:
+    """Create this job's SM-limited communicators at startup (step 5 of the module docstring).
+
+    Call on every rank after ``init_process_group`` and before the first compiled step, with the
+    plan and target the compile options will name and this rank's TP and CP groups. Returns the
+    SM counts prepared: every count at the target's point, over all stages.
+    """
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    sm_counts = plan.comm_sm_counts(plan.point_index(target))
+    prepare_comm_groups(sm_counts, groups)
+    return sm_counts
 
 
 def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
@@ -120,9 +153,16 @@ class MicrobatchCursor:
         self._calls = {name: 0 for name in INSTRUCTIONS}
 
     def next(self, instruction: str) -> PipelineNode:
-        context = active_step_context()
-        current = None if context is None else context.current
-        if current is not None and current.instruction == instruction:
+        """The instruction that runs now; a counted one advances the count."""
+        node = self.peek(instruction)
+        if not self._from_hook(instruction):
+            self._calls[instruction] += 1
+        return node
+
+    def peek(self, instruction: str) -> PipelineNode:
+        """The instruction :meth:`next` would return, without counting it."""
+        if self._from_hook(instruction):
+            current = active_step_context().current  # type: ignore[union-attr]
             if current.stage != self.stage or current.microbatch >= self.microbatches:
                 raise PlanMismatchError(
                     f"the pipeline hook runs {current} but this graph was compiled for stage "
@@ -131,8 +171,12 @@ class MicrobatchCursor:
                 )
             return current
         microbatch = self._calls[instruction] % self.microbatches
-        self._calls[instruction] += 1
         return PipelineNode(self.stage, instruction, microbatch)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _from_hook(instruction: str) -> bool:
+        context = active_step_context()
+        return context is not None and context.current is not None and context.current.instruction == instruction
 
 
 @dataclass
@@ -145,9 +189,28 @@ class Deployment:
     clock: ClockBinding | None
     dump_dir: Path | None = None
     cursor: MicrobatchCursor = field(init=False)
+    unsplit: frozenset[int] = field(init=False)
+    """Microbatches whose forward option is sequential: they run the un-split graph."""
 
     def __post_init__(self) -> None:
-        self.cursor = MicrobatchCursor(self.stage, self.plan.workload["microbatches"])
+        microbatches = self.plan.workload["microbatches"]
+        self.cursor = MicrobatchCursor(self.stage, microbatches)
+        self.unsplit = frozenset(mb for mb in range(microbatches) if self._option("forward", mb)["sequential"])
+        disagree = [mb for mb in range(microbatches)
+                    if self._option("backward", mb)["sequential"] != (mb in self.unsplit)]
+        if disagree:
+            warnings.warn(
+                f"the plan {self.plan.source} runs the forward and backward of microbatch(es) {disagree} "
+                f"of stage {self.stage} one split and one un-split at point {self.point_index}; one "
+                f"microbatch's backward comes from its forward's graph, so those backwards run "
+                f"{'un-split' if disagree[0] in self.unsplit else 'nanobatched with every partition sequential'}"
+                f"{' (and the others likewise by their forward)' if len(disagree) > 1 else ''} at their "
+                f"planned clocks, not as priced",
+                PlanDeviationWarning, stacklevel=2,
+            )
+
+    def _option(self, name: str, microbatch: int) -> Mapping[str, Any]:
+        return self.plan.option(self.point_index, self.stage, name, microbatch)
 
     @classmethod
     def from_options(cls, opts: KareusOptions) -> Deployment | None:
@@ -163,26 +226,50 @@ class Deployment:
             clock = ClockBinding(opts.clock_controller, clock_schedule(plan, point))
         return cls(plan=plan, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir)
 
+    @property
+    def runs_unsplit(self) -> bool:
+        """Some microbatch of this stage runs the un-split graph (compile it too)."""
+        return bool(self.unsplit)
+
     def compile(
-        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None, example_inputs: list[Any]
+        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None, example_inputs: list[Any],
+        *, unsplit: bool = False,
     ) -> Callable[..., Any]:
-        """Check ``gm`` against the plan and compile its variants behind a microbatch dispatcher."""
+        """Check ``gm`` against the plan and compile its variants behind a microbatch dispatcher.
+
+        ``unsplit``: ``gm`` is the un-split graph compiled for the microbatches in
+        :attr:`unsplit`; otherwise it is the nanobatched graph of the others.
+        """
         stage_graph = self.plan.data["stages"][self.stage]["graphs"][name]
         self._check_layout(name, gm)
-        self._check_fingerprint(name, gm, partitioning, stage_graph)
-        variant_of: list[str] = []
+        self._check_fingerprint(name, gm, partitioning, stage_graph, unsplit=unsplit)
+        runs_here = [mb for mb in range(self.cursor.microbatches) if (mb in self.unsplit) == unsplit]
+        variant_of: dict[int, str] = {}
         schedules: dict[str, dict[str, CommSchedule]] = {}
-        for mb in range(self.cursor.microbatches):
-            option = self.plan.option(self.point_index, self.stage, name, mb)
-            per_type = self._schedules(name, option, partitioning, stage_graph["partition_types"])
+        for mb in runs_here:
+            per_type = self._schedules(name, self._option(name, mb), partitioning, stage_graph["partition_types"])
             key = json.dumps({t: dataclasses.astuple(s) for t, s in sorted(per_type.items())})
             schedules.setdefault(key, per_type)
-            variant_of.append(key)
+            variant_of[mb] = key
         variants = {}
         for key, per_type in schedules.items():
-            microbatches = tuple(mb for mb, k in enumerate(variant_of) if k == key)
-            variants[key] = self._compile_variant(name, gm, partitioning, per_type, microbatches, example_inputs)
+            microbatches = tuple(mb for mb, k in variant_of.items() if k == key)
+            variants[key] = self._compile_variant(name, gm, partitioning, per_type, microbatches, example_inputs,
+                                                  unsplit=unsplit)
         return self._dispatcher(name, variants, variant_of)
+
+    def select_graph(self, nanobatched: Callable[..., Any], unsplit: Callable[..., Any]) -> Callable[..., Any]:
+        """The Dynamo-level callable: per call, the un-split graph for the microbatches whose
+        forward runs un-split, the nanobatched graph otherwise (and under ``torch.no_grad``).
+        Both take the graph's inputs as positional arguments (what aot_autograd returns)."""
+        cursor, runs_unsplit = self.cursor, self.unsplit
+
+        def run(*args: Any) -> Any:
+            if torch.is_grad_enabled() and cursor.peek("forward").microbatch in runs_unsplit:
+                return unsplit(*args)
+            return nanobatched(*args)
+
+        return run
 
     # ----- checks ------------------------------------------------------------------------------
     def _check_layout(self, name: str, gm: torch.fx.GraphModule) -> None:
@@ -204,16 +291,16 @@ class Deployment:
 
     def _check_fingerprint(
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
-        stage_graph: Mapping[str, Any],
+        stage_graph: Mapping[str, Any], *, unsplit: bool = False,
     ) -> None:
         record = graph_record(name, gm, partitioning)
         live = graph_fingerprint(record)
-        planned = stage_graph["fingerprint"]
+        planned = stage_graph["sequential_fingerprint" if unsplit else "fingerprint"]
         if live == planned:
             return
         workload = self.plan.workload
         what = ", ".join(f"{k}={workload[k]}" for k in ("model", "tp", "cp", "pp", "mbs", "seq", "layers"))
-        if partitioning is None and live == stage_graph.get("sequential_fingerprint"):
+        if not unsplit and partitioning is None and live == stage_graph.get("sequential_fingerprint"):
             raise PlanMismatchError(
                 f"the {name} graph ran un-split (options nanobatch=False, or the nanobatch split fell "
                 f"back with a warning) but the plan {self.plan.source} was made for the nanobatched "
@@ -261,6 +348,7 @@ class Deployment:
     def _compile_variant(
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
         per_type: Mapping[str, CommSchedule], microbatches: tuple[int, ...], example_inputs: list[Any],
+        *, unsplit: bool,
     ) -> Callable[..., Any]:
         if partitioning is None:
             variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -271,19 +359,29 @@ class Deployment:
             summary = schedule_partitions(variant, copied, per_type, stage=self.stage, instruction=name,
                                           group_for=self._group_rewrite())
         deployed = DeployedGraph(name=name, stage=self.stage, microbatches=microbatches, gm=variant,
-                                 partitions=tuple(summary))
+                                 partitions=tuple(summary), nanobatched=not unsplit)
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
             self._write_code(deployed)
         return boxed_nop(variant, example_inputs)
 
-    def _dispatcher(self, name: str, variants: Mapping[str, Callable[..., Any]], variant_of: list[str]) -> Callable[..., Any]:
+    def _dispatcher(
+        self, name: str, variants: Mapping[str, Callable[..., Any]], variant_of: Mapping[int, str]
+    ) -> Callable[..., Any]:
         cursor, clock = self.cursor, self.clock
 
         def run(args: list[Any]) -> Any:
             node = cursor.next(name)
+            key = variant_of.get(node.microbatch)
+            if key is None:
+                raise PlanMismatchError(
+                    f"{node} ran a graph the plan does not give that microbatch (split vs un-split): "
+                    f"its forward ran as another microbatch. Without a pipeline hook the deployment "
+                    f"counts calls and expects each microbatch's forward then its backward in order; "
+                    f"drive other orders with StepContext and next_instruction()"
+                )
             set_running(node, clock)
-            return variants[variant_of[node.microbatch]](args)
+            return variants[key](args)
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
@@ -294,20 +392,16 @@ class Deployment:
             return None
         from torch.distributed.distributed_c10d import _resolve_process_group
 
-        from kareus_fx.runtime.collectives import CollectiveBackends
-
         def group_for(group_name: str, comm_sms: int) -> str:
-            backends = _GROUP_BACKENDS.get(group_name)
-            if backends is None:
-                backends = _GROUP_BACKENDS[group_name] = CollectiveBackends(_resolve_process_group(group_name))
-            return backends.group_name_for(comm_sms)
+            return backends_for(_resolve_process_group(group_name)).group_name_for(comm_sms)
 
         return group_for
 
     def _write_code(self, deployed: DeployedGraph) -> None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         mbs = "-".join(map(str, deployed.microbatches))
-        path = self.dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}_mb{mbs}_rank{rank}.py"
+        split = "" if deployed.nanobatched else "_unsplit"
+        path = self.dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}_mb{mbs}_rank{rank}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(deployed.gm.code)
 

@@ -56,10 +56,13 @@ def graph_fingerprint(graph_record: Mapping[str, Any]) -> str:
     """A hash of a dumped graph's structure: every compute and collective op, its shapes and cost.
 
     Two traces of the same model, layout and microbatch shape give the same fingerprint; a plan
-    compares it with the graph it is deployed on.
+    compares it with the graph it is deployed on. A collective counts by its kind, bytes and
+    group size, not its group's name: names number process groups in creation order, which
+    differs between the planner's trace (one group per stage) and a job with several TP groups.
     """
     items = [
-        (n["op"], n.get("shape"), n.get("kind"), n.get("collective"))
+        (n["op"], n.get("shape"), n.get("kind"),
+         None if n.get("collective") is None else {k: v for k, v in n["collective"].items() if k != "group_name"})
         for n in graph_record["nodes"]
         if n.get("kind") in ("compute", "collective")
     ]

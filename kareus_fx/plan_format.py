@@ -119,6 +119,16 @@ class Plan:
         index = self.frontier[point_index]["choices"][key][microbatch]
         return self.data["microbatch_options"][key][index]
 
+    def comm_sm_counts(self, point_index: int) -> frozenset[int]:
+        """Every collective SM count the options at frontier point ``point_index`` use (all stages)."""
+        options = self.data["microbatch_options"]
+        return frozenset(
+            config["comm_sms"]
+            for key, indices in self.frontier[point_index]["choices"].items()
+            for index in indices
+            for config in (options[key][index]["configs"] or {}).values()
+        )
+
 
 def write_plan(path: str | Path, data: Mapping[str, Any]) -> Path:
     """Validate ``data`` and write it atomically to ``path``."""

@@ -13,17 +13,20 @@
 
 Assumptions: every rank of a stage costs what the traced rank (rank 0 of the tensor- and
 context-parallel group) costs, so a pipeline's energy is ``tp x cp`` times the traced GPUs'. With
-the simulated profiler every time and energy is a cost-model prediction.
+the simulated profiler every time and energy is a cost-model prediction; with ``cuda`` it is
+measured on this process's GPU (``runtime.device_profiler``: recorded ops replayed, each collective
+a local SM-limited reduce without link time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,6 +62,8 @@ from kareus_fx.methods import (
 from kareus_fx.metrics import frontier_metrics
 from kareus_fx.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
 from kareus_fx.presets import Preset, get_preset
+from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
+from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tracing import TraceSpec, distinct_stages, trace_full_size, validate_trace_spec
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
@@ -68,6 +73,9 @@ from kareus_fx.workload import GraphName, PartitionConfig, PartitionType
 __all__ = ["PlanOutcome", "PlanRequest", "make_plan", "plan_request_from_preset", "validate_plan_request"]
 
 PROFILERS = ("simulated", "cuda")
+CLOCK_MODES = ("real", "dry-run")
+"""Clock modes of ``--profiler cuda``: lock each measured configuration's clock (``real``), or
+leave the card's clock alone and only record the requests (``dry-run``)."""
 MAX_SOLVER_STEPS = 500
 """Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
 from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
@@ -97,6 +105,11 @@ class PlanRequest:
     launch_search: bool = True
     """False restricts every partition to launching its collective first (slot 0): an ablation
     that searches only clocks and SM counts (used to check that ``kareus bench`` catches it)."""
+    clock_mode: str | None = None
+    """``--profiler cuda`` only (see ``CLOCK_MODES``); None means ``real``."""
+    device_window_s: float = 5.0
+    """``--profiler cuda`` only: the least energy window of one measurement (NVML's energy counter
+    updates about every 100 ms; 5 s keeps its error near 2 %)."""
 
     @property
     def world_size(self) -> int:
@@ -121,10 +134,11 @@ def validate_plan_request(req: PlanRequest) -> None:
     if req.profiler not in PROFILERS:
         raise OptionsError(f"--profiler must be one of {', '.join(PROFILERS)}, got {req.profiler!r}")
     if req.profiler == "cuda":
+        _validate_cuda_request(req)
+    elif req.clock_mode is not None:
         raise OptionsError(
-            "--profiler cuda is not wired into kareus plan yet: the on-device profiler "
-            "(kareus_fx.runtime.device_profiler) has not been verified on a GPU; plan with "
-            "--profiler simulated"
+            f"--clock-mode applies to --profiler cuda only (the {req.profiler} profiler sets no GPU clock); "
+            "drop --clock-mode or add --profiler cuda"
         )
     validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp
     if req.microbatches < 1:
@@ -137,6 +151,32 @@ def validate_plan_request(req: PlanRequest) -> None:
     torch_dtype(req.dtype)
     if req.workers < 1 or req.clock_stride_mhz < 1:
         raise OptionsError("--workers and --clock-stride must be positive integers")
+
+
+def _validate_cuda_request(req: PlanRequest) -> None:
+    """``--profiler cuda``: one process measuring on this machine's CUDA GPU, the one ``--gpu`` names."""
+    if req.clock_mode is not None and req.clock_mode not in CLOCK_MODES:
+        raise OptionsError(f"--clock-mode must be one of {', '.join(CLOCK_MODES)}, got {req.clock_mode!r}")
+    if req.workers != 1:
+        raise OptionsError(
+            f"--profiler cuda measures on one GPU, one configuration at a time: use --workers 1 "
+            f"(got --workers {req.workers})"
+        )
+    if not req.device_window_s > 0:
+        raise OptionsError(f"the on-device energy window must be positive seconds, got {req.device_window_s}")
+    if not torch.cuda.is_available():
+        raise OptionsError(
+            "--profiler cuda measures on-device and needs a CUDA GPU, but this machine has none "
+            "(torch.cuda.is_available() is False): plan here with --profiler simulated, or run "
+            "kareus plan --profiler cuda on the GPU node"
+        )
+    family = canonical_gpu_name(req.gpu).split("-")[0]
+    device = torch.cuda.get_device_name(0)
+    if family not in device:
+        raise OptionsError(
+            f"--gpu {req.gpu} is a {family}, but this process's GPU is {device!r}: pass the --gpu of the "
+            f"card that measures (e.g. --gpu h100), or select it with CUDA_VISIBLE_DEVICES"
+        )
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -154,6 +194,9 @@ class StageGraphs:
     stages: tuple[int, ...]
     sequential: Mapping[GraphName, SequentialGraph]
     partitioned: Mapping[GraphName, PartitionedGraph] | None
+    dump_paths: Mapping[str, Path] = field(default_factory=dict)
+    """The dumps the graphs come from, by "nanobatched" / "sequential" (the on-device profiler
+    replays their recorded ops)."""
 
 
 @dataclass
@@ -180,19 +223,16 @@ def make_plan(req: PlanRequest, work_dir: str | Path | None = None, *, progress:
 
         t0 = time.perf_counter()
         ptypes, local_to_plan = _distinct_types(traced, req.launch_search)
-        factory = CachedProfilerFactory(
-            db_path=str(work / "profile.sqlite"),
-            inner=functools.partial(SimulatedProfiler, canonical_gpu_name(req.gpu)),
-        )
-        settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
-        tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
-                                     workers=req.workers, progress=progress)
-        wall["tune_s"] = time.perf_counter() - t0
+        with _profiler_factory(req, traced, work / "profile.sqlite") as factory:
+            settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
+            tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
+                                         workers=req.workers, progress=progress)
+            wall["tune_s"] = time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        profiler = factory()
-        composed = _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress)
-        wall["compose_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            profiler = factory()
+            composed = _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress)
+            wall["compose_s"] = time.perf_counter() - t0
     wall["total_s"] = time.perf_counter() - started
     data = _plan_data(req, traced, ptypes, local_to_plan, tuned, composed, profiler.kind, wall)
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
@@ -205,24 +245,68 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
     for group in distinct_stages(req.trace_spec()):
         stage = group.stages[0]
         spec = req.trace_spec(stage)
-        dumps = {}
+        dumps, paths = {}, {}
         for split in (True, False):
-            out = dump_root / f"stage{stage}-{'nanobatched' if split else 'sequential'}"
+            kind = "nanobatched" if split else "sequential"
+            out = dump_root / f"stage{stage}-{kind}"
             result = trace_full_size(spec, options={"dump_dir": str(out), "gpu": gpu, "nanobatch": split})
             if len(result.dump_paths) != 1:
                 raise UnsupportedGraphError(
                     f"stage {stage} traced into {len(result.dump_paths)} graphs; the planner needs one "
                     f"graph per stage (a model that compiles with fullgraph=True)"
                 )
-            dumps[split] = load_dump(result.dump_paths[0])
+            paths[kind] = result.dump_paths[0]
+            dumps[split] = load_dump(paths[kind])
         try:
             partitioned = partitioned_graphs(dumps[True])
         except UnsupportedGraphError as err:
             warnings.warn(f"stage {stage}: {err}; Kareus plans it sequentially", stacklevel=2)
             partitioned = None
         traced.append(StageGraphs(stages=tuple(group.stages), sequential=sequential_graphs(dumps[False]),
-                                  partitioned=partitioned))
+                                  partitioned=partitioned, dump_paths=paths))
     return traced
+
+
+# ----- profilers ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: Path) -> Iterator[CachedProfilerFactory]:
+    """The factory of the request's profiler behind the profile database (keyed by the profiler's
+    kind, "simulated" or "cuda", so measurements never mix and a rerun resumes).
+
+    ``cuda``: one :class:`DeviceProfiler` for the whole plan (one GPU, one clock controller opened
+    in ``req.clock_mode``), which every factory call returns; it replays the ops of every traced
+    graph from their own dump (:func:`_replay_tables`), and leaving the block closes it, restoring
+    the clock. Each call of a ``cuda`` factory returns that same profiler, so the factory serves
+    this process only (``validate_plan_request`` allows one worker).
+    """
+    gpu = canonical_gpu_name(req.gpu)
+    if req.profiler == "simulated":
+        yield CachedProfilerFactory(db_path=str(db_path), inner=functools.partial(SimulatedProfiler, gpu))
+        return
+    tables = _replay_tables(traced)
+    device = DeviceProfiler(gpu, frequency=FrequencyController.open(req.clock_mode or "real"),
+                            tables_by_ops=tables, min_window_s=req.device_window_s)
+    try:
+        yield CachedProfilerFactory(db_path=str(db_path), inner=lambda: device)
+    finally:
+        device.close()
+
+
+def _replay_tables(traced: Sequence[StageGraphs]) -> dict[str, NodeTable]:
+    """Node tables by the :func:`replay_key` of what the planner measures: each partition type's
+    ops, the work outside partitions (nanobatched dump) and the un-split microbatch (sequential
+    dump), forward and backward of every traced stage. Node names repeat across these dumps;
+    keying by the ops measured (names and targets) gives each its own dump's records."""
+    tables: dict[str, NodeTable] = {}
+    for stage in traced:
+        by_dump = {kind: node_tables_from_dump(load_dump(path)) for kind, path in stage.dump_paths.items()}
+        for name, graph in stage.sequential.items():
+            tables[replay_key(graph.ops)] = by_dump["sequential"][name]
+        for name, graph in (stage.partitioned or {}).items():
+            tables[replay_key(graph.outside.ops)] = by_dump["nanobatched"][name]
+            for ptype in graph.ptypes:
+                tables[replay_key(op for slot in ptype.slots for op in slot.ops)] = by_dump["nanobatched"][name]
+    return tables
 
 
 # ----- 2. distinct partition types -----------------------------------------------------------------
@@ -408,6 +492,16 @@ def _type_record(ptype: PartitionType, result: TuningResult, counts: Mapping[str
     }
 
 
+def _measurement_provenance(req: PlanRequest) -> str:
+    """Where the plan's times and energies come from, in words."""
+    if req.profiler == "simulated":
+        return "simulated GPU: every time and energy is a cost-model prediction, nothing was measured"
+    clocks = ("each configuration's SM clock locked while measuring" if (req.clock_mode or "real") == "real"
+              else "clock mode dry-run: every point measured at the card's current clock, not at its clock_mhz")
+    return (f"measured on one GPU: CUDA-event time, NVML energy over >= {req.device_window_s:g} s windows; "
+            f"collectives as a local SM-limited reduce (no link time); {clocks}")
+
+
 def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, profiler_kind: str,
                wall: Mapping[str, float]) -> dict[str, Any]:
     stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
@@ -463,6 +557,7 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,
         "simulated": req.profiler == "simulated",
+        "measurement": _measurement_provenance(req),
         "energy_scope": (f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
                          f"assumed to cost what the traced rank costs"),
         "baselines": list(BASELINES),

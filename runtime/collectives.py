@@ -1,30 +1,39 @@
-"""One process group per planned communication SM count (paper 3.2.1 and 5.2).
+"""One communicator per planned communication SM count (paper 3.2.1 and 5.2).
 
 The plan gives each partition type a number of SMs for its collective. A collective's SM use is
 the number of CTAs its kernel launches, which NCCL fixes per communicator
 (``ncclConfig_t.minCTAs`` / ``maxCTAs``). :class:`CollectiveBackends` therefore keeps, per SM
-count, a communicator over the same ranks as the base group:
+count, a communicator over the same ranks as a base group (a TP or CP group):
 
 - NCCL base group (GPU): a new NCCL group created with
   ``torch.distributed.ProcessGroupNCCL.Options()`` whose ``config.min_ctas`` and
   ``config.max_ctas`` are both the SM count (so the kernel uses exactly that many CTAs, as far
-  as NCCL's channel limit allows), cached by SM count.
+  as NCCL's channel limit allows).
 - MSCCL++: when ``import mscclpp`` succeeds on a GPU run, each entry records the grid size
   (= the planned SMs) that an MSCCL++ kernel would launch with; the collective itself still
   runs on the CTA-limited NCCL group (MSCCL++ kernels are not wired in).
-- Any other backend (gloo on CPU, the fake backend used for planning): the base group itself;
-  the SM count is recorded but not enforced.
+- gloo (CPU): a new gloo group over the same ranks, so the rewritten collectives really run on
+  another communicator; the SM count is recorded but not enforced.
+- The fake backend (planning on meta): the base group itself; nothing runs.
 
-Creating a process group is collective over the whole default group: every rank must call
-:meth:`CollectiveBackends.group_for` (or :meth:`prepare`) for the same new SM counts in the
-same order. ``prepare(plan_sm_counts)`` at deployment does that once, before training.
+Creating a process group is collective over the whole default group: every rank calls
+``new_group`` for every group, members or not, in the same order. A job with several TP (CP)
+groups, e.g. one per pipeline stage, must therefore create its SM-limited communicators at
+startup, with :func:`prepare_comm_groups` on every rank: it gathers every rank's base groups and
+creates, per SM count in ascending order, one communicator per distinct base group in ascending
+rank order. Created lazily (inside a compile) they would hang: each stage compiles its own
+graph, at its own time. Only a base group spanning the whole world may be created lazily (every
+rank compiles the same graph then), which :meth:`CollectiveBackends.group_for` does; for any
+other base group it raises :class:`CollectiveBackendError` naming :func:`prepare_comm_groups`.
+Communicators are cached per process by (base group ranks, SM count).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +74,7 @@ def mscclpp_importable() -> bool:
 
 
 class CollectiveBackends:
-    """Per-SM-count process groups over the ranks of ``group`` (default: the world group)."""
+    """Per-SM-count communicators over the ranks of ``group`` (default: the world group)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_initialized():
@@ -74,54 +83,123 @@ class CollectiveBackends:
                 "creating CollectiveBackends"
             )
         self.base_group = dist.group.WORLD if group is None else group
-        self.ranks = dist.get_process_group_ranks(self.base_group)
+        self.ranks = tuple(dist.get_process_group_ranks(self.base_group))
         self.backend = str(dist.get_backend(self.base_group))
         self.enforces_sm_limit = "nccl" in self.backend
         self.mscclpp_available = self.enforces_sm_limit and mscclpp_importable()
         self._groups: dict[int, dist.ProcessGroup] = {}
         self.limits: dict[int, SMLimitedGroup] = {}
 
+    @property
+    def spans_world(self) -> bool:
+        """The base group holds every rank (its communicators may be created lazily)."""
+        return len(self.ranks) == dist.get_world_size()
+
     def prepare(self, sm_counts: Iterable[int]) -> None:
-        """Create the groups of every SM count in ``sm_counts`` (same call on every rank)."""
+        """Create the communicators of every SM count in ``sm_counts`` (same call on every rank;
+        only for a base group spanning the world: see :func:`prepare_comm_groups`)."""
         for sm_count in sorted(set(sm_counts)):
             self.group_for(sm_count)
 
     def group_for(self, sm_count: int) -> dist.ProcessGroup:
-        """The process group whose collectives use ``sm_count`` SMs (created on first use)."""
+        """The process group whose collectives use ``sm_count`` SMs."""
         _check_sm_count(sm_count)
         group = self._groups.get(sm_count)
-        if group is None:
-            group = self._create(sm_count)
-            self._groups[sm_count] = group
-            self.limits[sm_count] = SMLimitedGroup(
-                sm_count=sm_count,
-                backend="nccl" if self.enforces_sm_limit else self.backend,
-                enforced=self.enforces_sm_limit,
-                group_name=group.group_name,
-                mscclpp_grid_size=sm_count if self.mscclpp_available else None,
+        if group is not None:
+            return group
+        if not self.spans_world:
+            raise CollectiveBackendError(
+                f"no communicator for {sm_count} SMs over ranks {list(self.ranks)}: with more than one "
+                f"TP or CP group (pipeline stages), creating communicators is collective over all "
+                f"ranks and must happen at startup. Call kareus_fx.deploy.prepare_collectives(plan, "
+                f"target, [tp_group, cp_group]) on every rank after init_process_group, before the "
+                f"first compiled step"
             )
-        return group
+        return self._add(sm_count, create_comm_group(self.ranks, self.backend, sm_count))
 
     def group_name_for(self, sm_count: int) -> str:
         """The group name for ``torch.ops._c10d_functional`` collectives at ``sm_count`` SMs."""
         self.group_for(sm_count)
         return self.limits[sm_count].group_name
 
-    def _create(self, sm_count: int) -> dist.ProcessGroup:
-        if not self.enforces_sm_limit:
-            return self.base_group
-        device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-        if sm_count > device_sms:
-            raise CollectiveBackendError(
-                f"the plan gives a collective {sm_count} SMs but this GPU has {device_sms}: "
-                "the plan was made for another GPU"
-            )
-        return dist.new_group(
-            ranks=self.ranks,
-            backend="nccl",
-            pg_options=nccl_options_for(sm_count),
-            group_desc=f"kareus_comm_sm{sm_count}",
+    def _add(self, sm_count: int, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        group = self.base_group if group is None else group
+        self._groups[sm_count] = group
+        self.limits[sm_count] = SMLimitedGroup(
+            sm_count=sm_count,
+            backend="nccl" if self.enforces_sm_limit else self.backend,
+            enforced=self.enforces_sm_limit,
+            group_name=group.group_name,
+            mscclpp_grid_size=sm_count if self.mscclpp_available else None,
         )
+        return group
+
+
+_BACKENDS: dict[tuple[int, ...], CollectiveBackends] = {}
+"""This process's communicators, by the global ranks of their base group."""
+
+
+def backends_for(group: dist.ProcessGroup) -> CollectiveBackends:
+    """The cached :class:`CollectiveBackends` of ``group`` (one per base group's ranks)."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    backends = _BACKENDS.get(ranks)
+    if backends is None:
+        backends = _BACKENDS[ranks] = CollectiveBackends(group)
+    return backends
+
+
+def create_comm_group(ranks: Sequence[int], backend: str, sm_count: int) -> dist.ProcessGroup | None:
+    """A new communicator over ``ranks`` for ``sm_count`` SMs (module docstring); collective over
+    the world. None: use the base group (the fake backend); non-members get a non-member handle."""
+    if backend == "fake":
+        return None
+    if "nccl" not in backend:
+        return dist.new_group(ranks=list(ranks), backend=backend, group_desc=f"kareus_comm_sm{sm_count}")
+    device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    if sm_count > device_sms:
+        raise CollectiveBackendError(
+            f"the plan gives a collective {sm_count} SMs but this GPU has {device_sms}: "
+            "the plan was made for another GPU"
+        )
+    return dist.new_group(ranks=list(ranks), backend="nccl", pg_options=nccl_options_for(sm_count),
+                          group_desc=f"kareus_comm_sm{sm_count}")
+
+
+def prepare_comm_groups(sm_counts: Iterable[int], groups: Iterable[dist.ProcessGroup | None]) -> None:
+    """Create every rank's communicators for ``sm_counts`` over its ``groups`` (the module docstring).
+
+    Call on every rank, after ``init_process_group`` and before the first compiled step, with
+    this rank's own base groups (``[tp_group, cp_group]``; None entries, size-1 dimensions, are
+    skipped). Collective over the world; idempotent. Ranks may pass different SM counts only if
+    every rank passes the same set (it is checked).
+    """
+    counts = sorted(set(sm_counts))
+    for sm_count in counts:
+        _check_sm_count(sm_count)
+    mine = {tuple(dist.get_process_group_ranks(g)): g for g in groups if g is not None}
+    created = sorted((ranks, count) for ranks, backends in _BACKENDS.items() for count in backends.limits)
+    backend_names = sorted({str(dist.get_backend(g)) for g in mine.values()})
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (counts, sorted(mine), backend_names, created))
+    if any(other[0] != counts for other in gathered):
+        raise CollectiveBackendError(
+            f"prepare_comm_groups got different SM counts on different ranks ({[g[0] for g in gathered]}); "
+            "every rank must pass the SM counts of the whole plan (all stages)"
+        )
+    backends = {name for _, _, names, _ in gathered for name in names}
+    if len(backends) > 1:
+        raise CollectiveBackendError(f"the base groups run on different backends {sorted(backends)}")
+    backend = backends.pop() if backends else ""
+    siblings = sorted({tuple(ranks) for _, rank_lists, _, _ in gathered for ranks in rank_lists})
+    # A pair any member created before is skipped by every rank (all members created it together).
+    done = {(tuple(ranks), count) for *_, pairs in gathered for ranks, count in pairs}
+    for sm_count in counts:
+        for ranks in siblings:
+            if (ranks, sm_count) in done:
+                continue
+            group = create_comm_group(ranks, backend, sm_count)
+            if ranks in mine:
+                backends_for(mine[ranks])._add(sm_count, group)
 
 
 def _check_sm_count(sm_count: object) -> None:

@@ -42,11 +42,12 @@ tests.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -97,6 +98,14 @@ class CollectiveKernel:
 def node_tables_from_dump(dump: Mapping[str, Any]) -> dict[GraphName, dict[str, Mapping[str, Any]]]:
     """Each dumped graph's node records by name: what :func:`build_kernel` replays from."""
     return {graph["name"]: {node["name"]: node for node in graph["nodes"]} for graph in dump["graphs"]}
+
+
+def replay_key(ops: Iterable[OpCost]) -> str:
+    """Key of the node table that replays ``ops`` (``DeviceProfiler(tables_by_ops=...)``): a hash
+    of their node names and targets, so graphs whose node names collide (pipeline stages, the
+    nanobatched and the un-split trace) each keep their own table."""
+    text = "\n".join(f"{op.name} {op.target}" for op in ops)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def collective_traffic_bytes(spec: CollectiveSpec) -> float:
@@ -416,7 +425,10 @@ class DeviceProfiler:
     requests and changes nothing); None leaves the clock as it is (then the measurement is at
     the card's current clock, whatever ``clock_mhz`` says; a warning says so once).
     ``node_tables``: the dump's node records per graph (:func:`node_tables_from_dump`) to replay
-    recorded ops; None uses kernel proxies. ``idle_temperature_c``: the cooldown target (default:
+    recorded ops; None uses kernel proxies. ``tables_by_ops``: node tables by the
+    :func:`replay_key` of the ops they replay (a partition type's ops in slot order, or a
+    sequence's ops), consulted before ``node_tables[graph]``: for ops of several dumps.
+    ``idle_temperature_c``: the cooldown target (default:
     the temperature read before the first measurement). ``zeus_monitor`` / ``read_temperature_c``: injected
     for tests; by default a ``ZeusMonitor`` on ``gpu_index`` and Zeus's NVML temperature.
     """
@@ -431,6 +443,7 @@ class DeviceProfiler:
         gpu_index: int = 0,
         frequency: FrequencyController | None = None,
         node_tables: Mapping[str, NodeTable] | None = None,
+        tables_by_ops: Mapping[str, NodeTable] | None = None,
         min_window_s: float = 5.0,
         warmup: int = 3,
         repeats: int = 10,
@@ -446,6 +459,7 @@ class DeviceProfiler:
         self.gpu_index = gpu_index
         self.frequency = frequency
         self.node_tables = node_tables or {}
+        self.tables_by_ops = tables_by_ops or {}
         self.min_window_s = float(min_window_s)
         self.warmup = warmup
         self.repeats = repeats
@@ -464,9 +478,9 @@ class DeviceProfiler:
         key = (ptype.graph, ptype.type_id)
         if key not in self._replays:
             self._check_cuda()
-            self._replays[key] = PartitionReplay.build(
-                [slot.ops for slot in ptype.slots], [ptype.collective], self._device(),
-                self.node_tables.get(ptype.graph))
+            slots = [slot.ops for slot in ptype.slots]
+            table = self._table([op for ops in slots for op in ops], ptype.graph)
+            self._replays[key] = PartitionReplay.build(slots, [ptype.collective], self._device(), table)
         return self._measure(self._replays[key], config.clock_mhz, config.launch_slot, config.comm_sms)
 
     def measure_sequence(
@@ -474,11 +488,18 @@ class DeviceProfiler:
         *, graph: GraphName | None = None, comm_sms: int = 16,
     ) -> Measurement:
         """``ops`` one after another, then each collective alone with ``comm_sms`` SMs (the
-        simulator's default, 16), at ``clock_mhz``; ``graph`` names the node table to replay from."""
+        simulator's default, 16), at ``clock_mhz``; the node table is ``tables_by_ops``' for these
+        ops, else ``node_tables[graph]``."""
         self._check_cuda()
-        table = None if graph is None else self.node_tables.get(graph)
-        replay = PartitionReplay.build([[op] for op in ops], list(collectives), self._device(), table)
+        replay = PartitionReplay.build([[op] for op in ops], list(collectives), self._device(),
+                                       self._table(ops, graph))
         return self._measure(replay, clock_mhz, None, comm_sms)
+
+    def _table(self, ops: Sequence[OpCost], graph: GraphName | None) -> NodeTable | None:
+        table = self.tables_by_ops.get(replay_key(ops)) if self.tables_by_ops else None
+        if table is None and graph is not None:
+            table = self.node_tables.get(graph)
+        return table
 
     def close(self) -> None:
         """Restore the clock (through the frequency controller)."""

@@ -299,7 +299,7 @@ def fake_world():
 
 
 def test_world_must_equal_tp_times_cp(fake_world):
-    with pytest.raises(ParallelConfigError, match=r"world size 8 != tp\*cp = 2\*2 = 4"):
+    with pytest.raises(ParallelConfigError, match=r"world size 8 != tp\*cp\*pp = 2\*2\*1 = 4"):
         ParallelLayout.from_default_group(tp=2, cp=2)
 
 

@@ -9,6 +9,7 @@ import csv
 import json
 
 import pytest
+import torch
 
 from kareus_fx import cli
 from kareus_fx import planner as planner_module
@@ -42,7 +43,8 @@ def no_tracing(monkeypatch):
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cuda"], "on-device"),
     ],
 )
-def test_bad_input_is_refused_before_tracing(no_tracing, tmp_path, capsys, argv, message):
+def test_bad_input_is_refused_before_tracing(no_tracing, monkeypatch, tmp_path, capsys, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the cuda case also on a GPU node
     assert cli.main(["plan", *argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err, err

@@ -527,3 +527,33 @@ def test_energy_monitor_sums_gpus_and_compares_with_plan():
     comparison = compare_with_plan(monitor.measurements, predicted_time_s=0.5, predicted_energy_j=100.0)
     assert comparison.time_ratio == pytest.approx(0.8)
     assert comparison.energy_ratio == pytest.approx(1.2)
+
+
+def _prepare_per_stage_groups(rank: int, world_size: int):
+    """Two TP groups {0, 1} and {2, 3}: prepare twice (idempotent), all-reduce within each."""
+    from kareus_fx.runtime.collectives import CollectiveBackendError, backends_for, prepare_comm_groups
+
+    groups = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])]
+    mine = groups[rank // 2]
+    prepare_comm_groups([8, 4], [mine, None])
+    names = {count: limit.group_name for count, limit in backends_for(mine).limits.items()}
+    prepare_comm_groups([4, 8], [mine])
+    again = {count: limit.group_name for count, limit in backends_for(mine).limits.items()}
+    sums = []
+    for count in (4, 8):
+        out = torch.ops._c10d_functional.all_reduce(torch.tensor([float(rank)]), "sum", names[count])
+        sums.append(torch.ops._c10d_functional.wait_tensor(out).item())
+    try:
+        prepare_comm_groups([4, 16] if rank == 3 else [4, 8], [mine])
+        mismatch = None
+    except CollectiveBackendError as err:
+        mismatch = str(err)
+    return names, again, sums, mine.group_name, mismatch
+
+
+def test_prepare_comm_groups_over_several_tp_groups():
+    results = run_distributed(_prepare_per_stage_groups, 4)
+    for rank, (names, again, sums, base_name, mismatch) in enumerate(results):
+        assert sorted(names) == [4, 8] and again == names and base_name not in names.values()
+        assert sums == ([1.0, 1.0] if rank < 2 else [5.0, 5.0])
+        assert "different SM counts on different ranks" in mismatch

@@ -32,12 +32,14 @@ from kareus_fx.errors import ParallelConfigError
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in a TP x CP grid; ranks are laid out TP-fastest.
+    """This rank's place in a TP x CP (x PP) grid; ranks are laid out TP-fastest, then CP, then PP.
 
-    Global rank ``r`` has ``tp_rank = r % tp`` and ``cp_rank = r // tp``: the TP group of a rank is
-    ``tp`` consecutive ranks (one node's NVLink domain in practice); its CP group is strided by
-    ``tp``.
-    A size-1 dimension has no group (``None``) and issues no collective.
+    Global rank ``r`` has ``tp_rank = r % tp``, ``cp_rank = (r // tp) % cp`` and
+    ``pp_rank = r // (tp * cp)`` (the pipeline stage it runs, as Megatron-LM orders tp-cp-pp
+    without data parallelism): the TP group of a rank is ``tp`` consecutive ranks (one node's
+    NVLink domain in practice); its CP group is strided by ``tp``; each stage has its own groups.
+    A size-1 dimension has no group (``None``) and issues no collective. Pipeline stages exchange
+    activations point to point; they form no group here.
     """
 
     tp: int = 1
@@ -46,6 +48,8 @@ class ParallelLayout:
     cp_rank: int = 0
     tp_group: dist.ProcessGroup | None = None
     cp_group: dist.ProcessGroup | None = None
+    pp: int = 1
+    pp_rank: int = 0
 
     @property
     def world_size(self) -> int:
@@ -60,35 +64,43 @@ class ParallelLayout:
         return None if self.cp_group is None else self.cp_group.group_name
 
     @classmethod
-    def from_default_group(cls, tp: int = 1, cp: int = 1) -> ParallelLayout:
-        """Split the default process group into TP and CP groups.
+    def from_default_group(cls, tp: int = 1, cp: int = 1, pp: int = 1) -> ParallelLayout:
+        """Split the default process group into TP and CP groups (per pipeline stage).
 
         Collective over the default group when it has more than one rank (every rank must call
         it, in the same order as any other ``new_group``). ``tp = cp = 1`` needs no
         ``torch.distributed`` initialisation.
         """
-        if tp < 1 or cp < 1:
-            raise ParallelConfigError(f"tp and cp must be >= 1, got tp={tp}, cp={cp}")
+        if tp < 1 or cp < 1 or pp < 1:
+            raise ParallelConfigError(f"tp, cp and pp must be >= 1, got tp={tp}, cp={cp}, pp={pp}")
+        world_needed = tp * cp * pp
         if not dist.is_available() or not dist.is_initialized():
-            if tp * cp == 1:
+            if world_needed == 1:
                 return cls()
             raise ParallelConfigError(
-                f"tp={tp} x cp={cp} needs {tp * cp} processes but torch.distributed is not "
-                "initialised; call torch.distributed.init_process_group first (or use tp=cp=1)"
+                f"tp={tp} x cp={cp} x pp={pp} needs {world_needed} processes but torch.distributed is "
+                "not initialised; call torch.distributed.init_process_group first (or use tp=cp=pp=1)"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world != tp * cp:
+        if world != world_needed:
             raise ParallelConfigError(
-                f"world size {world} != tp*cp = {tp}*{cp} = {tp * cp}; "
-                f"launch {tp * cp} processes or choose tp*cp = {world}"
+                f"world size {world} != tp*cp*pp = {tp}*{cp}*{pp} = {world_needed}; "
+                f"launch {world_needed} processes or choose tp*cp*pp = {world}"
             )
+        stage_size = tp * cp
+
+        def per_stage(groups: list[list[int]]) -> list[list[int]]:
+            return [[s * stage_size + r for r in ranks] for s in range(pp) for ranks in groups]
+
         return cls(
             tp=tp,
             cp=cp,
             tp_rank=rank % tp,
-            cp_rank=rank // tp,
-            tp_group=_subgroup(rank, [[c * tp + t for t in range(tp)] for c in range(cp)]),
-            cp_group=_subgroup(rank, [[c * tp + t for c in range(cp)] for t in range(tp)]),
+            cp_rank=(rank // tp) % cp,
+            tp_group=_subgroup(rank, per_stage([[c * tp + t for t in range(tp)] for c in range(cp)])),
+            cp_group=_subgroup(rank, per_stage([[c * tp + t for c in range(cp)] for t in range(tp)])),
+            pp=pp,
+            pp_rank=rank // stage_size,
         )
 
 
