@@ -37,7 +37,7 @@ from kareus_fx.deploy import Deployment
 from kareus_fx.dump import GraphDumpFile
 from kareus_fx.passes.analysis import analyse_graph
 from kareus_fx.passes.issue_order import apply_issue_order
-from kareus_fx.passes.nanobatch import NANOBATCH_META, graph_communicates, split_nanobatches
+from kareus_fx.passes.nanobatch import NANOBATCH_META, NanobatchResult, graph_communicates, split_nanobatches
 from kareus_fx.passes.nanobatch_labels import label_nanobatches
 from kareus_fx.passes.partitions import GraphPartitioning, partition_graph
 
@@ -51,19 +51,31 @@ def kareus_backend(
     opts = KareusOptions.from_user(options)
     gpu = gpu_spec(opts.gpu)
     dump = _dump_file(opts, next(_graph_counter))
-    deployment = Deployment.from_options(opts)
-    if not (opts.nanobatch and graph_communicates(gm, example_inputs)):
-        return _compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
-    split = split_nanobatches(gm, example_inputs)
-    compiled = _compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=split.split)
+    if opts.tune is not None and opts.tune_request is None:
+        from kareus_fx.live_tuning import LiveTuning
+
+        return LiveTuning(gm, example_inputs, opts, gpu, dump)
+    return compile_graph(gm, example_inputs, gpu, dump, Deployment.from_options(opts), nanobatch=opts.nanobatch)
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
+    deployment: Deployment | None, *, nanobatch: bool = True, split: NanobatchResult | None = None,
+) -> Callable[..., Any]:
+    """Steps 1-5 of the module docstring (``split``: the nanobatch split, when already made)."""
+    if split is None:
+        if not (nanobatch and graph_communicates(gm, example_inputs)):
+            return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
+        split = split_nanobatches(gm, example_inputs)
+    compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=split.split)
     if split.split and deployment is not None and deployment.runs_unsplit:
         # The plan runs some microbatches as the un-split Megatron-LM microbatch it priced.
-        unsplit = _compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True)
+        unsplit = compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True)
         return deployment.select_graph(compiled, unsplit)
     return compiled
 
 
-def _compile_autograd(
+def compile_autograd(
     gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
     deployment: Deployment | None, *, nanobatched: bool, unsplit: bool = False,
 ) -> Callable[..., Any]:

@@ -24,9 +24,10 @@ _OPTION_HELP: dict[str, str] = {
     "plan": "plan.json to deploy (str or Path; see kareus_fx/deploy.py)",
     "target": "frontier point: 'max-throughput' (default), {'deadline_s': X} or {'energy_budget_j': Y}",
     "stage": "pipeline stage this rank compiles (int, default 0)",
-    "tune": "tune at compile time: 'simulated' or 'cuda' (needs plan_out and tune_request)",
+    "tune": "tune at compile time: 'simulated' or 'cuda' (needs plan_out): the live graph, or tune_request's",
     "plan_out": "where 'tune' writes the plan (str or Path)",
-    "tune_request": "the workload 'tune' plans: a dict of kareus_fx.planner.PlanRequest fields",
+    "tune_request": "plan a reference model instead of the live graph: a dict of kareus_fx.planner.PlanRequest fields",
+    "microbatches": "microbatches per iteration when 'tune' plans the live graph (int, default 1)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
 }
 _TARGET_KEYS = ("deadline_s", "energy_budget_j")
@@ -46,6 +47,7 @@ class KareusOptions:
     tune: str | None = None
     plan_out: Path | None = None
     tune_request: Mapping[str, Any] | None = None
+    microbatches: int = 1
     clock_controller: "FrequencyController | None" = None
 
     @classmethod
@@ -87,7 +89,7 @@ class KareusOptions:
 
 
 def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """plan, target, stage, tune, plan_out, tune_request, clock_controller (see deploy.py)."""
+    """plan, target, stage, tune, plan_out, tune_request, microbatches, clock_controller (see deploy.py)."""
     values: dict[str, Any] = {}
     for key in ("plan", "plan_out"):
         if options.get(key) is not None:
@@ -111,6 +113,11 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(options["tune_request"], Mapping):
             raise OptionsError(f"option 'tune_request' must be a dict of PlanRequest fields, got {options['tune_request']!r}")
         values["tune_request"] = dict(options["tune_request"])
+    if "microbatches" in options:
+        microbatches = options["microbatches"]
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise OptionsError(f"option 'microbatches' must be a positive int, got {microbatches!r}")
+        values["microbatches"] = microbatches
     if options.get("clock_controller") is not None:
         from kareus_fx.runtime.frequency import FrequencyController
 

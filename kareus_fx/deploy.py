@@ -42,13 +42,13 @@ forward's sequential backward runs the nanobatched backward with every partition
 with one warning at deployment naming the microbatches. Inference graphs (``torch.no_grad``) run
 the nanobatching order without the plan.
 
-Compile-time tuning (``options={"tune": "simulated", "plan_out": PATH, "tune_request": {...}}``)
-runs :func:`kareus_fx.planner.make_plan` on the :class:`~kareus_fx.planner.PlanRequest` given in
-``tune_request`` (model, tp, cp, pp, microbatches, mbs, seq, layers, ...): the planner traces the
-reference model at full size on the meta device under the fake process group, so it runs in a
-spawned process (rank 0 only; the other ranks wait at a barrier), not on the live graph, and it
-knows only the reference models. The plan is written to ``plan_out`` and then deployed like
-``options["plan"]``.
+Compile-time tuning: ``options={"tune": "simulated" | "cuda", "plan_out": PATH}`` tunes the live
+graph (:mod:`kareus_fx.live_tuning`, one stage). With ``"tune_request": {...}`` it instead runs
+:func:`kareus_fx.planner.make_plan` on that :class:`~kareus_fx.planner.PlanRequest` (model, tp,
+cp, pp, microbatches, mbs, seq, layers, ...): the planner traces the reference model at full size
+on the meta device under the fake process group, so it runs in a spawned process (rank 0 only;
+the other ranks wait at a barrier); this is the way for pipelines. Either way the plan is
+written to ``plan_out`` and then deployed like ``options["plan"]``.
 """
 
 from __future__ import annotations
@@ -444,11 +444,10 @@ def _tuned_plan(opts: KareusOptions) -> Path:
     """Plan ``opts.tune_request`` once per process into ``opts.plan_out`` (module docstring)."""
     from kareus_fx.planner import PlanRequest, validate_plan_request
 
-    if opts.plan_out is None or opts.tune_request is None:
+    if opts.plan_out is None:
         raise OptionsError(
-            "option 'tune' needs 'plan_out' (where to write the plan) and 'tune_request' (the workload: "
-            "{'model': 'tiny-llama', 'tp': 2, 'cp': 1, 'pp': 1, 'microbatches': 2, 'mbs': 4, 'seq': 64, "
-            "'layers': 2}); the tuner plans a reference model at full size, not the live graph"
+            "option 'tune' needs 'plan_out' (where to write the plan); with 'tune_request' the tuner plans "
+            "that reference model at full size, without it the live graph"
         )
     known = {f.name for f in dataclasses.fields(PlanRequest)} - {"gpu", "profiler"}
     unknown = sorted(set(opts.tune_request) - known)

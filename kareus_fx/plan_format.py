@@ -7,8 +7,9 @@
 Layout (schema version 1)::
 
     format: "kareus-plan", schema_version: 1, kareus_fx_version, created_utc
-    workload: model, tp, cp, pp, microbatches, mbs, seq, layers, world_size
-    gpu: canonical GPU name;  profiler: the profiler's database key;  energy_scope
+    workload: model, tp, cp, pp, microbatches, mbs, seq, layers (null for a live graph), world_size
+    gpu: canonical GPU name;  profiler: the profiler's database key;  energy_scope;
+    simulated, measurement: whether times and energies are predictions, and how they were taken
     stages: [{stage, graphs: {forward|backward: {fingerprint, sequential_fingerprint,
                                                  partition_types: {local type id: plan type id}}}}]
     partition_types: {plan type id: {graph, count, fingerprint, collective, slots, launch_slots,
@@ -204,6 +205,8 @@ def validate_plan(data: Any, source: str = "<plan>") -> None:
         c.fail("schema_version", f"this kareus-fx reads version {PLAN_SCHEMA_VERSION}, got {top['schema_version']!r}")
     workload = c.obj(top["workload"], "workload", WORKLOAD_FIELDS)
     for key in WORKLOAD_FIELDS[1:]:
+        if key == "layers" and workload[key] is None:
+            continue  # a plan of a live graph: no reference model, layer count unknown
         c.integer(workload[key], f"workload.{key}", low=1)
     if not isinstance(top["gpu"], str):
         c.fail("gpu", "expected a GPU name")

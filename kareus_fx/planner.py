@@ -70,9 +70,13 @@ from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import clock_grid_mhz
 from kareus_fx.workload import GraphName, PartitionConfig, PartitionType
 
-__all__ = ["PlanOutcome", "PlanRequest", "make_plan", "plan_request_from_preset", "validate_plan_request"]
+__all__ = ["LIVE_GRAPH_MODEL", "PlanOutcome", "PlanRequest", "StageGraphs", "make_plan", "plan_request_from_preset",
+           "plan_traced", "stage_graphs_from_dumps", "validate_plan_request", "validate_tuning_request"]
 
 PROFILERS = ("simulated", "cuda")
+LIVE_GRAPH_MODEL = "live-graph"
+"""``PlanRequest.model`` of a plan made from a live graph (``kareus_fx.live_tuning``): no reference
+model, so its layer count is unknown (``workload.layers`` is null)."""
 CLOCK_MODES = ("real", "dry-run")
 """Clock modes of ``--profiler cuda``: lock each measured configuration's clock (``real``), or
 leave the card's clock alone and only record the requests (``dry-run``)."""
@@ -130,6 +134,12 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
 
 def validate_plan_request(req: PlanRequest) -> None:
     """Raise a clear error for a request that cannot be planned, before any tracing."""
+    validate_tuning_request(req)
+    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp
+
+
+def validate_tuning_request(req: PlanRequest) -> None:
+    """The checks that do not depend on tracing a reference model (also for live graphs)."""
     canonical_gpu_name(req.gpu)  # unknown GPU -> error listing the known ones
     if req.profiler not in PROFILERS:
         raise OptionsError(f"--profiler must be one of {', '.join(PROFILERS)}, got {req.profiler!r}")
@@ -140,7 +150,6 @@ def validate_plan_request(req: PlanRequest) -> None:
             f"--clock-mode applies to --profiler cuda only (the {req.profiler} profiler sets no GPU clock); "
             "drop --clock-mode or add --profiler cuda"
         )
-    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp
     if req.microbatches < 1:
         raise ParallelConfigError(f"--microbatches must be a positive integer, got {req.microbatches}")
     if req.microbatches < req.pp:
@@ -220,19 +229,31 @@ def make_plan(req: PlanRequest, work_dir: str | Path | None = None, *, progress:
         t0 = time.perf_counter()
         traced = _trace_stages(req, work / "dumps")
         wall["trace_s"] = time.perf_counter() - t0
+        outcome = plan_traced(req, traced, work, progress=progress)
+    outcome.wall_s = {**wall, **outcome.wall_s, "total_s": time.perf_counter() - started}
+    outcome.data["wall_s"] = outcome.wall_s
+    return outcome
+
+
+def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str | Path, *,
+                progress: bool = True) -> PlanOutcome:
+    """Steps 2-4 of the module docstring on graphs already traced (``traced``: one entry per
+    distinct stage, covering stages 0..pp-1). ``work_dir`` keeps the profile database."""
+    validate_tuning_request(req)
+    started = time.perf_counter()
+    wall: dict[str, float] = {}
+    t0 = time.perf_counter()
+    ptypes, local_to_plan = _distinct_types(traced, req.launch_search)
+    with _profiler_factory(req, traced, Path(work_dir) / "profile.sqlite") as factory:
+        settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
+        tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
+                                     workers=req.workers, progress=progress)
+        wall["tune_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        ptypes, local_to_plan = _distinct_types(traced, req.launch_search)
-        with _profiler_factory(req, traced, work / "profile.sqlite") as factory:
-            settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
-            tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
-                                         workers=req.workers, progress=progress)
-            wall["tune_s"] = time.perf_counter() - t0
-
-            t0 = time.perf_counter()
-            profiler = factory()
-            composed = _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress)
-            wall["compose_s"] = time.perf_counter() - t0
+        profiler = factory()
+        composed = _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress)
+        wall["compose_s"] = time.perf_counter() - t0
     wall["total_s"] = time.perf_counter() - started
     data = _plan_data(req, traced, ptypes, local_to_plan, tuned, composed, profiler.kind, wall)
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
@@ -245,7 +266,7 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
     for group in distinct_stages(req.trace_spec()):
         stage = group.stages[0]
         spec = req.trace_spec(stage)
-        dumps, paths = {}, {}
+        paths = {}
         for split in (True, False):
             kind = "nanobatched" if split else "sequential"
             out = dump_root / f"stage{stage}-{kind}"
@@ -256,15 +277,20 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
                     f"graph per stage (a model that compiles with fullgraph=True)"
                 )
             paths[kind] = result.dump_paths[0]
-            dumps[split] = load_dump(paths[kind])
-        try:
-            partitioned = partitioned_graphs(dumps[True])
-        except UnsupportedGraphError as err:
-            warnings.warn(f"stage {stage}: {err}; Kareus plans it sequentially", stacklevel=2)
-            partitioned = None
-        traced.append(StageGraphs(stages=tuple(group.stages), sequential=sequential_graphs(dumps[False]),
-                                  partitioned=partitioned, dump_paths=paths))
+        traced.append(stage_graphs_from_dumps(tuple(group.stages), paths["nanobatched"], paths["sequential"]))
     return traced
+
+
+def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path) -> StageGraphs:
+    """The graphs of ``stages`` from a nanobatched and an un-split dump of one stage's forward and
+    backward; a nanobatched graph without partitions is planned sequentially (with a warning)."""
+    try:
+        partitioned = partitioned_graphs(load_dump(nanobatched))
+    except UnsupportedGraphError as err:
+        warnings.warn(f"stage {stages[0]}: {err}; Kareus plans it sequentially", stacklevel=2)
+        partitioned = None
+    return StageGraphs(stages=stages, sequential=sequential_graphs(load_dump(sequential)), partitioned=partitioned,
+                      dump_paths={"nanobatched": nanobatched, "sequential": sequential})
 
 
 # ----- profilers ------------------------------------------------------------------------------------
@@ -542,7 +568,7 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         for m in METHODS
     }
     layers = req.layers
-    if layers is None:
+    if layers is None and req.model != LIVE_GRAPH_MODEL:
         from kareus_fx.models import get_config
 
         layers = get_config(req.model).num_layers

@@ -305,10 +305,11 @@ def test_hook_ops_survive_dead_code_elimination_and_retracing():
                    ("comm_issued", "forward:p0"), ("comm_wait", "forward:p0")]
 
 
-def test_tune_needs_an_output_path_and_a_request():
+def test_tune_with_a_request_needs_an_output_path_and_a_gpu_for_cuda():
     torch._dynamo.reset()
-    compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus", options={"tune": "simulated"})
-    with pytest.raises(Exception, match=r"option 'tune' needs 'plan_out' .* and 'tune_request'"):
+    compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus",
+                             options={"tune": "simulated", "tune_request": dict(WORKLOAD)})
+    with pytest.raises(Exception, match=r"option 'tune' needs 'plan_out'"):
         compiled(torch.randn(3, 4))
     torch._dynamo.reset()
     compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus", options={

@@ -1,0 +1,164 @@
+"""Compile-time tuning on the live graph: ``options={"tune": "simulated" | "cuda", "plan_out": PATH}``.
+
+The backend returns a :class:`LiveTuning` for the Dynamo graph. At its first call (outside
+Dynamo's compile, because aot_autograd compiles a backward only when one runs):
+
+1. Trace: rank 0 compiles the Dynamo graph, nanobatched and un-split, through the same
+   aot_autograd passes as the backend (analysis, nanobatch labels, partitions, issue order) and
+   runs forward and backward once on fake copies of the inputs, which gives the aten forward and
+   backward graphs as dumps. Nothing runs on a device and no collective is issued; no gradient
+   reaches the model.
+2. Plan: rank 0 tunes and composes the dumps like ``kareus plan`` (``planner.plan_traced``) and
+   writes the plan to ``plan_out``; every rank learns the outcome (a broadcast, so a failure on
+   rank 0 is raised on every rank instead of leaving them waiting).
+3. Deploy: the plan is deployed on the same graph like ``options["plan"]`` (``target`` picks the
+   point) and the call runs it. Later calls run the deployed graph directly.
+
+Workload of the plan (``workload.model`` is ``"live-graph"``; the layer count is unknown, null):
+one pipeline stage (``pp=1``) whose collectives all run over one group spanning the job (its
+size is ``tp``; ``cp=1``); ``mbs`` is the split's batch size, ``seq`` dim 1 of the first batch
+input (1 if it has none), ``dtype`` the first floating-point input's, ``microbatches`` the
+``microbatches`` option (default 1). Other layouts (CP, PP, data parallelism) are refused with an
+error naming ``tune_request`` (a reference model traced at full size) or ``kareus plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from kareus_fx.config import KareusOptions
+from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.deploy import Deployment
+from kareus_fx.dump import GraphDumpFile, load_dump
+from kareus_fx.errors import KareusError, ParallelConfigError
+from kareus_fx.passes.nanobatch import NanobatchResult, graph_communicates, split_nanobatches
+from kareus_fx.plan_format import write_plan
+
+__all__ = ["LiveTuning", "live_plan_request"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class LiveTuning:
+    """The backend's callable for a graph tuned at compile time (module docstring)."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, example_inputs: list[Any], opts: KareusOptions, gpu: GPUSpec,
+        dump: GraphDumpFile | None,
+    ) -> None:
+        if opts.plan_out is None:
+            raise KareusError("option 'tune' needs 'plan_out': the path the tuned plan is written to")
+        if opts.stage != 0:
+            raise ParallelConfigError(
+                f"option 'tune' plans the live graph as one pipeline stage, but options stage={opts.stage}: "
+                "for a pipeline, plan with `kareus plan --pp N` (or option 'tune_request') and deploy with 'plan'"
+            )
+        self.gm, self.example_inputs, self.opts, self.gpu, self.dump = gm, example_inputs, opts, gpu, dump
+        self.split: NanobatchResult | None = None
+        if opts.nanobatch and graph_communicates(gm, example_inputs):
+            self.split = split_nanobatches(gm, example_inputs)
+        self._deployed: Callable[..., Any] | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self._deployed is None:
+            self._deployed = self._tune_and_deploy()
+        return self._deployed(*args)
+
+    def _tune_and_deploy(self) -> Callable[..., Any]:
+        from kareus_fx.backend import compile_graph
+
+        plan_out = Path(self.opts.plan_out)  # type: ignore[arg-type]
+        error = None
+        if _rank() == 0:
+            try:
+                self._plan(plan_out, plan_out.parent / f"{plan_out.stem}-work")
+            except Exception as err:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(err).__name__}: {err}"
+        if dist.is_available() and dist.is_initialized():
+            shared = [error]
+            dist.broadcast_object_list(shared, src=0)
+            error = shared[0]
+        if error is not None:
+            raise KareusError(f"compile-time tuning of the live graph failed on rank 0: {error}")
+        opts = dataclasses.replace(self.opts, tune=None, plan=plan_out)
+        return compile_graph(self.gm, self.example_inputs, self.gpu, self.dump, Deployment.from_options(opts),
+                             nanobatch=self.opts.nanobatch, split=self.split)
+
+    def _plan(self, plan_out: Path, work_dir: Path) -> None:
+        from kareus_fx.planner import plan_traced, stage_graphs_from_dumps
+
+        dumps = {split: self._trace(work_dir / "dumps", split) for split in (True, False)}
+        request = live_plan_request(self.opts, load_dump(dumps[False]), self.split, self.example_inputs,
+                                    self.gm)
+        stage = stage_graphs_from_dumps((0,), dumps[True], dumps[False])
+        write_plan(plan_out, plan_traced(request, [stage], work_dir, progress=False).data)
+
+    def _trace(self, dump_root: Path, split: bool) -> Path:
+        """Dump the aten forward and backward of the graph (step 1 of the module docstring)."""
+        from kareus_fx.backend import compile_autograd
+
+        nanobatched = split and self.split is not None and self.split.split
+        source = self.split.gm if nanobatched else self.gm  # type: ignore[union-attr]
+        path = dump_root / f"{'nanobatched' if split else 'sequential'}.json"
+        dump = GraphDumpFile(path, gpu=self.gpu.name, rank=0, world_size=_world_size(), graph_id="live")
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+        fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
+        compiled = compile_autograd(source, fakes, self.gpu, dump, None, nanobatched=nanobatched)
+        with fake_mode:
+            outputs = compiled(*fakes)
+            outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+            differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            leaves = [x for x in fakes if isinstance(x, torch.Tensor) and x.requires_grad]
+            if not differentiable or not leaves:
+                raise KareusError(
+                    "option 'tune' plans a training step, but the live graph has no output that needs a "
+                    "gradient (run it with gradients enabled, on a model with trainable parameters)"
+                )
+            torch.autograd.grad(differentiable, leaves, [torch.ones_like(o) for o in differentiable],
+                                allow_unused=True)
+        return path
+
+
+def live_plan_request(
+    opts: KareusOptions, sequential_dump: dict[str, Any], split: NanobatchResult | None,
+    example_inputs: list[Any], gm: torch.fx.GraphModule,
+) -> Any:
+    """The :class:`~kareus_fx.planner.PlanRequest` of the live graph (module docstring)."""
+    from kareus_fx.planner import LIVE_GRAPH_MODEL, PlanRequest
+
+    world = _world_size()
+    sizes = sorted({node["collective"]["group_size"] for graph in sequential_dump["graphs"]
+                    for node in graph["nodes"] if node.get("kind") == "collective"})
+    if sizes not in ([], [world]) or (not sizes and world != 1):
+        raise ParallelConfigError(
+            f"option 'tune' plans the live graph as one stage whose collectives span the job, but this "
+            f"graph communicates over groups of {sizes or 'no'} ranks in a job of {world}: for context, "
+            f"pipeline or data parallelism give option 'tune_request' (a reference model) or use `kareus plan`"
+        )
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = dict(zip(placeholders, example_inputs))
+    batch_inputs = [tensors[name] for name in (split.batch_inputs if split is not None else ())]
+    mbs = split.batch_size if split is not None and split.batch_size else 1
+    seq = batch_inputs[0].shape[1] if batch_inputs and batch_inputs[0].dim() >= 2 else 1
+    dtype = next((x.dtype for x in example_inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
+                 torch.float32)
+    if dtype not in _DTYPE_NAMES:
+        raise KareusError(f"option 'tune' plans float32, bfloat16 or float16 graphs, got {dtype}")
+    return PlanRequest(model=LIVE_GRAPH_MODEL, tp=world, cp=1, pp=1, microbatches=opts.microbatches, mbs=mbs,
+                       seq=int(seq), layers=None, gpu=opts.gpu, profiler=opts.tune or "simulated",
+                       dtype=_DTYPE_NAMES[dtype])
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
