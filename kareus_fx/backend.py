@@ -67,8 +67,10 @@ def compile_graph(
         if not (nanobatch and graph_communicates(gm, example_inputs)):
             return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
         split = split_nanobatches(gm, example_inputs)
-    compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=split.split)
-    if split.split and deployment is not None and deployment.runs_unsplit:
+    if not split.split:  # fell back: the only graph
+        return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
+    compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=True, unsplit=False)
+    if deployment is not None and deployment.runs_unsplit:
         # The plan runs some microbatches as the un-split Megatron-LM microbatch it priced.
         unsplit = compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True)
         return deployment.select_graph(compiled, unsplit)
@@ -77,11 +79,12 @@ def compile_graph(
 
 def compile_autograd(
     gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
-    deployment: Deployment | None, *, nanobatched: bool, unsplit: bool = False,
+    deployment: Deployment | None, *, nanobatched: bool, unsplit: bool | None = None,
 ) -> Callable[..., Any]:
     """aot_autograd of ``gm`` with steps 3-5 of the module docstring on each aten graph.
 
-    ``unsplit``: ``gm`` is the un-split graph a deployment runs beside the nanobatched one."""
+    ``unsplit`` (see :meth:`Deployment.compile`): True, ``gm`` is the un-split graph a deployment
+    runs beside the nanobatched one; False, the nanobatched one; None, the only graph."""
     forward_labels: dict[str, int | None] = {}
 
     def compile_aten(name: str, inference: bool = False) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:

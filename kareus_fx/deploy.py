@@ -233,17 +233,18 @@ class Deployment:
 
     def compile(
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None, example_inputs: list[Any],
-        *, unsplit: bool = False,
+        *, unsplit: bool | None = None,
     ) -> Callable[..., Any]:
         """Check ``gm`` against the plan and compile its variants behind a microbatch dispatcher.
 
-        ``unsplit``: ``gm`` is the un-split graph compiled for the microbatches in
-        :attr:`unsplit`; otherwise it is the nanobatched graph of the others.
+        ``unsplit``: True, ``gm`` is the un-split graph compiled for the microbatches in
+        :attr:`unsplit`; False, the nanobatched graph of the others; None, the only graph (no
+        split was made: the graph does not communicate, or the split fell back), run by all.
         """
         stage_graph = self.plan.data["stages"][self.stage]["graphs"][name]
         self._check_layout(name, gm)
-        self._check_fingerprint(name, gm, partitioning, stage_graph, unsplit=unsplit)
-        runs_here = [mb for mb in range(self.cursor.microbatches) if (mb in self.unsplit) == unsplit]
+        self._check_fingerprint(name, gm, partitioning, stage_graph, unsplit=bool(unsplit))
+        runs_here = [mb for mb in range(self.cursor.microbatches) if unsplit is None or (mb in self.unsplit) == unsplit]
         variant_of: dict[int, str] = {}
         schedules: dict[str, dict[str, CommSchedule]] = {}
         for mb in runs_here:
@@ -255,7 +256,7 @@ class Deployment:
         for key, per_type in schedules.items():
             microbatches = tuple(mb for mb, k in variant_of.items() if k == key)
             variants[key] = self._compile_variant(name, gm, partitioning, per_type, microbatches, example_inputs,
-                                                  unsplit=unsplit)
+                                                  nanobatched=partitioning is not None)
         return self._dispatcher(name, variants, variant_of)
 
     def select_graph(self, nanobatched: Callable[..., Any], unsplit: Callable[..., Any]) -> Callable[..., Any]:
@@ -348,7 +349,7 @@ class Deployment:
     def _compile_variant(
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
         per_type: Mapping[str, CommSchedule], microbatches: tuple[int, ...], example_inputs: list[Any],
-        *, unsplit: bool,
+        *, nanobatched: bool,
     ) -> Callable[..., Any]:
         if partitioning is None:
             variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -359,7 +360,7 @@ class Deployment:
             summary = schedule_partitions(variant, copied, per_type, stage=self.stage, instruction=name,
                                           group_for=self._group_rewrite())
         deployed = DeployedGraph(name=name, stage=self.stage, microbatches=microbatches, gm=variant,
-                                 partitions=tuple(summary), nanobatched=not unsplit)
+                                 partitions=tuple(summary), nanobatched=nanobatched)
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
             self._write_code(deployed)
