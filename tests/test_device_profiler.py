@@ -21,6 +21,7 @@ from kareus_fx.runtime.device_profiler import (
     PartitionReplay,
     build_collective_kernel,
     build_kernel,
+    build_kernels,
     collective_traffic_bytes,
     node_tables_from_dump,
     replay_partition,
@@ -133,6 +134,27 @@ def test_replay_partition_times_traced_types_on_cpu(tiny_dump):
         replayed = PartitionReplay.build([s.ops for s in ptype.slots], [ptype.collective], "cpu", tables[ptype.graph])
         sources = [k.source for slot in replayed.slots for k in slot]
         assert sources.count("replay") >= 0.75 * len(sources)
+
+
+def test_repeated_layers_share_kernels_and_buffers(tmp_path):
+    """A 4-layer un-split forward replays with one kernel per distinct op signature: about one
+    layer's kernels (and input buffers), not one per op; each op keeps its own name in the log."""
+    from kareus_fx.graph_workload import sequential_graphs
+
+    spec = TraceSpec(model="tiny-llama", tp=2, mbs=2, seq=64, layers=4)
+    (path,) = trace_full_size(spec, options={"dump_dir": str(tmp_path), "nanobatch": False}).dump_paths
+    dump = load_dump(path)
+    forward = sequential_graphs(dump)["forward"]
+    table = node_tables_from_dump(dump)["forward"]
+    kernels = build_kernels(forward.ops, "cpu", table)
+    assert [k.name for k in kernels] == [op.name for op in forward.ops]
+    distinct = {id(k.run) for k in kernels}
+    assert len(distinct) < 0.5 * len(kernels), (len(distinct), len(kernels))
+    # Ops of different shapes never share: a shared kernel's recorded output shape matches each op's.
+    by_run: dict[int, set] = {}
+    for kernel, op in zip(kernels, forward.ops):
+        by_run.setdefault(id(kernel.run), set()).add((op.target, tuple(table[op.name]["shape"] or ())))
+    assert all(len(signatures) == 1 for signatures in by_run.values())
 
 
 @pytest.mark.parametrize("launch_slot", [0, 1, 2, None])
