@@ -124,6 +124,15 @@ def known_gpus() -> list[str]:
     return sorted(_spec_table())
 
 
+def gpu_name_for_device(device_name: str) -> str | None:
+    """The spec of a CUDA device called ``device_name`` (``torch.cuda.get_device_name``, e.g.
+    "NVIDIA H100 80GB HBM3"), by family and, for the A100, memory size; None if none matches."""
+    for family, name in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if "80GB" in device_name else "a100")):
+        if family in device_name:
+            return canonical_gpu_name(name)
+    return None
+
+
 def canonical_gpu_name(name: str) -> str:
     """Resolve a user-given GPU name or alias; raise :class:`UnknownGPUError` naming the valid ones."""
     table = _spec_table()

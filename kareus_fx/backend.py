@@ -70,7 +70,7 @@ def compile_graph(
     if not split.split:  # fell back: the only graph
         return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
     compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=True, unsplit=False)
-    if deployment is not None and deployment.runs_unsplit:
+    if deployment is not None and deployment.unsplit:
         # The plan runs some microbatches as the un-split Megatron-LM microbatch it priced.
         unsplit = compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True)
         return deployment.select_graph(compiled, unsplit)

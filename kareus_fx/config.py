@@ -88,6 +88,13 @@ class KareusOptions:
         return cls(**values)
 
 
+def _int_option(options: Mapping[str, Any], key: str, low: int, what: str) -> int:
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise OptionsError(f"option {key!r} must be {what} (int >= {low}), got {value!r}")
+    return value
+
+
 def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """plan, target, stage, tune, plan_out, tune_request, microbatches, clock_controller (see deploy.py)."""
     values: dict[str, Any] = {}
@@ -99,10 +106,7 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
     if "target" in options:
         values["target"] = _target(options["target"])
     if "stage" in options:
-        stage = options["stage"]
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage < 0:
-            raise OptionsError(f"option 'stage' must be a pipeline stage index (int >= 0), got {stage!r}")
-        values["stage"] = stage
+        values["stage"] = _int_option(options, "stage", 0, "a pipeline stage index")
     if options.get("tune") is not None:
         if options["tune"] not in _TUNE_PROFILERS:
             raise OptionsError(f"option 'tune' must be one of {', '.join(_TUNE_PROFILERS)}, got {options['tune']!r}")
@@ -114,10 +118,7 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
             raise OptionsError(f"option 'tune_request' must be a dict of PlanRequest fields, got {options['tune_request']!r}")
         values["tune_request"] = dict(options["tune_request"])
     if "microbatches" in options:
-        microbatches = options["microbatches"]
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise OptionsError(f"option 'microbatches' must be a positive int, got {microbatches!r}")
-        values["microbatches"] = microbatches
+        values["microbatches"] = _int_option(options, "microbatches", 1, "a number of microbatches")
     if options.get("clock_controller") is not None:
         from kareus_fx.runtime.frequency import FrequencyController
 

@@ -201,11 +201,9 @@ class Deployment:
         if disagree:
             warnings.warn(
                 f"the plan {self.plan.source} runs the forward and backward of microbatch(es) {disagree} "
-                f"of stage {self.stage} one split and one un-split at point {self.point_index}; one "
-                f"microbatch's backward comes from its forward's graph, so those backwards run "
-                f"{'un-split' if disagree[0] in self.unsplit else 'nanobatched with every partition sequential'}"
-                f"{' (and the others likewise by their forward)' if len(disagree) > 1 else ''} at their "
-                f"planned clocks, not as priced",
+                f"of stage {self.stage} one split and one un-split at point {self.point_index}; a backward "
+                f"comes from its forward's graph, so each runs at its planned clock, un-split after an "
+                f"un-split forward and nanobatched with every partition sequential otherwise, not as priced",
                 PlanDeviationWarning, stacklevel=2,
             )
 
@@ -225,11 +223,6 @@ class Deployment:
         if opts.clock_controller is not None:
             clock = ClockBinding(opts.clock_controller, clock_schedule(plan, point))
         return cls(plan=plan, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir)
-
-    @property
-    def runs_unsplit(self) -> bool:
-        """Some microbatch of this stage runs the un-split graph (compile it too)."""
-        return bool(self.unsplit)
 
     def compile(
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None, example_inputs: list[Any],

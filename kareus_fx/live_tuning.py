@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,15 +36,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.deploy import Deployment
-from kareus_fx.dump import GraphDumpFile, load_dump
+from kareus_fx.dump import GraphDumpFile
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.passes.nanobatch import NanobatchResult, graph_communicates, split_nanobatches
 from kareus_fx.plan_format import write_plan
 
+if TYPE_CHECKING:
+    from kareus_fx.planner import PlanRequest, StageGraphs
+
 __all__ = ["LiveTuning", "live_plan_request"]
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
 
 class LiveTuning:
     """The backend's callable for a graph tuned at compile time (module docstring)."""
@@ -95,9 +95,8 @@ class LiveTuning:
         from kareus_fx.planner import plan_traced, stage_graphs_from_dumps
 
         dumps = {split: self._trace(work_dir / "dumps", split) for split in (True, False)}
-        request = live_plan_request(self.opts, load_dump(dumps[False]), self.split, self.example_inputs,
-                                    self.gm)
         stage = stage_graphs_from_dumps((0,), dumps[True], dumps[False])
+        request = live_plan_request(self.opts, stage, self.split, self.example_inputs, self.gm)
         write_plan(plan_out, plan_traced(request, [stage], work_dir, progress=False).data)
 
     def _trace(self, dump_root: Path, split: bool) -> Path:
@@ -127,15 +126,14 @@ class LiveTuning:
 
 
 def live_plan_request(
-    opts: KareusOptions, sequential_dump: dict[str, Any], split: NanobatchResult | None,
-    example_inputs: list[Any], gm: torch.fx.GraphModule,
-) -> Any:
+    opts: KareusOptions, stage: StageGraphs, split: NanobatchResult | None, example_inputs: list[Any],
+    gm: torch.fx.GraphModule,
+) -> PlanRequest:
     """The :class:`~kareus_fx.planner.PlanRequest` of the live graph (module docstring)."""
     from kareus_fx.planner import LIVE_GRAPH_MODEL, PlanRequest
 
     world = _world_size()
-    sizes = sorted({node["collective"]["group_size"] for graph in sequential_dump["graphs"]
-                    for node in graph["nodes"] if node.get("kind") == "collective"})
+    sizes = sorted({c.group_size for graph in stage.sequential.values() for c in graph.collectives})
     if sizes not in ([], [world]) or (not sizes and world != 1):
         raise ParallelConfigError(
             f"option 'tune' plans the live graph as one stage whose collectives span the job, but this "
@@ -149,11 +147,9 @@ def live_plan_request(
     seq = batch_inputs[0].shape[1] if batch_inputs and batch_inputs[0].dim() >= 2 else 1
     dtype = next((x.dtype for x in example_inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
                  torch.float32)
-    if dtype not in _DTYPE_NAMES:
-        raise KareusError(f"option 'tune' plans float32, bfloat16 or float16 graphs, got {dtype}")
     return PlanRequest(model=LIVE_GRAPH_MODEL, tp=world, cp=1, pp=1, microbatches=opts.microbatches, mbs=mbs,
                        seq=int(seq), layers=None, gpu=opts.gpu, profiler=opts.tune or "simulated",
-                       dtype=_DTYPE_NAMES[dtype])
+                       dtype=str(dtype).removeprefix("torch."))  # plan_traced refuses other dtypes
 
 
 def _rank() -> int:

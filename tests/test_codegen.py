@@ -22,6 +22,7 @@ import json
 import pytest
 import torch
 
+from conftest import train_microbatches
 from dist_harness import run_distributed
 from kareus_fx.deploy import PlanMismatchError, copy_graph
 from kareus_fx.plan_format import PlanFormatError, instruction_key, write_plan
@@ -106,21 +107,12 @@ def _deploy_worker(rank, world_size, plan_path):
     model = _tiny_model(WORKLOAD["seq"])
     batches = [model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb) for mb in range(2)]
 
-    def step(fn):
-        model.zero_grad(set_to_none=True)
-        losses = []
-        for batch in batches:
-            loss = fn(**batch)
-            loss.backward()
-            losses.append(loss.detach())
-        return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-    eager_losses, eager_grads = step(model)
+    eager_losses, eager_grads = train_microbatches(model, model, batches)
     controller = FrequencyController.open("dry-run", handle_sigterm=False)
     compiled = torch.compile(model, backend="kareus", fullgraph=True,
                              options={"plan": plan_path, "clock_controller": controller})
     with recording_hooks() as log:
-        losses, grads = step(compiled)
+        losses, grads = train_microbatches(model, compiled, batches)
     controller.close()
     for loss, eager in zip(losses, eager_losses):
         torch.testing.assert_close(loss, eager, **TOL)

@@ -259,20 +259,12 @@ def test_measurement_window_energy_split_and_clock(monkeypatch):
     assert measurement.energy_j == pytest.approx(200.0 * measurement.time_s, rel=0.5)
 
 
-def spec_name_of_this_gpu() -> str:
-    name = torch.cuda.get_device_name(0)
-    for marker, spec in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if "80GB" in name else "a100")):
-        if marker in name:
-            return spec
-    pytest.skip(f"no GPU spec for {name}")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_measures_traced_partition(tiny_dump):
+def test_gpu_measures_traced_partition(tiny_dump, cuda_gpu_name):
     types, tables = tiny_dump
     ptype = next(iter(types.values()))
     # no frequency controller: measured at the card's current clock (never change a lent card's clocks)
-    with DeviceProfiler(spec_name_of_this_gpu(), node_tables=tables, min_window_s=1.0, warmup=2,
+    with DeviceProfiler(cuda_gpu_name, node_tables=tables, min_window_s=1.0, warmup=2,
                         repeats=5) as profiler:
         measurement = profiler.measure(ptype, PartitionConfig(1410, 8, ptype.launch_slots[0]))
         sequential = profiler.measure(ptype, PartitionConfig(1410, 8, None))

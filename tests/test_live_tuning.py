@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import train_microbatches
 from dist_harness import run_distributed
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -30,20 +31,11 @@ def _live_worker(rank, world_size, plan_out):
     model.init_weights(seed=0)
     batches = [model.example_batch(mbs=MBS, seq=SEQ, seed=mb) for mb in range(2)]
 
-    def step(fn):
-        model.zero_grad(set_to_none=True)
-        losses = []
-        for batch in batches:
-            loss = fn(**batch)
-            loss.backward()
-            losses.append(loss.detach())
-        return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-    eager_losses, eager_grads = step(model)
+    eager_losses, eager_grads = train_microbatches(model, model, batches)
     compiled = torch.compile(model, backend="kareus", fullgraph=True,
                              options={"tune": "simulated", "plan_out": plan_out, "microbatches": 2})
     for _ in range(2):
-        losses, grads = step(compiled)
+        losses, grads = train_microbatches(model, compiled, batches)
         for loss, eager in zip(losses, eager_losses):
             torch.testing.assert_close(loss, eager, **TOL)
         for name, grad in grads.items():

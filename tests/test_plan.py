@@ -12,21 +12,10 @@ import pytest
 import torch
 
 from kareus_fx import cli
-from kareus_fx import planner as planner_module
 from kareus_fx.plan_format import load_plan
 
 RTOL = 1e-6
 """Relative slack when checking frontier dominance (sums of floats)."""
-
-
-@pytest.fixture
-def no_tracing(monkeypatch):
-    """Fail the test if anything gets traced."""
-
-    def trace(*args, **kwargs):
-        raise AssertionError("traced before validating the input")
-
-    monkeypatch.setattr(planner_module, "trace_full_size", trace)
 
 
 @pytest.mark.parametrize(

@@ -25,16 +25,6 @@ MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
 
 
 @pytest.fixture
-def no_tracing(monkeypatch):
-    """Fail the test if anything gets traced."""
-
-    def trace(*args, **kwargs):
-        raise AssertionError("traced before validating the input")
-
-    monkeypatch.setattr(planner_module, "trace_full_size", trace)
-
-
-@pytest.fixture
 def no_cuda(monkeypatch):
     """This machine as a CPU-only one, also where a GPU is present."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -145,18 +135,10 @@ def test_cuda_factory_opens_the_controller_in_the_requested_mode(tiny_traced, tm
         assert opened[-1] == expected
 
 
-def _gpu_name_of_this_card() -> str:
-    name = torch.cuda.get_device_name(0)
-    for family in ("H200", "H100", "A100"):
-        if family in name:
-            return "a100-80gb" if family == "A100" and "80GB" in name else family.lower()
-    pytest.skip(f"no GPU spec for {name}")
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_plan_measures_on_device_in_dry_run(tmp_path):
+def test_gpu_plan_measures_on_device_in_dry_run(tmp_path, cuda_gpu_name):
     """A whole plan measured on this GPU; dry-run: the card's clock is never changed."""
-    req = PlanRequest(**TINY, gpu=_gpu_name_of_this_card(), profiler="cuda", clock_mode="dry-run",
+    req = PlanRequest(**TINY, gpu=cuda_gpu_name, profiler="cuda", clock_mode="dry-run",
                       device_window_s=0.2, clock_stride_mhz=150)
     data = make_plan(req, tmp_path, progress=False).data
     assert data["profiler"] == "cuda" and data["simulated"] is False

@@ -1,0 +1,41 @@
+"""Fixtures and helpers shared by several test modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    """Fail the test if the planner traces anything (input must be refused before)."""
+    from kareus_fx import planner
+
+    def trace(*args, **kwargs):
+        raise AssertionError("traced before validating the input")
+
+    monkeypatch.setattr(planner, "trace_full_size", trace)
+
+
+@pytest.fixture
+def cuda_gpu_name() -> str:
+    """The GPU spec name of this machine's CUDA device 0 (skips where no spec matches)."""
+    from kareus_fx.cost_models.hardware import gpu_name_for_device
+
+    device = torch.cuda.get_device_name(0)
+    name = gpu_name_for_device(device)
+    if name is None:
+        pytest.skip(f"no GPU spec for {device}")
+    return name
+
+
+def train_microbatches(model, fn, batches):
+    """Forward and backward of ``fn`` (``model`` or its compiled form) on each batch in order;
+    returns the detached losses and ``model``'s accumulated gradients."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for batch in batches:
+        loss = fn(**batch)
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
