@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kareus_fx.bench_reference import ReferenceTiming, load_changed
 from kareus_fx.bench_runner import (RULES, SUITES, BenchCase, BenchError, MetricRule, compare, load_baseline,
                                     run_bench_command, run_case, write_baseline)
 from kareus_fx.cli import main
@@ -31,19 +32,28 @@ def test_rules_regress_only_in_the_worse_direction_beyond_the_tolerance():
     assert not higher.regressed(0.0005, -0.001)  # near zero the absolute floor applies
     assert higher.regressed(0.0005, -0.002)
     assert higher.regressed(0.10, None) and not higher.regressed(None, 0.1)
-    wall = RULES["wall.total_s"]
+    wall = RULES["wall.total_per_ref"]  # in reference-workload units
     assert not wall.regressed(60.0, 119.0) and wall.regressed(60.0, 121.0)
-    assert not wall.regressed(0.5, 2.4)  # tiny phases: at least 2 s slower
+    assert not wall.regressed(2.0, 11.9)  # tiny phases: at least 10 units slower
     assert not wall.regressed(60.0, 1.0)  # faster is fine
 
 
+def test_wall_metrics_are_in_units_of_the_reference_timed_around_the_case():
+    """A machine 3x slower takes 3x longer on the case and on the reference: the same metric."""
+    fast, slow = ReferenceTiming(0.2, 0.2), ReferenceTiming(0.6, 0.6)
+    assert fast.in_refs(20.0) == pytest.approx(slow.in_refs(60.0)) == pytest.approx(100.0)
+    assert ReferenceTiming(0.2, 0.4).reference_s == pytest.approx(0.3)
+    assert not load_changed(ReferenceTiming(0.2, 0.29)) and load_changed(ReferenceTiming(0.2, 0.31))
+    assert load_changed(ReferenceTiming(0.31, 0.2))
+
+
 def test_compare_marks_regressions_new_and_missing_metrics():
-    base = {"case": {"metrics": {"kareus.max_throughput_time_reduction": 0.10, "wall.total_s": 10.0,
+    base = {"case": {"metrics": {"kareus.max_throughput_time_reduction": 0.10, "wall.total_per_ref": 10.0,
                                  "mbo.hv_ratio_worst_type": 0.95}}}
-    run = {"case": {"metrics": {"kareus.max_throughput_time_reduction": 0.05, "wall.total_s": 12.0,
+    run = {"case": {"metrics": {"kareus.max_throughput_time_reduction": 0.05, "wall.total_per_ref": 12.0,
                                 "mbo.fraction_measured_worst_type": 0.1}}}
     status = {row.metric: row.status for row in compare(run, base)}
-    assert status == {"kareus.max_throughput_time_reduction": "REGRESSED", "wall.total_s": "ok",
+    assert status == {"kareus.max_throughput_time_reduction": "REGRESSED", "wall.total_per_ref": "ok",
                       "mbo.hv_ratio_worst_type": "missing", "mbo.fraction_measured_worst_type": "new"}
     with pytest.raises(BenchError, match="no entry for 'other'"):
         compare({"other": run["case"]}, base)
@@ -60,8 +70,8 @@ def test_bench_cli_rejects_a_missing_baseline_and_update_with_ablation(tmp_path,
 
 def test_update_keeps_the_other_cases_of_the_baseline_file(tmp_path):
     path = tmp_path / "baseline.json"
-    write_baseline(path, {"smoke-case": {"metrics": {"wall.total_s": 1.0}}})
-    write_baseline(path, {"paper-case": {"metrics": {"wall.total_s": 2.0}}})
+    write_baseline(path, {"smoke-case": {"metrics": {"wall.total_per_ref": 1.0}}})
+    write_baseline(path, {"paper-case": {"metrics": {"wall.total_per_ref": 2.0}}})
     assert set(load_baseline(path)) == {"smoke-case", "paper-case"}
     path.write_text("{}")
     with pytest.raises(BenchError, match="is not a version-1 kareus-bench-baseline file"):
@@ -86,7 +96,11 @@ def test_tiny_case_records_every_checked_metric(tiny_result):
         assert 0.0 < record["hv_ratio"] <= 1.0 + 1e-3
         assert 0.0 < record["fraction_measured"] <= 0.15 + 1e-9
     assert metrics["mbo.hv_ratio_worst_type"] == min(r["hv_ratio"] for r in per_type.values())
-    assert metrics["wall.total_s"] >= metrics["wall.trace_s"] + metrics["wall.tune_s"] > 0
+    assert metrics["wall.total_per_ref"] >= metrics["wall.trace_per_ref"] + metrics["wall.tune_per_ref"] > 0
+    wall_s, reference_s = tiny_result["info"]["wall_s"], tiny_result["info"]["reference_s"]
+    assert reference_s["before"] > 0 and reference_s["after"] > 0
+    mean_reference_s = (reference_s["before"] + reference_s["after"]) / 2
+    assert metrics["wall.total_per_ref"] == pytest.approx(wall_s["total_s"] / mean_reference_s)
 
 
 def test_tiny_case_against_a_baseline_it_regressed_from(tiny_result, tmp_path, capsys):

@@ -379,8 +379,9 @@ def test_nodes_carry_nanobatch_meta():
 # ---------------------------------------------------------------------------------------------
 # Small graphs: each either splits with exact numbers or falls back (never wrong numbers)
 
-_W = torch.randn(8, 8)
-_TABLE = torch.randn(10, 8)
+_SMALL_INPUTS = torch.Generator().manual_seed(1234)
+_W = torch.randn(8, 8, generator=_SMALL_INPUTS)
+_TABLE = torch.randn(10, 8, generator=_SMALL_INPUTS)
 _B, _T, _D = 5, 3, 8
 _SMALL = {
     # name: (function of x (B, T, D) and w (D, D), expected to split)
@@ -411,7 +412,7 @@ _SMALL = {
 @pytest.mark.parametrize("name", sorted(_SMALL))
 def test_small_graph_splits_or_falls_back(name):
     fn, splits = _SMALL[name]
-    x = torch.randn(_B, _T, _D)
+    x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(sorted(_SMALL).index(name)))
     w = _W.clone().requires_grad_()
     backend = Capture()
     with warnings.catch_warnings(record=True) as record:
@@ -424,7 +425,9 @@ def test_small_graph_splits_or_falls_back(name):
     ref = fn(x, w_ref)
     (g_ref,) = torch.autograd.grad(ref, w_ref)
     torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(g, g_ref, rtol=RTOL, atol=ATOL)
+    # dL/dw sums over the batch: split, it is two partial sums added, so float32 rounding is that
+    # of a reordered sum, relative to the gradient's largest entry, not to an entry that cancels
+    torch.testing.assert_close(g, g_ref, rtol=RTOL, atol=max(ATOL, RTOL * g_ref.abs().max().item()))
 
 
 # ---------------------------------------------------------------------------------------------
