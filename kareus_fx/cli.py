@@ -102,6 +102,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--clock-mode", choices=("real", "dry-run"), default=None,
                       help="with --profiler cuda: real (default) locks each measured clock; dry-run leaves the "
                       "card's clock alone (every point measured at its current clock) and records the requests")
+    plan.add_argument("--device-window", type=float, default=None, metavar="SECONDS",
+                      help="with --profiler cuda: the least energy window of one measurement (default 5 s, "
+                      "at least 1 s: NVML's energy counter updates about every 100 ms)")
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
     plan.add_argument("--clock-stride", type=int, default=30, help="tuning clock stride in MHz")
@@ -116,6 +119,8 @@ def _plan_request(args: argparse.Namespace):
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
     common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
                   clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode)
+    if args.device_window is not None:
+        common["device_window_s"] = args.device_window
     if args.preset:
         if args.model:
             raise OptionsError("give either --preset or --model, not both")

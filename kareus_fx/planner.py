@@ -80,6 +80,10 @@ model, so its layer count is unknown (``workload.layers`` is null)."""
 CLOCK_MODES = ("real", "dry-run")
 """Clock modes of ``--profiler cuda``: lock each measured configuration's clock (``real``), or
 leave the card's clock alone and only record the requests (``dry-run``)."""
+DEFAULT_DEVICE_WINDOW_S = 5.0
+MIN_DEVICE_WINDOW_S = 1.0
+"""Energy windows of ``--profiler cuda`` (``--device-window``): the issue's 5 s by default; below
+1 s NVML's ~100 ms counter update is more than a tenth of the window."""
 MAX_SOLVER_STEPS = 500
 """Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
 from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
@@ -111,7 +115,7 @@ class PlanRequest:
     that searches only clocks and SM counts (used to check that ``kareus bench`` catches it)."""
     clock_mode: str | None = None
     """``--profiler cuda`` only (see ``CLOCK_MODES``); None means ``real``."""
-    device_window_s: float = 5.0
+    device_window_s: float = DEFAULT_DEVICE_WINDOW_S
     """``--profiler cuda`` only: the least energy window of one measurement (NVML's energy counter
     updates about every 100 ms; 5 s keeps its error near 2 %)."""
 
@@ -150,6 +154,11 @@ def validate_tuning_request(req: PlanRequest) -> None:
             f"--clock-mode applies to --profiler cuda only (the {req.profiler} profiler sets no GPU clock); "
             "drop --clock-mode or add --profiler cuda"
         )
+    elif req.device_window_s != DEFAULT_DEVICE_WINDOW_S:
+        raise OptionsError(
+            f"--device-window applies to --profiler cuda only (the {req.profiler} profiler reads no energy "
+            "counter); drop --device-window or add --profiler cuda"
+        )
     if req.microbatches < 1:
         raise ParallelConfigError(f"--microbatches must be a positive integer, got {req.microbatches}")
     if req.microbatches < req.pp:
@@ -171,8 +180,11 @@ def _validate_cuda_request(req: PlanRequest) -> None:
             f"--profiler cuda measures on one GPU, one configuration at a time: use --workers 1 "
             f"(got --workers {req.workers})"
         )
-    if not req.device_window_s > 0:
-        raise OptionsError(f"the on-device energy window must be positive seconds, got {req.device_window_s}")
+    if not req.device_window_s >= MIN_DEVICE_WINDOW_S:
+        raise OptionsError(
+            f"--device-window must be at least {MIN_DEVICE_WINDOW_S:g} s (NVML's energy counter updates about "
+            f"every 100 ms, so a shorter window reads energy with an error above 10 %), got {req.device_window_s:g}"
+        )
     if not torch.cuda.is_available():
         raise OptionsError(
             "--profiler cuda measures on-device and needs a CUDA GPU, but this machine has none "

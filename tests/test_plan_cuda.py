@@ -51,6 +51,8 @@ def test_cuda_without_gpu_is_refused_before_tracing(no_tracing, no_cuda, tmp_pat
         (["--profiler", "cuda"], "needs a CUDA GPU, but this machine has none"),
         (["--profiler", "cuda", "--clock-mode", "dry-run", "--workers", "2"], "use --workers 1"),
         (["--clock-mode", "dry-run"], "--clock-mode applies to --profiler cuda only"),
+        (["--device-window", "10"], "--device-window applies to --profiler cuda only"),
+        (["--profiler", "cuda", "--device-window", "0.5"], "--device-window must be at least 1 s"),
     ],
 )
 def test_cli_refuses_cuda_requests_it_cannot_run(no_tracing, no_cuda, tmp_path, capsys, extra, message):
@@ -68,6 +70,14 @@ def test_cuda_request_checks_workers_mode_and_card(fake_a100):
     with pytest.raises(OptionsError, match="--gpu h100 is a H100, but this process's GPU is 'NVIDIA A100"):
         validate_plan_request(PlanRequest(**TINY, profiler="cuda", gpu="h100"))
     validate_plan_request(PlanRequest(**TINY, profiler="cuda", clock_mode="dry-run"))  # the card --gpu names
+
+
+def test_cli_device_window_reaches_the_request(fake_a100):
+    args = cli._parser().parse_args(["plan", *TINY_ARGV, "--gpu", "a100", "--profiler", "cuda", "--device-window", "2.5"])
+    req = cli._plan_request(args)
+    assert req.device_window_s == 2.5
+    validate_plan_request(req)
+    assert cli._plan_request(cli._parser().parse_args(["plan", *TINY_ARGV])).device_window_s == 5.0
 
 
 @pytest.fixture(scope="module")
