@@ -11,7 +11,8 @@ in kareus-fx cannot hide in the reference): a fake-tensor ``make_fx`` trace of t
 backward of a small transformer block (the Python-bound dispatch that tracing and the passes are
 made of) and XGBoost fits on a fixed data set (the tuner's surrogates; one thread, as the tuner
 uses). Assumption: the planner's phases and this workload slow down alike when the machine is
-slower or loaded; a load that changes during a case is flagged by :func:`load_changed`.
+slower or loaded; a load that changes during a case is flagged by
+``ReferenceTiming.load_changed``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 import xgboost
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["ReferenceTiming", "load_changed", "time_reference_s"]
+__all__ = ["ReferenceTiming", "time_reference_s"]
 
 _WIDTH, _HIDDEN, _LAYERS = 64, 256, 4
 _FITS = 4
@@ -95,12 +96,11 @@ class ReferenceTiming:
         """The time the case's phases are divided by: the mean of before and after."""
         return (self.before_s + self.after_s) / 2
 
+    @property
+    def load_changed(self) -> bool:
+        """Whether the machine's speed changed by more than 1.5x while the case ran."""
+        return max(self.before_s, self.after_s) > _LOAD_CHANGE_RATIO * min(self.before_s, self.after_s)
+
     def in_refs(self, wall_s: float) -> float:
         """``wall_s`` in units of the reference workload's time."""
         return wall_s / self.reference_s
-
-
-def load_changed(timing: ReferenceTiming) -> bool:
-    """Whether the machine's speed changed by more than 1.5x while the case ran."""
-    slow, fast = max(timing.before_s, timing.after_s), min(timing.before_s, timing.after_s)
-    return slow > _LOAD_CHANGE_RATIO * fast

@@ -22,8 +22,9 @@ to the reference cancels the machine and a steady load.
 It compares each metric with the baseline file under the tolerance in :data:`RULES` (relative
 for the quality metrics, with a small absolute floor for values near zero; wall times regress only
 when more than twice as slow, relative to the reference, and at least 10 reference units slower),
-prints a table marking each regression and returns exit status 1 if any metric regressed. ``--update`` records the run's cases in the
-baseline file instead (other cases in the file are kept).
+prints a table marking each regression and returns exit status 1 if any metric regressed.
+``--update`` records the run's cases in the baseline file instead (other cases in the file are
+kept).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kareus_fx.bench_reference import ReferenceTiming, load_changed, time_reference_s
 from kareus_fx.errors import KareusError
 from kareus_fx.presets import PRESETS
 
@@ -158,6 +158,7 @@ RULES: dict[str, MetricRule] = {
 # ----- running a case ---------------------------------------------------------------------------
 def run_case(case: BenchCase, ablate: str | None = None) -> dict[str, Any]:
     """Plan ``case`` and return ``{"metrics": {name: value}, "info": {...}}`` (see module doc)."""
+    from kareus_fx.bench_reference import ReferenceTiming, time_reference_s
     from kareus_fx.planner import make_plan
 
     request = case.request(ablate)
@@ -189,7 +190,7 @@ def run_case(case: BenchCase, ablate: str | None = None) -> dict[str, Any]:
         "hv_check_s": hv_check_s,
         "wall_s": {phase: outcome.wall_s[phase] for phase in _WALL_PHASES},
         "reference_s": {"before": timing.before_s, "after": timing.after_s},
-        "load_changed": load_changed(timing),
+        "load_changed": timing.load_changed,
     }
     return {"metrics": metrics, "info": info}
 

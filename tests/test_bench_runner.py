@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kareus_fx.bench_reference import ReferenceTiming, load_changed
+from kareus_fx.bench_reference import ReferenceTiming
 from kareus_fx.bench_runner import (RULES, SUITES, BenchCase, BenchError, MetricRule, compare, load_baseline,
                                     run_bench_command, run_case, write_baseline)
 from kareus_fx.cli import main
@@ -43,8 +43,8 @@ def test_wall_metrics_are_in_units_of_the_reference_timed_around_the_case():
     fast, slow = ReferenceTiming(0.2, 0.2), ReferenceTiming(0.6, 0.6)
     assert fast.in_refs(20.0) == pytest.approx(slow.in_refs(60.0)) == pytest.approx(100.0)
     assert ReferenceTiming(0.2, 0.4).reference_s == pytest.approx(0.3)
-    assert not load_changed(ReferenceTiming(0.2, 0.29)) and load_changed(ReferenceTiming(0.2, 0.31))
-    assert load_changed(ReferenceTiming(0.31, 0.2))
+    assert not ReferenceTiming(0.2, 0.29).load_changed and ReferenceTiming(0.2, 0.31).load_changed
+    assert ReferenceTiming(0.31, 0.2).load_changed
 
 
 def test_compare_marks_regressions_new_and_missing_metrics():
