@@ -4,11 +4,11 @@
     python bench/mbo_quality.py --preset qwen3-1.7b-tp8-mbs8-seq4k
     python bench/mbo_quality.py --preset synthetic
 
-Partition types: a preset of :mod:`kareus_fx.presets` is traced at its tp / cp / microbatch size /
+Partition types: a preset of :mod:`kareus_fx.plan.presets` is traced at its tp / cp / microbatch size /
 sequence length on the meta device with ``--layers`` layers (default 4; the types of a transformer
 do not depend on the layer count, only their counts do: ``--verify-layers N`` traces N layers too
 and checks that the types are the same), and the types are read back from the graph dump
-(:func:`kareus_fx.dump.partition_types_from_dump`), forward and backward. The dump is cached under
+(:func:`kareus_fx.capture.dump.partition_types_from_dump`), forward and backward. The dump is cached under
 ``--cache-dir`` keyed by preset, layers, GPU and a hash of the tracing code (``--retrace`` ignores
 the cache). ``synthetic`` is the analytic types of :mod:`kareus_fx.tuner.synthetic` on their
 analytic profiler; every other preset is measured on the simulated GPU
@@ -80,7 +80,7 @@ def _tracing_code_hash() -> str:
 
     import torch
 
-    for name in ("kareus_fx.backend", "kareus_fx.tracing", "kareus_fx.dump", "kareus_fx.models"):
+    for name in ("kareus_fx.capture.backend", "kareus_fx.capture.tracing", "kareus_fx.capture.dump", "kareus_fx.models"):
         importlib.import_module(name)
     files = sorted(
         {
@@ -98,8 +98,8 @@ def _tracing_code_hash() -> str:
 
 def _trace_dump(preset_name: str, gpu: str, layers: int, cache_dir: Path | None) -> Path:
     """Path of the (cached) graph dump of ``preset_name`` traced with ``layers`` layers."""
-    from kareus_fx.presets import get_preset
-    from kareus_fx.tracing import TraceSpec, trace_full_size
+    from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+    from kareus_fx.plan.presets import get_preset
 
     preset = get_preset(preset_name)
     cached = None
@@ -121,7 +121,7 @@ def _trace_dump(preset_name: str, gpu: str, layers: int, cache_dir: Path | None)
 
 def traced_types(preset_name: str, gpu: str, layers: int, cache_dir: Path | None) -> list[LabelledType]:
     """Every partition type of the preset's forward and backward graphs, in dump order."""
-    from kareus_fx.dump import load_dump, partition_types_from_dump
+    from kareus_fx.capture.dump import load_dump, partition_types_from_dump
 
     dump = load_dump(_trace_dump(preset_name, gpu, layers, cache_dir))
     types = partition_types_from_dump(dump)
@@ -236,11 +236,11 @@ def _print_row(row: dict, label: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kareus_fx.presets import PRESETS
+    from kareus_fx.plan.presets import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=[SYNTHETIC, *PRESETS], required=True, metavar="NAME",
-                        help=f"a preset of kareus_fx.presets (e.g. llama3.2-3b-tp8-mbs8-seq4k) or {SYNTHETIC}")
+                        help=f"a preset of kareus_fx.plan.presets (e.g. llama3.2-3b-tp8-mbs8-seq4k) or {SYNTHETIC}")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--gpu", default="A100-SXM4-40GB")
     parser.add_argument("--seeds", type=int, default=5, help="MBO seeds per type")

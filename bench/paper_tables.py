@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from kareus_fx.planner import make_plan, plan_request_from_preset
-from kareus_fx.presets import PRESETS
+from kareus_fx.plan.planner import make_plan, plan_request_from_preset
+from kareus_fx.plan.presets import PRESETS
 
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "paper_tables.json"
 

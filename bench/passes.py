@@ -17,8 +17,8 @@ import time
 from collections import defaultdict
 from typing import Any, Callable
 
-import kareus_fx.backend as backend
-from kareus_fx.tracing import BENCH_TRACE_SPEC, add_trace_arguments, trace_full_size, trace_spec_from_args
+import kareus_fx.capture.compile_step as compile_step
+from kareus_fx.capture.tracing import BENCH_TRACE_SPEC, add_trace_arguments, trace_full_size, trace_spec_from_args
 
 _TIMED = ("split_nanobatches", "label_nanobatches", "partition_graph", "apply_issue_order")
 
@@ -44,14 +44,14 @@ def main() -> None:
 
     trace_full_size(trace_spec_from_args(args, layers=1))
     totals_s: dict[str, float] = defaultdict(float)
-    originals = {name: getattr(backend, name) for name in _TIMED}
+    originals = {name: getattr(compile_step, name) for name in _TIMED}
     for name, fn in originals.items():
-        setattr(backend, name, _timed(name, fn, totals_s))
+        setattr(compile_step, name, _timed(name, fn, totals_s))
     try:
         trace_s = trace_full_size(spec).wall_s
     finally:
         for name, fn in originals.items():
-            setattr(backend, name, fn)
+            setattr(compile_step, name, fn)
 
     passes_s = sum(totals_s.values())
     result = {

@@ -14,10 +14,11 @@ import argparse
 import json
 import tempfile
 
-from kareus_fx.dump import load_dump
-from kareus_fx.graph_workload import sequential_graphs
 from kareus_fx.runtime.device_profiler import kernel_signature, node_tables_from_dump
-from kareus_fx.tracing import TraceSpec, trace_full_size
+
+from kareus_fx.capture.dump import load_dump
+from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.plan.graph_workload import sequential_graphs
 
 
 def main() -> None:

@@ -17,9 +17,10 @@ import json
 import tempfile
 
 from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.dump import load_dump
-from kareus_fx.graph_workload import partitioned_graphs
-from kareus_fx.tracing import TraceSpec, trace_full_size
+
+from kareus_fx.capture.dump import load_dump
+from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.plan.graph_workload import partitioned_graphs
 from kareus_fx.workload import PartitionConfig, PartitionType
 
 GPU = "A100-SXM4-40GB"

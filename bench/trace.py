@@ -17,7 +17,7 @@ import json
 import statistics
 import tempfile
 
-from kareus_fx.tracing import BENCH_TRACE_SPEC, add_trace_arguments, trace_full_size, trace_spec_from_args
+from kareus_fx.capture.tracing import BENCH_TRACE_SPEC, add_trace_arguments, trace_full_size, trace_spec_from_args
 
 
 def main() -> None:

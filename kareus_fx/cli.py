@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kareus_fx.bench_runner import ABLATIONS, SUITES
+    from kareus_fx.bench.runner import ABLATIONS, SUITES
 
     bench = sub.add_parser(
         "bench",
@@ -88,7 +88,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "the meta device, partitions, MBO tuning per partition type, microbatch and iteration frontiers, "
         "and the baselines (Megatron-LM, Megatron-LM + Perseus, Nanobatching, Nanobatching + Perseus).",
     )
-    plan.add_argument("--preset", help="a named workload (see kareus_fx/presets.py), e.g. qwen3-1.7b-tp8-mbs8-seq4k")
+    plan.add_argument("--preset", help="a named workload (see kareus_fx/plan/presets.py), e.g. qwen3-1.7b-tp8-mbs8-seq4k")
     plan.add_argument("--model", help="reference model (instead of --preset)")
     for name, what in (("tp", "tensor-parallel degree"), ("cp", "context-parallel degree"),
                        ("pp", "pipeline stages"), ("microbatches", "microbatches per iteration"),
@@ -114,7 +114,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan_request(args: argparse.Namespace):
-    from kareus_fx.planner import PlanRequest, plan_request_from_preset
+    from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
 
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
     common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
@@ -139,9 +139,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from kareus_fx.compose.perseus_csv import write_perseus_profile
-    from kareus_fx.plan_format import write_plan
-    from kareus_fx.planner import make_plan, validate_plan_request
-    from kareus_fx.report import metrics_table, write_frontier_csv, write_report_html
+    from kareus_fx.plan.plan_format import write_plan
+    from kareus_fx.plan.planner import make_plan, validate_plan_request
+    from kareus_fx.report.plan_report import metrics_table, write_frontier_csv, write_report_html
 
     request = _plan_request(args)
     validate_plan_request(request)  # every bad-input error before any tracing
@@ -167,9 +167,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _run_dump(args: argparse.Namespace) -> int:
-    from kareus_fx.dump import load_dump
-    from kareus_fx.dump_summary import collectives_by_layer_text, summary_table
-    from kareus_fx.tracing import TraceSpec, trace_full_size
+    from kareus_fx.capture.dump import load_dump
+    from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+    from kareus_fx.report.dump_summary import collectives_by_layer_text, summary_table
 
     gpu = canonical_gpu_name(args.gpu)
     spec = TraceSpec(model=args.model, tp=args.tp, cp=args.cp, mbs=args.mbs, seq=args.seq, layers=args.layers)
@@ -186,8 +186,8 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from kareus_fx.inspector import inspected_html, load_inspectable, print_inspected
-    from kareus_fx.plan_diff import diff_dumps, diff_plans, format_changes
+    from kareus_fx.report.inspector import inspected_html, load_inspectable, print_inspected
+    from kareus_fx.report.plan_diff import diff_dumps, diff_plans, format_changes
 
     if args.diff is not None:
         if args.file is not None or args.html is not None:
@@ -210,7 +210,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from kareus_fx.bench_runner import run_bench_command
+    from kareus_fx.bench.runner import run_bench_command
 
     return run_bench_command(args.suite, args.baseline, update=args.update, as_json=args.json,
                              ablate=args.ablate, console=_console())

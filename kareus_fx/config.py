@@ -21,12 +21,12 @@ _OPTION_HELP: dict[str, str] = {
     "dump_dir": "directory to write one JSON graph dump per compiled graph (str or Path)",
     "gpu": f"GPU whose spec labels ops compute- or memory-bound (default {DEFAULT_GPU})",
     "nanobatch": "split each microbatch into two nanobatches (bool, default True)",
-    "plan": "plan.json to deploy (str or Path; see kareus_fx/deploy.py)",
+    "plan": "plan.json to deploy (str or Path; see kareus_fx/deploy/deployment.py)",
     "target": "frontier point: 'max-throughput' (default), {'deadline_s': X} or {'energy_budget_j': Y}",
     "stage": "pipeline stage this rank compiles (int, default 0)",
     "tune": "tune at compile time: 'simulated' or 'cuda' (needs plan_out): the live graph, or tune_request's",
     "plan_out": "where 'tune' writes the plan (str or Path)",
-    "tune_request": "plan a reference model instead of the live graph: a dict of kareus_fx.planner.PlanRequest fields",
+    "tune_request": "plan a reference model instead of the live graph: a dict of kareus_fx.plan.planner.PlanRequest fields",
     "microbatches": "microbatches per iteration when 'tune' plans the live graph (int, default 1)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
 }
@@ -96,7 +96,7 @@ def _int_option(options: Mapping[str, Any], key: str, low: int, what: str) -> in
 
 
 def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """plan, target, stage, tune, plan_out, tune_request, microbatches, clock_controller (see deploy.py)."""
+    """plan, target, stage, tune, plan_out, tune_request, microbatches, clock_controller (see deploy/deployment.py)."""
     values: dict[str, Any] = {}
     for key in ("plan", "plan_out"):
         if options.get(key) is not None:

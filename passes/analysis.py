@@ -25,10 +25,10 @@ from typing import Any, Iterable, Literal
 
 import torch
 import torch.fx
+from kareus_fx.cost_models.hardware import GPUSpec
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from kareus_fx.attention_op import attention_backward_flops, attention_flops
-from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.models.attention_op import attention_backward_flops, attention_flops
 from kareus_fx.workload import CollectiveKind
 
 aten = torch.ops.aten
@@ -69,7 +69,7 @@ _FREE_OPS = {
 _CPU_SDPA_FORWARD = {aten._scaled_dot_product_flash_attention_for_cpu.default}
 _CPU_SDPA_BACKWARD = {aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 _EMBEDDING = {aten.embedding.default}
-# kareus_fx.attention_op: the fused causal attention the reference models use.
+# kareus_fx.models.attention_op: the fused causal attention the reference models use.
 _KAREUS_ATTENTION = torch.ops.kareus.attention.default
 _KAREUS_ATTENTION_BACKWARD = torch.ops.kareus.attention_backward.default
 

@@ -13,7 +13,7 @@ pass's type ids) a :class:`CommSchedule`: the collective's SM count and launch s
    result. The reorder goes through :func:`apply_issue_order`, which only makes moves the data
    dependencies allow (slots of a partition never depend on its collective), so the graph
    computes what it computed before.
-2. Hooks (``kareus_fx.hook_ops``): ``clock_hook(stage, instruction)`` after the inputs (the
+2. Hooks (``kareus_fx.deploy.hook_ops``): ``clock_hook(stage, instruction)`` after the inputs (the
    microbatch boundary); per scheduled partition ``comm_launch(tag, comm_sms, launch_slot,
    inputs)`` right before its collective(s), ``comm_issued(tag, outputs)`` right after them and
    ``comm_wait(tag, outputs)`` right before the first wait; ``tag`` is the partition id.
@@ -35,17 +35,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from kareus_fx.passes.issue_order import apply_issue_order
+from kareus_fx.passes.partitions import Communication, GraphPartitioning, Partition
 
-from kareus_fx.errors import UnsupportedGraphError
-from kareus_fx.hook_ops import (
+from kareus_fx.deploy.hook_ops import (
     CLOCK_HOOK,
     COMM_ISSUED,
     COMM_LAUNCH,
     COMM_WAIT,
     SEQUENTIAL_LAUNCH_SLOT,
 )
-from kareus_fx.passes.issue_order import apply_issue_order
-from kareus_fx.passes.partitions import Communication, GraphPartitioning, Partition
+from kareus_fx.errors import UnsupportedGraphError
 
 COMM_SMS_META = "kareus_comm_sms"
 LAUNCH_SLOT_META = "kareus_launch_slot"

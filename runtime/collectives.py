@@ -111,7 +111,7 @@ class CollectiveBackends:
             raise CollectiveBackendError(
                 f"no communicator for {sm_count} SMs over ranks {list(self.ranks)}: with more than one "
                 f"TP or CP group (pipeline stages), creating communicators is collective over all "
-                f"ranks and must happen at startup. Call kareus_fx.deploy.prepare_collectives(plan, "
+                f"ranks and must happen at startup. Call kareus_fx.deploy.deployment.prepare_collectives(plan, "
                 f"target, [tp_group, cp_group]) on every rank after init_process_group, before the "
                 f"first compiled step"
             )

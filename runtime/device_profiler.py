@@ -53,16 +53,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
-from kareus_fx.errors import KareusError
 from kareus_fx.runtime.frequency import FrequencyController
+
+from kareus_fx.errors import KareusError
 from kareus_fx.workload import CollectiveSpec, GraphName, Measurement, OpCost, PartitionConfig, PartitionType
 
 logger = logging.getLogger(__name__)
 
 NodeTable = Mapping[str, Mapping[str, Any]]
-"""One dumped graph's node records by node name (``kareus_fx.dump.node_record``)."""
+"""One dumped graph's node records by node name (``kareus_fx.capture.dump.node_record``)."""
 
 _MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
 _ATTENTION = "kareus.attention.default"
@@ -168,7 +168,7 @@ def _random(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> t
 def _resolve_overload(target: str) -> Any:
     namespace, name, overload = target.split(".")
     if namespace == "kareus":
-        import kareus_fx.attention_op  # noqa: F401 - registers torch.ops.kareus
+        import kareus_fx.models.attention_op  # noqa: F401 - registers torch.ops.kareus
 
     return getattr(getattr(getattr(torch.ops, namespace), name), overload)
 
@@ -222,7 +222,7 @@ def _proxy_kernel(op: OpCost, device: torch.device) -> Kernel:
         b = _random((k, n), torch.bfloat16, device)
         return Kernel(op.name, op.target, "proxy", lambda: torch.mm(a, b))
     if op.target in (_ATTENTION, _ATTENTION_BACKWARD) and op.flops > 0 and op.bytes > 0:
-        from kareus_fx.attention_op import attention, attention_backward
+        from kareus_fx.models.attention_op import attention, attention_backward
 
         backward = op.target == _ATTENTION_BACKWARD
         heads, seq, head_dim = attention_proxy_shape(op.flops, op.bytes, backward)

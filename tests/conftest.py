@@ -9,7 +9,7 @@ import torch
 @pytest.fixture
 def no_tracing(monkeypatch):
     """Fail the test if the planner traces anything (input must be refused before)."""
-    from kareus_fx import planner
+    from kareus_fx.plan import planner
 
     def trace(*args, **kwargs):
         raise AssertionError("traced before validating the input")

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.fx.experimental.proxy_tensor import make_fx
-
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.passes.analysis import META_KEY, analyse_graph
-from kareus_fx.tracing import fake_process_group
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kareus_fx.capture.tracing import fake_process_group
 
 
 def _trace(fn, *shapes, dtype=torch.float32):

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from kareus_fx.dump import SCHEMA_VERSION, load_dump
+from kareus_fx.capture.dump import SCHEMA_VERSION, load_dump
 
 NODE_FIELDS = {"name", "op", "kind", "shape", "dtype", "flops", "bytes", "nanobatch", "partition"}
 
@@ -39,7 +39,7 @@ def test_backend_resolves_in_a_fresh_interpreter_without_importing_kareus_fx():
         "assert 'kareus_fx' not in sys.modules\n"
         "c = torch.compile(m, backend='kareus')\n"
         "y = c(torch.randn(3, 4))\n"
-        "assert 'kareus_fx.backend' in sys.modules\n"
+        "assert 'kareus_fx.capture.backend' in sys.modules\n"
         "print(tuple(y.shape))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

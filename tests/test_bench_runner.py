@@ -8,9 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from kareus_fx.bench_reference import ReferenceTiming
-from kareus_fx.bench_runner import (RULES, SUITES, BenchCase, BenchError, MetricRule, compare, load_baseline,
-                                    run_bench_command, run_case, write_baseline)
+from kareus_fx.bench.reference import ReferenceTiming
+from kareus_fx.bench.runner import (
+    RULES,
+    SUITES,
+    BenchCase,
+    BenchError,
+    MetricRule,
+    compare,
+    load_baseline,
+    run_bench_command,
+    run_case,
+    write_baseline,
+)
 from kareus_fx.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kareus_fx.cli import main
-from kareus_fx.dump_summary import summarise_graph
+from kareus_fx.report.dump_summary import summarise_graph
 
 
 def _dump(tmp_path, *extra: str, layers: int, model: str = "llama3.2-3b") -> dict:

@@ -21,11 +21,11 @@ import json
 
 import pytest
 import torch
-
 from conftest import train_microbatches
 from dist_harness import run_distributed
-from kareus_fx.deploy import PlanMismatchError, copy_graph
-from kareus_fx.plan_format import PlanFormatError, instruction_key, write_plan
+
+from kareus_fx.deploy.deployment import PlanMismatchError, copy_graph
+from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=2, mbs=2, seq=1536, layers=2)
@@ -34,7 +34,7 @@ WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=2, mbs=2, seq
 @pytest.fixture(scope="module")
 def base_plan(tmp_path_factory):
     """A real plan of WORKLOAD, traced in fp32 (see the module docstring)."""
-    from kareus_fx.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import PlanRequest, make_plan
 
     outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
                         tmp_path_factory.mktemp("plan-work"), progress=False)
@@ -100,9 +100,10 @@ def _graph_nodes(gm):
 
 
 def _deploy_worker(rank, world_size, plan_path):
-    from kareus_fx.deploy import deployed_graphs
-    from kareus_fx.hook_ops import recording_hooks
     from kareus_fx.runtime.frequency import FrequencyController
+
+    from kareus_fx.deploy.deployment import deployed_graphs
+    from kareus_fx.deploy.hook_ops import recording_hooks
 
     model = _tiny_model(WORKLOAD["seq"])
     batches = [model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb) for mb in range(2)]
@@ -131,7 +132,7 @@ def _deploy_worker(rank, world_size, plan_path):
 
 
 def _hook_count(gm):
-    from kareus_fx.hook_ops import HOOK_OPS
+    from kareus_fx.deploy.hook_ops import HOOK_OPS
 
     return sum(1 for n in gm.graph.nodes if n.target in HOOK_OPS)
 
@@ -273,7 +274,7 @@ def test_corrupt_plan_file_gives_a_plan_format_error(tmp_path):
 def test_hook_ops_survive_dead_code_elimination_and_retracing():
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from kareus_fx.hook_ops import CLOCK_HOOK, COMM_ISSUED, COMM_LAUNCH, COMM_WAIT, recording_hooks
+    from kareus_fx.deploy.hook_ops import CLOCK_HOOK, COMM_ISSUED, COMM_LAUNCH, COMM_WAIT, recording_hooks
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -317,9 +318,9 @@ def test_compile_time_tuning_writes_and_deploys_a_plan(tmp_path):
     The planner traces in bf16, so the model is bf16 too; with tp=1 nothing communicates, so the
     plan is sequential and the deployed graphs carry the clock hook only.
     """
-    from kareus_fx.deploy import deployed_graphs
+    from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.models import ParallelLayout, build_model
-    from kareus_fx.plan_format import load_plan
+    from kareus_fx.plan.plan_format import load_plan
 
     torch._dynamo.reset()
     model = build_model("tiny-llama", ParallelLayout(), num_layers=2, dtype=torch.bfloat16)

@@ -22,9 +22,9 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_distributed
-from kareus_fx.plan_format import instruction_key, write_plan
+
+from kareus_fx.plan.plan_format import instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=3, mbs=2, seq=256, layers=2)
@@ -34,7 +34,7 @@ CLOCKS_MHZ = (1200, 1020, 900)  # per microbatch; stage 1 runs 30 MHz lower
 
 @pytest.fixture(scope="module")
 def plan_data(tmp_path_factory):
-    from kareus_fx.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import PlanRequest, make_plan
 
     outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
                         tmp_path_factory.mktemp("plan-work"), progress=False)
@@ -72,8 +72,9 @@ def _pipeline_plan(data, path):
 def _run_1f1b(fn, model, stage, batches, layout):
     """One iteration of 1F1B of ``fn`` (``model`` or its compiled form) over ``batches``; returns
     the last stage's losses and every gradient."""
-    from kareus_fx.compose.pipeline import one_f_one_b_order
     from kareus_fx.runtime.pipeline_hook import next_instruction
+
+    from kareus_fx.compose.pipeline import one_f_one_b_order
 
     rank, peer_offset = dist.get_rank(), layout.tp * layout.cp
     model.zero_grad(set_to_none=True)
@@ -109,13 +110,14 @@ def _run_1f1b(fn, model, stage, batches, layout):
 
 
 def _pipeline_worker(rank, world_size, plan_path):
-    from kareus_fx.deploy import clock_schedule, deployed_graphs, prepare_collectives
-    from kareus_fx.models import ParallelLayout, build_model
-    from kareus_fx.models.pipeline import PipelineStage
-    from kareus_fx.plan_format import load_plan
     from kareus_fx.runtime.collectives import CollectiveBackendError, backends_for
     from kareus_fx.runtime.frequency import FrequencyController
     from kareus_fx.runtime.pipeline_hook import StepContext
+
+    from kareus_fx.deploy.deployment import clock_schedule, deployed_graphs, prepare_collectives
+    from kareus_fx.models import ParallelLayout, build_model
+    from kareus_fx.models.pipeline import PipelineStage
+    from kareus_fx.plan.plan_format import load_plan
 
     torch._dynamo.reset()
     layout = ParallelLayout.from_default_group(tp=WORKLOAD["tp"], pp=WORKLOAD["pp"])
@@ -209,8 +211,8 @@ def test_tp2_pp2_pipeline_with_split_and_unsplit_microbatches_matches_eager(plan
 def test_forward_and_backward_split_differently_warn_and_follow_the_forward(plan_data, tmp_path):
     """Microbatch 2's backward option is sequential but its forward is split (and microbatch 1
     the other way round): the deployment warns once naming both; the backward follows its forward."""
-    from kareus_fx.deploy import Deployment, PlanDeviationWarning
-    from kareus_fx.plan_format import load_plan
+    from kareus_fx.deploy.deployment import Deployment, PlanDeviationWarning
+    from kareus_fx.plan.plan_format import load_plan
 
     data = _pipeline_plan(plan_data, tmp_path / "plan.json")
     key = instruction_key(0, "backward")

@@ -11,10 +11,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
-
-from kareus_fx.dump import load_dump, partition_types_from_dump
-from kareus_fx.errors import KareusError
 from kareus_fx.runtime.device_profiler import (
     DeviceProfiler,
     DeviceProfilerError,
@@ -28,7 +24,11 @@ from kareus_fx.runtime.device_profiler import (
     wait_for_cooldown,
 )
 from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.tracing import TraceSpec, trace_full_size
+from torch.utils.flop_counter import FlopCounterMode
+
+from kareus_fx.capture.dump import load_dump, partition_types_from_dump
+from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.errors import KareusError
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
 
 MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
@@ -73,7 +73,7 @@ def test_matmul_proxy_reproduces_recorded_flops(m, n, k):
 
 
 def test_attention_proxy_is_the_attention_op_with_close_flops():
-    from kareus_fx.attention_op import attention_backward_flops, attention_flops
+    from kareus_fx.models.attention_op import attention_backward_flops, attention_flops
 
     q = k = v = torch.Size([2, 8, 512, 128])
     for target, flops, tensors in (("kareus.attention.default", attention_flops(q, k, v), 4),
@@ -139,7 +139,7 @@ def test_replay_partition_times_traced_types_on_cpu(tiny_dump):
 def test_repeated_layers_share_kernels_and_buffers(tmp_path):
     """A 4-layer un-split forward replays with one kernel per distinct op signature: about one
     layer's kernels (and input buffers), not one per op; each op keeps its own name in the log."""
-    from kareus_fx.graph_workload import sequential_graphs
+    from kareus_fx.plan.graph_workload import sequential_graphs
 
     spec = TraceSpec(model="tiny-llama", tp=2, mbs=2, seq=64, layers=4)
     (path,) = trace_full_size(spec, options={"dump_dir": str(tmp_path), "nanobatch": False}).dump_paths

@@ -7,10 +7,10 @@ not measurements.
 from __future__ import annotations
 
 import pytest
-
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
-from kareus_fx.dump import load_dump, partition_types_from_dump
-from kareus_fx.tracing import TraceSpec, trace_full_size
+
+from kareus_fx.capture.dump import load_dump, partition_types_from_dump
+from kareus_fx.capture.tracing import TraceSpec, trace_full_size
 from kareus_fx.workload import PartitionConfig
 
 

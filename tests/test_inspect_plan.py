@@ -19,9 +19,9 @@ from html.parser import HTMLParser
 import pytest
 
 from kareus_fx.cli import main
-from kareus_fx.plan_diff import diff_plans
-from kareus_fx.plan_format import Plan, load_plan, write_plan
-from kareus_fx.plan_summary import rebuild_partition_type
+from kareus_fx.plan.plan_format import Plan, load_plan, write_plan
+from kareus_fx.report.plan_diff import diff_plans
+from kareus_fx.report.plan_summary import rebuild_partition_type
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VOID_TAGS = {"img", "meta", "br", "hr", "input", "link", "col", "area", "base", "source", "wbr"}
@@ -30,7 +30,7 @@ VOID_TAGS = {"img", "meta", "br", "hr", "input", "link", "col", "area", "base", 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     """(plan.json path, planner work directory) of a tiny-llama plan."""
-    from kareus_fx.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import PlanRequest, make_plan
 
     root = tmp_path_factory.mktemp("plan")
     request = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=4, mbs=4, seq=64, layers=4)

@@ -1,4 +1,4 @@
-"""Compile-time tuning on the live graph (``kareus_fx/live_tuning.py``), 2 gloo processes.
+"""Compile-time tuning on the live graph (``kareus_fx/plan/live_tuning.py``), 2 gloo processes.
 
 tiny-llama, TP=2, 2 layers, fp32, microbatches of [2, 256] tokens: ``options={"tune": "simulated",
 "plan_out": ..., "microbatches": 2}`` traces the live Dynamo graph (no reference model), tunes it
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import train_microbatches
 from dist_harness import run_distributed
 
@@ -21,7 +20,7 @@ MBS, SEQ, LAYERS = 2, 256, 2
 
 
 def _live_worker(rank, world_size, plan_out):
-    from kareus_fx.deploy import deployed_graphs
+    from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.models import ParallelLayout, build_model
 
     torch._dynamo.reset()
@@ -44,7 +43,7 @@ def _live_worker(rank, world_size, plan_out):
 
 
 def test_tuning_the_live_graph_writes_and_deploys_a_plan(tmp_path):
-    from kareus_fx.plan_format import load_plan
+    from kareus_fx.plan.plan_format import load_plan
 
     plan_out = tmp_path / "live" / "plan.json"
     results = run_distributed(_live_worker, 2, str(plan_out), timeout_s=600)

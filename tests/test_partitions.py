@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from kareus_fx.tracing import TraceSpec, trace_full_size
+from kareus_fx.capture.tracing import TraceSpec, trace_full_size
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_distributed
+
+from kareus_fx.capture.tracing import TraceSpec, distinct_stages, validate_trace_spec
 from kareus_fx.errors import ParallelConfigError
 from kareus_fx.models import (
     ParallelLayout,
@@ -29,8 +30,7 @@ from kareus_fx.models import (
     group_stages,
     stage_layer_range,
 )
-from kareus_fx.presets import PRESETS
-from kareus_fx.tracing import TraceSpec, distinct_stages, validate_trace_spec
+from kareus_fx.plan.presets import PRESETS
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -275,9 +275,10 @@ def test_compiled_stage_matches_eager_tp2(index, tmp_path):
 
 def _partition_types(tmp_path, spec: TraceSpec) -> dict[str, dict[str, int]]:
     """{graph name: {partition type id: count}} of ``spec``'s traced stage (nanobatched)."""
-    from kareus_fx.dump import load_dump, partition_types_from_dump
     from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
-    from kareus_fx.tracing import trace_full_size
+
+    from kareus_fx.capture.dump import load_dump, partition_types_from_dump
+    from kareus_fx.capture.tracing import trace_full_size
 
     dump_dir = tmp_path / f"pp{spec.pp}-stage{spec.stage}-layers{spec.layers}"
     with warnings.catch_warnings():

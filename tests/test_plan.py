@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kareus_fx import cli
-from kareus_fx.plan_format import load_plan
+from kareus_fx.plan.plan_format import load_plan
 
 RTOL = 1e-6
 """Relative slack when checking frontier dominance (sums of floats)."""

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kareus_fx import cli
-from kareus_fx import planner as planner_module
 from kareus_fx.cost_models.hardware import canonical_gpu_name
-from kareus_fx.dump import load_dump
-from kareus_fx.errors import OptionsError
-from kareus_fx.planner import PlanRequest, make_plan, validate_plan_request
 from kareus_fx.runtime.clock_backends import ClockControlError
 from kareus_fx.runtime.device_profiler import DeviceProfiler, build_kernel, node_tables_from_dump
 from kareus_fx.runtime.frequency import FrequencyController
+
+from kareus_fx import cli
+from kareus_fx.capture.dump import load_dump
+from kareus_fx.errors import OptionsError
+from kareus_fx.plan import planner as planner_module
+from kareus_fx.plan.planner import PlanRequest, make_plan, validate_plan_request
 
 TINY = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=1, mbs=2, seq=64, layers=2)
 TINY_ARGV = ["--model", "tiny-llama", "--tp", "2", "--mbs", "2", "--seq", "64", "--layers", "2"]

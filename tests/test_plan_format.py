@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from kareus_fx.metrics import frontier_metrics, least_energy_within, least_time_within
-from kareus_fx.plan_format import PlanFormatError, load_plan, validate_plan, write_plan
+from kareus_fx.plan.metrics import frontier_metrics, least_energy_within, least_time_within
+from kareus_fx.plan.plan_format import PlanFormatError, load_plan, validate_plan, write_plan
 
 
 def _option(clock_mhz, time_s, energy_j, configs=None):

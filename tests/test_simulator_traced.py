@@ -15,12 +15,12 @@ never by index.
 from __future__ import annotations
 
 import pytest
-
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.dump import load_dump
-from kareus_fx.graph_workload import partitioned_graphs
-from kareus_fx.tracing import TraceSpec, trace_full_size
+
+from kareus_fx.capture.dump import load_dump
+from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.plan.graph_workload import partitioned_graphs
 from kareus_fx.tuner.space import comm_sm_grid
 from kareus_fx.workload import PartitionConfig, PartitionType
 

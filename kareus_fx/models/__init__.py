@@ -5,6 +5,8 @@
 gives this rank's inputs. See ``transformer.py`` for the collectives each layout issues.
 ``build_model(..., stage=PipelineStage(index, num_stages))`` builds one pipeline stage
 (``pipeline.py``: layer split, stage roles, groups of stages with the same graph structure).
+Attention is the fused ``kareus::attention`` op (``attention_op.py``), which the analysis prices
+and the on-device profiler replays.
 """
 
 from kareus_fx.models.configs import ModelConfig, UnknownModelError, get_config, model_names

@@ -51,7 +51,7 @@ Labels are targets already aligned with ``input_ids`` (``labels[:, t]`` is the t
 ``input_ids[:, t]``): shifting inside a CP chunk would need the neighbouring rank's first token.
 Every label counts (no ignore index), so the loss is a plain mean.
 
-Attention is ``kareus::attention`` (``kareus_fx.attention_op``: one node forward and one
+Attention is ``kareus::attention`` (``kareus_fx.models.attention_op``: one node forward and one
 backward on every device, exact causal FLOPs) unless built with ``attention="sdpa"``.
 
 An unsharded model's weights (or gradients) map onto a layout with
@@ -85,8 +85,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kareus_fx.attention_op import attention as kareus_attention
 from kareus_fx.errors import ParallelConfigError
+from kareus_fx.models.attention_op import attention as kareus_attention
 from kareus_fx.models.configs import ModelConfig, get_config
 from kareus_fx.models.parallel import (
     ParallelLayout,

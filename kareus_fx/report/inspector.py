@@ -16,11 +16,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kareus_fx.dump import load_dump
-from kareus_fx.dump_summary import short_ops_text, summary_table
+from kareus_fx.capture.dump import load_dump
 from kareus_fx.errors import KareusError
-from kareus_fx.plan_format import PLAN_FORMAT, Plan, load_plan
-from kareus_fx.plan_summary import plan_report_html, print_plan
+from kareus_fx.plan.plan_format import PLAN_FORMAT, Plan, load_plan
+from kareus_fx.report.dump_summary import short_ops_text, summary_table
+from kareus_fx.report.plan_summary import plan_report_html, print_plan
 
 
 class InspectError(KareusError, ValueError):

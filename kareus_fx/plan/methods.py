@@ -28,7 +28,7 @@ from typing import Protocol
 
 from kareus_fx.compose.iteration import InstructionOption
 from kareus_fx.compose.microbatch import MicrobatchFrontier, compose_microbatch
-from kareus_fx.graph_workload import PartitionedGraph, SequentialGraph
+from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
 
 __all__ = [

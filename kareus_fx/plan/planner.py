@@ -36,6 +36,8 @@ import numpy as np
 import torch
 
 from kareus_fx import __version__
+from kareus_fx.capture.dump import load_dump
+from kareus_fx.capture.tracing import TraceSpec, distinct_stages, trace_full_size, validate_trace_spec
 from kareus_fx.compose.iteration import (
     DEFAULT_UNIT_TIME_S,
     IterationFrontier,
@@ -47,10 +49,9 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_n
 from kareus_fx.cost_models.profile_db import fingerprint
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
-from kareus_fx.dump import load_dump
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
-from kareus_fx.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
-from kareus_fx.methods import (
+from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
+from kareus_fx.plan.methods import (
     BASELINES,
     METHODS,
     as_options,
@@ -59,12 +60,11 @@ from kareus_fx.methods import (
     nanobatching_measurements,
     sequential_measurements,
 )
-from kareus_fx.metrics import frontier_metrics
-from kareus_fx.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
-from kareus_fx.presets import Preset, get_preset
+from kareus_fx.plan.metrics import frontier_metrics
+from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
+from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.tracing import TraceSpec, distinct_stages, trace_full_size, validate_trace_spec
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import clock_grid_mhz
@@ -75,7 +75,7 @@ __all__ = ["LIVE_GRAPH_MODEL", "PlanOutcome", "PlanRequest", "StageGraphs", "mak
 
 PROFILERS = ("simulated", "cuda")
 LIVE_GRAPH_MODEL = "live-graph"
-"""``PlanRequest.model`` of a plan made from a live graph (``kareus_fx.live_tuning``): no reference
+"""``PlanRequest.model`` of a plan made from a live graph (``kareus_fx.plan.live_tuning``): no reference
 model, so its layer count is unknown (``workload.layers`` is null)."""
 CLOCK_MODES = ("real", "dry-run")
 """Clock modes of ``--profiler cuda``: lock each measured configuration's clock (``real``), or
@@ -129,7 +129,7 @@ class PlanRequest:
 
 
 def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
-    """The request of preset ``name`` (``kareus_fx.presets``), with ``overrides`` applied."""
+    """The request of preset ``name`` (``kareus_fx.plan.presets``), with ``overrides`` applied."""
     p: Preset = get_preset(name)
     fields = dict(model=p.model, tp=p.tp, cp=p.cp, pp=p.pp, microbatches=p.microbatches, mbs=p.mbs,
                   seq=p.seq, preset=p.name)

@@ -12,7 +12,7 @@ records, per case:
 - ``mbo.fraction_measured_worst_type``: the largest share of a type's space the tuner measured;
 - ``wall.*_per_ref``: wall time of tracing (the passes run inside it), tuning, composing, and in
   total, in units of a fixed reference workload timed in the same process just before and after
-  the case (:mod:`kareus_fx.bench_reference`), so the baseline holds on a slower or loaded machine.
+  the case (:mod:`kareus_fx.bench.reference`), so the baseline holds on a slower or loaded machine.
   The seconds themselves go into the case's ``info``.
 
 Every number but the wall times is a simulator prediction (a calibrated cost model), deterministic
@@ -45,7 +45,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kareus_fx.errors import KareusError
-from kareus_fx.presets import PRESETS
+from kareus_fx.plan.presets import PRESETS
 
 __all__ = [
     "ABLATIONS",
@@ -87,7 +87,7 @@ class BenchCase:
 
     def request(self, ablate: str | None = None) -> Any:
         """The ``PlanRequest`` of this case, with the ablation's fields applied."""
-        from kareus_fx.planner import PlanRequest, plan_request_from_preset
+        from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
 
         fields = {**self.overrides, **(ABLATIONS[ablate] if ablate else {})}
         return plan_request_from_preset(self.preset, **fields) if self.preset else PlanRequest(**fields)
@@ -158,8 +158,8 @@ RULES: dict[str, MetricRule] = {
 # ----- running a case ---------------------------------------------------------------------------
 def run_case(case: BenchCase, ablate: str | None = None) -> dict[str, Any]:
     """Plan ``case`` and return ``{"metrics": {name: value}, "info": {...}}`` (see module doc)."""
-    from kareus_fx.bench_reference import ReferenceTiming, time_reference_s
-    from kareus_fx.planner import make_plan
+    from kareus_fx.bench.reference import ReferenceTiming, time_reference_s
+    from kareus_fx.plan.planner import make_plan
 
     request = case.request(ablate)
     with tempfile.TemporaryDirectory(prefix="kareus-bench-") as work:
@@ -201,11 +201,17 @@ def _tuner_quality(plan: Mapping[str, Any], dump_root: Path, clock_stride_mhz: i
     less of it, like the launch-timing ablation, scores lower), and the measured fraction of the
     space it searched. The types are rebuilt exactly from the planner's nanobatched dumps (the plan
     keeps only per-slot totals) and checked against the plan's fingerprints."""
+    from kareus_fx.capture.dump import load_dump, partition_types_from_dump
     from kareus_fx.cost_models.profile_db import fingerprint
     from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
-    from kareus_fx.dump import load_dump, partition_types_from_dump
-    from kareus_fx.tuner.mbo import (MBOSettings, MeasuredPoint, TuningResult, TuningStats, exhaustive_search,
-                                     frontier_hv_ratio)
+    from kareus_fx.tuner.mbo import (
+        MBOSettings,
+        MeasuredPoint,
+        TuningResult,
+        TuningStats,
+        exhaustive_search,
+        frontier_hv_ratio,
+    )
     from kareus_fx.workload import Measurement, PartitionConfig
 
     records = plan["partition_types"]
@@ -339,7 +345,7 @@ def write_baseline(path: Path, results: Mapping[str, Any]) -> None:
         "version": BASELINE_VERSION,
         "updated_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "note": "quality metrics are simulator predictions (deterministic); wall metrics are in units of a "
-                "reference workload timed in the same process (kareus_fx/bench_reference.py) and only "
+                "reference workload timed in the same process (kareus_fx/bench/reference.py) and only "
                 "regress when more than 2x slower; info.wall_s has the seconds on the recording machine",
         "results": {**kept, **results},
     }

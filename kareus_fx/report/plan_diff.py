@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_fx.dump_summary import summarise_graph
-from kareus_fx.plan_format import Plan
-from kareus_fx.plan_summary import ranges_text
+from kareus_fx.plan.plan_format import Plan
+from kareus_fx.report.dump_summary import summarise_graph
+from kareus_fx.report.plan_summary import ranges_text
 
 __all__ = ["Change", "diff_dumps", "diff_plans", "format_changes"]
 

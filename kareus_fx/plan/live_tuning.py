@@ -33,16 +33,17 @@ import torch.distributed as dist
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from kareus_fx.capture.compile_step import compile_autograd, compile_graph
+from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import GPUSpec
-from kareus_fx.deploy import Deployment
-from kareus_fx.dump import GraphDumpFile
+from kareus_fx.deploy.deployment import Deployment
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.passes.nanobatch import NanobatchResult, graph_communicates, split_nanobatches
-from kareus_fx.plan_format import write_plan
+from kareus_fx.plan.plan_format import write_plan
 
 if TYPE_CHECKING:
-    from kareus_fx.planner import PlanRequest, StageGraphs
+    from kareus_fx.plan.planner import PlanRequest, StageGraphs
 
 __all__ = ["LiveTuning", "live_plan_request"]
 
@@ -72,8 +73,6 @@ class LiveTuning:
         return self._deployed(*args)
 
     def _tune_and_deploy(self) -> Callable[..., Any]:
-        from kareus_fx.backend import compile_graph
-
         plan_out = Path(self.opts.plan_out)  # type: ignore[arg-type]
         error = None
         if _rank() == 0:
@@ -92,7 +91,7 @@ class LiveTuning:
                              nanobatch=self.opts.nanobatch, split=self.split)
 
     def _plan(self, plan_out: Path, work_dir: Path) -> None:
-        from kareus_fx.planner import plan_traced, stage_graphs_from_dumps
+        from kareus_fx.plan.planner import plan_traced, stage_graphs_from_dumps
 
         dumps = {split: self._trace(work_dir / "dumps", split) for split in (True, False)}
         stage = stage_graphs_from_dumps((0,), dumps[True], dumps[False])
@@ -101,8 +100,6 @@ class LiveTuning:
 
     def _trace(self, dump_root: Path, split: bool) -> Path:
         """Dump the aten forward and backward of the graph (step 1 of the module docstring)."""
-        from kareus_fx.backend import compile_autograd
-
         nanobatched = split and self.split is not None and self.split.split
         source = self.split.gm if nanobatched else self.gm  # type: ignore[union-attr]
         path = dump_root / f"{'nanobatched' if split else 'sequential'}.json"
@@ -129,8 +126,8 @@ def live_plan_request(
     opts: KareusOptions, stage: StageGraphs, split: NanobatchResult | None, example_inputs: list[Any],
     gm: torch.fx.GraphModule,
 ) -> PlanRequest:
-    """The :class:`~kareus_fx.planner.PlanRequest` of the live graph (module docstring)."""
-    from kareus_fx.planner import LIVE_GRAPH_MODEL, PlanRequest
+    """The :class:`~kareus_fx.plan.planner.PlanRequest` of the live graph (module docstring)."""
+    from kareus_fx.plan.planner import LIVE_GRAPH_MODEL, PlanRequest
 
     world = _world_size()
     sizes = sorted({c.group_size for graph in stage.sequential.values() for c in graph.collectives})

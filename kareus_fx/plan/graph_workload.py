@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_fx.dump import partition_types_from_dump
+from kareus_fx.capture.dump import partition_types_from_dump
 from kareus_fx.errors import UnsupportedGraphError
 from kareus_fx.workload import CollectiveSpec, GraphName, OpCost, PartitionType
 

@@ -1,61 +1,36 @@
-"""The ``kareus`` torch.compile backend: capture, analyse, optionally dump, run.
+"""The one compile step every path shares: Dynamo graph -> aten graphs -> passes -> runnable.
 
-Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
-``torch.compile(model, backend="kareus")`` works in a fresh interpreter. Data flow per Dynamo
-graph:
+Used by the backend (``backend.py``) for each Dynamo graph and by compile-time tuning
+(``plan/live_tuning.py``) to trace the live graph and then deploy its plan, so both compile
+the same way. Steps (the backend's module docstring gives the whole data flow):
 
-1. Dynamo FX graph -> nanobatch split of graphs that communicate (nothing to overlap otherwise;
-   ``options={"nanobatch": False}`` turns it off; a graph the split cannot prove safe falls back
-   to itself with one warning);
-2. aot_autograd (min-cut partitioner, like ``aot_eager``) -> aten forward and backward graphs;
+1. nanobatch split of graphs that communicate (or the split already made);
+2. aot_autograd with the min-cut partitioner (as ``aot_eager``) -> aten forward and backward;
 3. per aten graph: node analysis against the GPU spec, nanobatch labels, partitions and types,
-   reorder to the nanobatching issue order (collective as soon as possible, waits at first use);
-4. dump (``options={"dump_dir": ...}``);
-5. with a plan (``options={"plan": PATH, "target": ..., "stage": s}``, or compile-time tuning
-   with ``"tune"``): check the graph against the plan and compile the plan's stream-scheduled
-   variants behind a microbatch dispatcher (``deploy.py``, ``passes/stream_schedule.py``; when
-   the plan runs some microbatches un-split, the un-split Dynamo graph is compiled too and a
-   Dynamo-level dispatcher picks per microbatch); without one, run the graph as it is.
+   reorder to the nanobatching issue order;
+4. dump, when a dump file is given;
+5. with a deployment, the plan's stream-scheduled variants; without one, the graph as it is.
 """
 
 from __future__ import annotations
 
-import itertools
-from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from kareus_fx.config import KareusOptions
-from kareus_fx.cost_models.hardware import GPUSpec, gpu_spec
-from kareus_fx.deploy import Deployment
-from kareus_fx.dump import GraphDumpFile
+from kareus_fx.capture.dump import GraphDumpFile
+from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.deploy.deployment import Deployment
 from kareus_fx.passes.analysis import analyse_graph
 from kareus_fx.passes.issue_order import apply_issue_order
 from kareus_fx.passes.nanobatch import NANOBATCH_META, NanobatchResult, graph_communicates, split_nanobatches
 from kareus_fx.passes.nanobatch_labels import label_nanobatches
 from kareus_fx.passes.partitions import GraphPartitioning, partition_graph
 
-_graph_counter = itertools.count()
-
-
-def kareus_backend(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], options: Any = None
-) -> Callable[..., Any]:
-    """Compile one Dynamo graph. ``options`` is what ``torch.compile(..., options=...)`` received."""
-    opts = KareusOptions.from_user(options)
-    gpu = gpu_spec(opts.gpu)
-    dump = _dump_file(opts, next(_graph_counter))
-    if opts.tune is not None and opts.tune_request is None:
-        from kareus_fx.live_tuning import LiveTuning
-
-        return LiveTuning(gm, example_inputs, opts, gpu, dump)
-    return compile_graph(gm, example_inputs, gpu, dump, Deployment.from_options(opts), nanobatch=opts.nanobatch)
+__all__ = ["compile_autograd", "compile_graph"]
 
 
 def compile_graph(
@@ -127,18 +102,3 @@ def _schedule_nanobatches(
     partitioning = partition_graph(aten_gm, by_node, name, gpu)
     apply_issue_order(aten_gm, partitioning.issue_order)
     return partitioning
-
-
-def _dump_file(opts: KareusOptions, index: int) -> GraphDumpFile | None:
-    if opts.dump_dir is None:
-        return None
-    rank, world_size = _rank_and_world()
-    graph_id = f"{index}"
-    path = Path(opts.dump_dir) / f"kareus_graph_{index}_rank{rank}.json"
-    return GraphDumpFile(path, gpu=opts.gpu, rank=rank, world_size=world_size, graph_id=graph_id)
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1

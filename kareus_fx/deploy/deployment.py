@@ -2,8 +2,8 @@
 
 ``torch.compile(model, backend="kareus", options={"plan": PATH, "target": ..., "stage": s})``:
 
-1. At the first graph: load the plan (:func:`~kareus_fx.plan_format.load_plan`: a corrupt file
-   raises :class:`~kareus_fx.plan_format.PlanFormatError` as is), pick the frontier point of
+1. At the first graph: load the plan (:func:`~kareus_fx.plan.plan_format.load_plan`: a corrupt file
+   raises :class:`~kareus_fx.plan.plan_format.PlanFormatError` as is), pick the frontier point of
    ``target``, and refuse (:class:`PlanMismatchError`, saying what differs) a plan made for
    another GPU (``options["gpu"]`` against the plan's), another world size (the initialised
    process group against ``workload.world_size`` = tp x cp x pp; data parallelism is not
@@ -43,8 +43,8 @@ with one warning at deployment naming the microbatches. Inference graphs (``torc
 the nanobatching order without the plan.
 
 Compile-time tuning: ``options={"tune": "simulated" | "cuda", "plan_out": PATH}`` tunes the live
-graph (:mod:`kareus_fx.live_tuning`, one stage). With ``"tune_request": {...}`` it instead runs
-:func:`kareus_fx.planner.make_plan` on that :class:`~kareus_fx.planner.PlanRequest` (model, tp,
+graph (:mod:`kareus_fx.plan.live_tuning`, one stage). With ``"tune_request": {...}`` it instead runs
+:func:`kareus_fx.plan.planner.make_plan` on that :class:`~kareus_fx.plan.planner.PlanRequest` (model, tp,
 cp, pp, microbatches, mbs, seq, layers, ...): the planner traces the reference model at full size
 on the meta device under the fake process group, so it runs in a spawned process (rank 0 only;
 the other ranks wait at a barrier); this is the way for pipelines. Either way the plan is
@@ -67,13 +67,12 @@ import torch.distributed as dist
 import torch.fx
 from torch._dynamo.backends.debugging import boxed_nop
 
+from kareus_fx.capture.dump import graph_record
 from kareus_fx.compose.pipeline import INSTRUCTIONS, PipelineNode
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
-from kareus_fx.dump import graph_record
+from kareus_fx.deploy.hook_ops import ClockBinding, set_running
 from kareus_fx.errors import KareusError, OptionsError
-from kareus_fx.graph_workload import graph_fingerprint
-from kareus_fx.hook_ops import ClockBinding, set_running
 from kareus_fx.passes.analysis import META_KEY
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.passes.stream_schedule import (
@@ -84,7 +83,8 @@ from kareus_fx.passes.stream_schedule import (
     insert_clock_hook,
     schedule_partitions,
 )
-from kareus_fx.plan_format import Plan, Target, load_plan, write_plan
+from kareus_fx.plan.graph_workload import graph_fingerprint
+from kareus_fx.plan.plan_format import Plan, Target, load_plan, write_plan
 from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
 
@@ -436,7 +436,7 @@ _TUNED: set[Path] = set()
 
 def _tuned_plan(opts: KareusOptions) -> Path:
     """Plan ``opts.tune_request`` once per process into ``opts.plan_out`` (module docstring)."""
-    from kareus_fx.planner import PlanRequest, validate_plan_request
+    from kareus_fx.plan.planner import PlanRequest, validate_plan_request
 
     if opts.plan_out is None:
         raise OptionsError(
@@ -480,7 +480,7 @@ def _plan_in_child(request: Any, path: Path) -> None:
 
 
 def _plan_worker(request: Any, path: str, send: Any) -> None:
-    from kareus_fx.planner import make_plan
+    from kareus_fx.plan.planner import make_plan
 
     try:
         write_plan(path, make_plan(request, Path(path).parent / (Path(path).stem + "-work"), progress=False).data)

@@ -27,10 +27,10 @@ from rich.table import Table
 
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.dump_summary import short_op_name, short_ops_text
-from kareus_fx.plan_format import INSTRUCTIONS, Plan, instruction_key
-from kareus_fx.report import metrics_table, report_html
-from kareus_fx.timeline_plot import TimelinePanel, timeline_png
+from kareus_fx.plan.plan_format import INSTRUCTIONS, Plan, instruction_key
+from kareus_fx.report.dump_summary import short_op_name, short_ops_text
+from kareus_fx.report.plan_report import metrics_table, report_html
+from kareus_fx.report.timeline_plot import TimelinePanel, timeline_png
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
 
 __all__ = [
