@@ -151,6 +151,44 @@ def test_hf_llama_sequence_parallel_splits_tunes_and_deploys(tmp_path):
         assert result["halves"] == (2, 2)
     plan = load_plan(plan_out)
     assert plan.data["simulated"]
-    kinds = Counter(t["collective"]["kind"] for t in plan.data["partition_types"].values()
+    tuned = Counter((t["graph"], t["collective"]["kind"]) for t in plan.data["partition_types"].values()
                     if t["frontier"])
-    assert kinds["all_gather"] >= 1 and kinds["reduce_scatter"] >= 1, kinds
+    for graph in ("forward", "backward"):  # per layer: 2 all-gathers and 2 reduce-scatters each way
+        assert tuned[graph, "all_gather"] >= 1 and tuned[graph, "reduce_scatter"] >= 1, tuned
+
+
+def test_hf_llama_odd_batch_splits_unevenly_on_one_process():
+    """No parallelism, batch 3 (nanobatches of 2 and 1): each nanobatch's mask lookup gets its own
+    batch ``arange``; loss and gradients equal eager."""
+    import warnings
+
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from transformers import AutoModelForCausalLM
+
+    from kareus_fx.passes.nanobatch import NanobatchFallbackWarning, split_nanobatches
+
+    splits = []
+
+    def backend(gm, example_inputs):
+        splits.append(split_nanobatches(gm, example_inputs))
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop)(splits[-1].gm, example_inputs)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_tiny_config("llama"))
+    batch = {k: v[1:] for k, v in _batch().items()}  # rows 1..3: padded, full, padded
+    eager_loss = model(**batch).loss
+    eager_loss.backward()
+    eager_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loss = torch.compile(model, backend=backend, fullgraph=True)(**batch).loss
+        loss.backward()
+    torch._dynamo.reset()
+    assert not [w for w in record if issubclass(w.category, NanobatchFallbackWarning)]
+    assert [(s.split, s.halves) for s in splits] == [(True, (2, 1))], [s.reason for s in splits]
+    torch.testing.assert_close(loss, eager_loss, **TOL)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
