@@ -952,18 +952,18 @@ def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: Batc
                              "not a batch arange")
     own_shape = an.shape(index)
     d_b = d + len(bcast) - len(own_shape)
+    slot = info.dim
     for pos, shape in zip(adv, index_shapes):
         j = d_b - (len(bcast) - len(shape))
-        if items[pos] is not index and j >= 0 and shape[j] != 1:
+        if pos != slot and j >= 0 and shape[j] != 1:
             raise an._fail(node, "another index tensor varies along the batch arange's dim")
     out = BatchDim(block_start + d_b)
-    slot = info.dim
+    others = tuple(items[:slot]) + (None,) + tuple(items[slot + 1:])  # the slot is filled per nanobatch
 
     def call(h: int) -> Call:
         shape_h = list(own_shape)
         shape_h[d] = an.halves[h]
-        return Call("call_function", getitem_with_batch_arange,
-                    (src, tuple(items), slot, tuple(shape_h)), {})
+        return Call("call_function", getitem_with_batch_arange, (src, others, slot, tuple(shape_h)), {})
 
     return Step(out, True, call)
 

@@ -417,6 +417,8 @@ _SMALL = {
     "index_by_shifted_batch_arange": (lambda x, w: (x[(torch.arange(_B) + 1) % _B] @ w * x).sum(), False),
     "batch_arange_with_a_partner_varying_over_it": (
         lambda x, w: (x[torch.arange(_B)[:, None], torch.arange(_B)[:, None] % _T] @ w).sum(), False),
+    "one_batch_arange_on_two_dims": (lambda x, w: (x @ w).sum(-1)[:, :1].expand(_B, _B)[
+        torch.arange(_B), torch.arange(_B)].pow(2).sum(), False),
     # a cache built in the graph: an empty shared tensor concatenated with batch tensors
     "cat_onto_empty_cache": (lambda x, w: torch.cat([torch.tensor([]), x @ w], dim=-2).pow(2).sum(), True),
     "cat_shifts_the_batch": (lambda x, w: (torch.cat([torch.zeros(1, _T, _D), x @ w], 0)[:_B] * x).sum(), False),
