@@ -93,7 +93,7 @@ def test_missing_or_conflicting_hf_config_is_refused(tmp_path, capsys, no_tracin
 
 def _partition_types(plan_dir) -> Counter:
     plan = json.loads((plan_dir / "plan.json").read_text())
-    return Counter((t["graph"], t["collective"]["kind"], t["count"], len(t["slots"]), t["fingerprint"]))
+    return Counter((t["graph"], t["collective"]["kind"], t["count"], len(t["slots"]), t["fingerprint"])
                    for t in plan["partition_types"].values())
 
 
