@@ -84,12 +84,15 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
         help="trace, tune and compose a training step's time-energy frontier; write plan.json and a report",
-        description="Plan a workload (a --preset, or --model with its layout) on a GPU: full-size trace on "
+        description="Plan a workload (a --preset, or --model or --hf-config with its layout) on a GPU: full-size trace on "
         "the meta device, partitions, MBO tuning per partition type, microbatch and iteration frontiers, "
         "and the baselines (Megatron-LM, Megatron-LM + Perseus, Nanobatching, Nanobatching + Perseus).",
     )
     plan.add_argument("--preset", help="a named workload (see kareus_fx/plan/presets.py), e.g. qwen3-1.7b-tp8-mbs8-seq4k")
     plan.add_argument("--model", help="reference model (instead of --preset)")
+    plan.add_argument("--hf-config", type=Path, metavar="PATH",
+                      help="your own architecture: a Hugging Face config.json (or its directory), planned at "
+                      "full size on the meta device, no weights (instead of --model; needs transformers)")
     for name, what in (("tp", "tensor-parallel degree"), ("cp", "context-parallel degree"),
                        ("pp", "pipeline stages"), ("microbatches", "microbatches per iteration"),
                        ("mbs", "microbatch size"), ("seq", "sequence length"),
@@ -114,6 +117,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan_request(args: argparse.Namespace):
+    from kareus_fx.models.configs import HF_CONFIG_PREFIX
     from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
 
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
@@ -121,17 +125,21 @@ def _plan_request(args: argparse.Namespace):
                   clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode)
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
+    given = [flag for flag, value in (("--preset", args.preset), ("--model", args.model),
+                                      ("--hf-config", args.hf_config)) if value]
+    if len(given) > 1:
+        raise OptionsError(f"give one of --preset, --model and --hf-config, not {' and '.join(given)}")
     if args.preset:
-        if args.model:
-            raise OptionsError("give either --preset or --model, not both")
         return plan_request_from_preset(args.preset, **{k: v for k, v in shape.items() if v is not None}, **common)
-    if not args.model:
-        raise OptionsError("give --preset NAME, or --model with --tp/--cp/--pp/--microbatches/--mbs/--seq")
+    if not given:
+        raise OptionsError("give --preset NAME, or --model (or --hf-config PATH) with "
+                           "--tp/--cp/--pp/--microbatches/--mbs/--seq")
+    model = args.model or f"{HF_CONFIG_PREFIX}{args.hf_config.resolve()}"
     defaults = {"tp": 1, "cp": 1, "pp": 1, "microbatches": 1}
     missing = [f"--{k}" for k in ("mbs", "seq") if shape[k] is None]
     if missing:
-        raise OptionsError(f"--model needs {' and '.join(missing)}")
-    return PlanRequest(model=args.model, **{k: (defaults.get(k) if v is None else v) for k, v in shape.items()},
+        raise OptionsError(f"{given[0]} needs {' and '.join(missing)}")
+    return PlanRequest(model=model, **{k: (defaults.get(k) if v is None else v) for k, v in shape.items()},
                        **common)
 
 

@@ -816,6 +816,8 @@ def _rule_getitem(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
             v = an.vals.get(items[0])
             if isinstance(j, BatchDim) and isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and v.dtype != torch.bool:
                 return Step(j, True)
+        if isinstance(info, BatchDim):
+            return _advanced_getitem(an, node, src, info, items)
         raise an._fail(node, "advanced (tensor) indexing involving the batch")
     if not isinstance(info, BatchDim):
         raise an._fail(node, "unexpected input kind")
@@ -857,6 +859,115 @@ def _rule_getitem(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     return Step(info.moved(out_dim), True, lambda h: Call(node.op, node.target, (src, new_idx), {}))
 
 
+_INDEX_PASSTHROUGH = {"to", "long", "int", "contiguous", "clone", "unsqueeze"}
+
+
+def _batch_arange_dim(an: BatchAnalysis, node: Any) -> int | None:
+    """The dim along which the shared integer tensor ``node`` is ``arange(B)`` (every other dim
+    of size 1), or ``None`` when that is not provable from how the graph builds it.
+
+    Follows ``torch.arange(B)`` (start 0, step 1, integer dtype) through ``+ 0`` / ``- 0``,
+    integer conversions and indexing or ``unsqueeze``/``view``/``reshape`` that only add or drop
+    size-1 dims: HF's mask builder's ``batch_arange[:, None, None, None]``.
+    """
+    if not isinstance(node, fx.Node) or an.info(node) is not None:
+        return None
+    v = an.vals.get(node)
+    if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype == torch.bool:
+        return None
+    shape = _shape(v)
+    big = [d for d, s in enumerate(shape) if s != 1]
+    if len(big) != 1 or shape[big[0]] != an.batch:
+        return None
+    name = op_name(node)
+    if node.op == "call_function" and node.target is torch.arange:
+        args = list(node.args)
+        ok = (args in ([an.batch], [0, an.batch], [0, an.batch, 1])
+              and node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1
+              and "end" not in node.kwargs and "out" not in node.kwargs)
+        return big[0] if ok else None
+    if name in ("add", "sub") and len(node.args) == 2 and node.args[1] == 0 and not node.kwargs:
+        src = node.args[0]
+    elif name in _INDEX_PASSTHROUGH or name in ("view", "reshape", "getitem"):
+        src = node.args[0]
+        if name == "getitem":
+            items = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+            if not all(a is None or a is Ellipsis or a == slice(None) for a in items):
+                return None
+        if name in ("to", "long", "int") and any(
+                isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
+            return None
+    else:
+        return None
+    return big[0] if _batch_arange_dim(an, src) is not None else None
+
+
+def getitem_with_batch_arange(src: torch.Tensor, items: tuple, slot: int,
+                              index_shape: tuple[int, ...]) -> torch.Tensor:
+    """``src[items]`` with ``items[slot]`` replaced by ``arange(n)`` laid out as ``index_shape``
+    (``n`` = its one non-1 size): one nanobatch's copy of an index by a batch ``arange``."""
+    index = torch.arange(math.prod(index_shape), device=src.device).view(index_shape)
+    return src[items[:slot] + (index,) + items[slot + 1:]]
+
+
+def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: BatchDim,
+                      items: tuple) -> Step:
+    """``src[i0, i1, ...]`` with integer index tensors and full slices, ``src`` batch-carrying.
+
+    Exact per nanobatch in two cases: the batch dim is a full slice and every index tensor is
+    shared (each batch element is indexed the same way); or the batch dim is indexed by a batch
+    ``arange`` (:func:`_batch_arange_dim`) and every other index tensor is shared with size 1
+    along the broadcast dim that ``arange`` occupies (element ``b`` of the result reads only
+    ``src[b]``). In the second case each nanobatch gets its own ``arange``.
+    """
+    src_shape = an.shape(src)
+    if len(items) > len(src_shape):
+        raise an._fail(node, "advanced indexing with more indices than dims")
+    adv = [pos for pos, a in enumerate(items) if isinstance(a, fx.Node)]
+    for pos, a in enumerate(items):
+        if pos in adv:
+            v = an.vals.get(a)
+            if (not isinstance(v, torch.Tensor) or v.dtype.is_floating_point
+                    or v.dtype == torch.bool):
+                raise an._fail(node, "advanced indexing by a non-integer index tensor")
+            if an.info(a) is not None:
+                raise an._fail(node, "advanced indexing by a batch-carrying index into batch data")
+        elif a != slice(None):
+            raise an._fail(node, f"advanced indexing mixed with index {a!r}")
+    index_shapes = [an.shape(items[pos]) for pos in adv]
+    bcast = tuple(torch.broadcast_shapes(*index_shapes))
+    contiguous = adv == list(range(adv[0], adv[-1] + 1))
+    block_start = adv[0] if contiguous else 0
+    if info.dim not in adv:
+        if info.dim < len(items):
+            before = sum(1 for d in range(info.dim) if d not in adv)
+            out_dim = before + (len(bcast) if not contiguous or info.dim > adv[-1] else 0)
+        else:  # an unindexed trailing dim
+            out_dim = info.dim - len(adv) + len(bcast)
+        return Step(info.moved(out_dim), True)
+    index = items[info.dim]
+    d = _batch_arange_dim(an, index)
+    if d is None or info.p != 1 or info.k != 1:
+        raise an._fail(node, "advanced (tensor) indexing of the batch dim by an index that is "
+                             "not a batch arange")
+    own_shape = an.shape(index)
+    d_b = d + len(bcast) - len(own_shape)
+    slot = info.dim
+    for pos, shape in zip(adv, index_shapes):
+        j = d_b - (len(bcast) - len(shape))
+        if pos != slot and j >= 0 and shape[j] != 1:
+            raise an._fail(node, "another index tensor varies along the batch arange's dim")
+    out = BatchDim(block_start + d_b)
+    others = tuple(items[:slot]) + (None,) + tuple(items[slot + 1:])  # the slot is filled per nanobatch
+
+    def call(h: int) -> Call:
+        shape_h = list(own_shape)
+        shape_h[d] = an.halves[h]
+        return Call("call_function", getitem_with_batch_arange, (src, others, slot, tuple(shape_h)), {})
+
+    return Step(out, True, call)
+
+
 def _rule_cat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     tensors = list(_arg(node, 0, "tensors"))
     out_shape = an.shape(node)
@@ -882,6 +993,8 @@ def _rule_cat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     for t in tensors:
         if an.info(t) is None:
             s = an.shape(t)
+            if s == (0,):  # cat skips a 1-D empty tensor (an empty cache): nothing to slice
+                continue
             j = out.dim if not stack or out.dim < d else out.dim - 1
             if out.p != 1 or s[j] != out_shape[out.dim]:
                 raise an._fail(node, f"shared input {t.name} cannot be sliced")

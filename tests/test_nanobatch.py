@@ -406,6 +406,22 @@ _SMALL = {
     "std_over_batch": (lambda x, w: (x @ w).std(0).sum(), False),
     "gram_over_batch": (lambda x, w: (x.reshape(_B * _T, _D).t() @ (x @ w).reshape(_B * _T, _D)).sum(), False),
     "chunk_of_batch": (lambda x, w: (x @ w).chunk(2)[0].sum(), False),
+    # advanced indexing (HF's mask builder): batch arange on the batch dim, shared elsewhere
+    "index_by_batch_arange": (lambda x, w: (x[torch.arange(_B)[:, None], torch.arange(_T).flip(0)[None, :]]
+                                            @ w).pow(2).sum(), True),
+    "hf_padding_mask_lookup": (lambda x, w: ((x @ w).sum(-1)[:, None, None, :]
+                                             * (x[..., 0] > 0)[torch.arange(_B)[:, None, None, None] + 0,
+                                                               torch.arange(_T)[None, None, None, :]]).sum(), True),
+    "shared_index_off_the_batch_dim": (lambda x, w: (x @ w)[:, torch.tensor([2, 0])].pow(2).sum(), True),
+    "index_by_reversed_batch": (lambda x, w: (x[torch.arange(_B).flip(0)] @ w * x).sum(), False),
+    "index_by_shifted_batch_arange": (lambda x, w: (x[(torch.arange(_B) + 1) % _B] @ w * x).sum(), False),
+    "batch_arange_with_a_partner_varying_over_it": (
+        lambda x, w: (x[torch.arange(_B)[:, None], torch.arange(_B)[:, None] % _T] @ w).sum(), False),
+    "one_batch_arange_on_two_dims": (lambda x, w: (x @ w).sum(-1)[:, :1].expand(_B, _B)[
+        torch.arange(_B), torch.arange(_B)].pow(2).sum(), False),
+    # a cache built in the graph: an empty shared tensor concatenated with batch tensors
+    "cat_onto_empty_cache": (lambda x, w: torch.cat([torch.tensor([]), x @ w], dim=-2).pow(2).sum(), True),
+    "cat_shifts_the_batch": (lambda x, w: (torch.cat([torch.zeros(1, _T, _D), x @ w], 0)[:_B] * x).sum(), False),
 }
 
 

@@ -3,18 +3,36 @@
 Only the architecture is used (no weights are ever downloaded). Each entry cites the model card
 whose ``config.json`` it was copied from; the Hugging Face field each value comes from is named in
 :class:`ModelConfig`'s field comments.
+
+A user's own architecture: ``get_config("hf:PATH")`` reads the Hugging Face ``config.json`` at
+``PATH`` (:func:`config_from_hf_file`; needs ``transformers``, the ``[hf]`` extra) into the same
+:class:`ModelConfig`, so it is built, traced and planned like the registry's models. Accepted are
+the model types the reference transformer reproduces (``llama``, ``qwen3``), whose transformers
+tensor-parallel plan is the one it implements (q/k/v and gate/up column-parallel, o and down
+row-parallel; Qwen3's q/k-norm), with SiLU, no linear biases and default or ``llama3`` RoPE.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from kareus_fx.errors import KareusError, ParallelConfigError
 
 
 class UnknownModelError(KareusError, ValueError):
     """A model name that is not in the registry."""
+
+
+class HFConfigError(KareusError, ValueError):
+    """A Hugging Face ``config.json`` that is missing, unreadable, or not a plannable architecture."""
+
+
+HF_CONFIG_PREFIX = "hf:"
+"""``get_config("hf:PATH")`` reads the Hugging Face ``config.json`` at ``PATH``."""
 
 
 @dataclass(frozen=True)
@@ -175,10 +193,106 @@ def model_names() -> list[str]:
 
 
 def get_config(name: str) -> ModelConfig:
-    """The published config of ``name`` (see :func:`model_names`)."""
+    """The published config of ``name`` (see :func:`model_names`), or for ``"hf:PATH"`` the
+    architecture of the Hugging Face ``config.json`` at ``PATH``."""
+    if name.startswith(HF_CONFIG_PREFIX):
+        return config_from_hf_file(name.removeprefix(HF_CONFIG_PREFIX))
     try:
         return _REGISTRY[name]
     except KeyError:
         raise UnknownModelError(
-            f"unknown model {name!r}; choose one of {', '.join(_REGISTRY)}"
+            f"unknown model {name!r}; choose one of {', '.join(_REGISTRY)}, "
+            f"or {HF_CONFIG_PREFIX}PATH for a Hugging Face config.json"
         ) from None
+
+
+# The tensor-parallel plan the reference transformer implements (transformers' base_model_tp_plan).
+_LLAMA_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+# transformers model types whose decoder the reference transformer reproduces op for op.
+_HF_MODEL_TYPES = ("llama", "qwen3")
+_QK_NORM_TP_PLAN = {"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
+
+
+@functools.lru_cache(maxsize=16)
+def config_from_hf_file(path: str | Path) -> ModelConfig:
+    """The :class:`ModelConfig` of the Hugging Face ``config.json`` at ``path`` (read locally
+    with ``transformers.AutoConfig``; nothing is downloaded). Raises :class:`HFConfigError`
+    naming the problem for a missing or unreadable file and for an architecture the reference
+    transformer cannot express (no tensor-parallel plan, or another plan, activation, biases or
+    RoPE type)."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    if not file.is_file():
+        raise HFConfigError(f"no Hugging Face config file at {file}; give the path of a model's "
+                            "config.json (or of the directory that holds it)")
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise HFConfigError("reading a Hugging Face config needs transformers: "
+                            "pip install 'kareus-fx[hf]'") from None
+    try:
+        raw = json.loads(file.read_text())
+        hf = AutoConfig.for_model(**raw) if "model_type" in raw else None
+    except Exception as err:  # noqa: BLE001 - transformers' validators raise their own types
+        reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise HFConfigError(f"{file} is not a readable Hugging Face config: {reason}") from None
+    if hf is None:
+        raise HFConfigError(f"{file} has no model_type; is it a Hugging Face model's config.json?")
+    return _config_from_hf(hf, f"{HF_CONFIG_PREFIX}{file}")
+
+
+def _config_from_hf(hf, name: str) -> ModelConfig:
+    arch = f"{hf.model_type} ({', '.join(getattr(hf, 'architectures', None) or []) or 'no architectures'})"
+    plan = dict(getattr(hf, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise HFConfigError(f"{name}: transformers has no tensor-parallel plan for {arch}; kareus "
+                            "plans architectures with a Llama-family TP plan (e.g. llama, qwen3)")
+    qk_norm = set(_QK_NORM_TP_PLAN) <= set(plan)
+    if plan != {**_LLAMA_TP_PLAN, **(_QK_NORM_TP_PLAN if qk_norm else {})}:
+        raise HFConfigError(f"{name}: the tensor-parallel plan of {arch} is not the Llama-family one "
+                            f"the reference transformer implements: {plan}")
+    if hf.model_type not in _HF_MODEL_TYPES:  # same plan, other code (Qwen2's q/k/v biases)
+        raise HFConfigError(f"{name}: {arch} is not a model type the reference transformer reproduces; "
+                            f"supported: {', '.join(_HF_MODEL_TYPES)}")
+    unsupported = [f"{key}={getattr(hf, key)!r}" for key, ok in (
+        ("hidden_act", lambda v: v == "silu"), ("attention_bias", lambda v: not v),
+        ("mlp_bias", lambda v: not v)) if hasattr(hf, key) and not ok(getattr(hf, key))]
+    rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        unsupported.append(f"rope_type={rope_type!r}")
+    if unsupported:
+        raise HFConfigError(f"{name}: {arch} has {', '.join(unsupported)}; the reference transformer "
+                            "implements SiLU MLPs without biases and default or llama3 RoPE")
+    scaling = None
+    if rope_type == "llama3":
+        scaling = Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
+                                    float(rope["high_freq_factor"]),
+                                    int(rope["original_max_position_embeddings"]))
+    heads = hf.num_attention_heads
+    try:
+        return ModelConfig(
+            name=name,
+            hidden_size=hf.hidden_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+            ffn_size=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            norm_eps=float(hf.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(hf, "rope_theta", 10000.0))),
+            tie_embeddings=bool(hf.tie_word_embeddings),
+            qk_norm=qk_norm,
+            rope_scaling=scaling,
+            init_std=float(getattr(hf, "initializer_range", 0.02)),
+        )
+    except ValueError as err:
+        raise HFConfigError(str(err)) from None
