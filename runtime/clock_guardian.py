@@ -87,7 +87,8 @@ def start_guardian(spec: ResetSpec, lock_file: Path | None, timeout_s: float = 6
         process.wait()
         raise ClockControlError(
             f"the clock guardian did not start within {timeout_s:.0f} s (exit status {process.returncode}; "
-            "its error, if any, is on stderr above)"
+            "its error, if any, is on stderr above); fix that, or pass guard=False to FrequencyController.open "
+            "to run without one (a SIGKILL then leaves the clock locked until the next start repairs it)"
         )
     return ClockGuardian(process)
 

@@ -16,6 +16,7 @@ clock stays locked after its SIGKILL (its guardian restores it).
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
@@ -49,6 +50,8 @@ def _rank(rank: int, port: int, plan_path: str, tmp: str, sys_path: list[str], e
     """One rank (module docstring); reports (rank, event, value) on ``events``; never returns normally."""
     sys.path.extend(p for p in sys_path if p not in sys.path)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    stacks = open(os.path.join(tmp, f"rank{rank}_stacks.txt"), "w")  # noqa: SIM115 - lives as long as the rank
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         import torch.distributed as dist
 
@@ -88,6 +91,8 @@ def _rank(rank: int, port: int, plan_path: str, tmp: str, sys_path: list[str], e
     except BaseException:  # noqa: BLE001 - reported to the test
         events.put((rank, "crashed", traceback.format_exc()))
     finally:
+        events.close()
+        events.join_thread()  # the queue's feeder thread has sent every event
         os._exit(0)  # no destroy_process_group: the peer is dead
 
 
@@ -122,7 +127,12 @@ def test_killing_one_rank_makes_the_other_raise_within_the_timeout_with_its_cloc
         time.sleep(0.5)  # rank 0 is now blocked in its first collective, waiting for rank 1
         os.kill(pids[1], signal.SIGKILL)
         killed_unix_s = time.time()
-        rank, (failed_unix_s, message, locked, state_pid) = _expect(events, "failed", TIMEOUT_S + 30)
+        try:
+            rank, (failed_unix_s, message, locked, state_pid) = _expect(events, "failed", TIMEOUT_S + 30)
+        except AssertionError:
+            os.kill(pids[0], signal.SIGUSR1)
+            time.sleep(1)
+            raise AssertionError(f"rank 0 did not fail; its threads:\n{(tmp_path / 'rank0_stacks.txt').read_text()}")
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -130,6 +140,7 @@ def test_killing_one_rank_makes_the_other_raise_within_the_timeout_with_its_cloc
                 p.kill()
                 p.join()
     assert rank == 0
+    print(f"rank 0 raised {failed_unix_s - killed_unix_s:.3f} s after rank 1's SIGKILL (timeout {TIMEOUT_S:.0f} s)")
     assert failed_unix_s - killed_unix_s < TIMEOUT_S, message
     assert message.startswith("rank 0: collective ") and "of partition" in message and "over ranks [0, 1]" in message
     assert "while running F0@S0" in message and f"{TIMEOUT_S:.0f} s process-group timeout" in message
