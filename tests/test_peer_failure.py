@@ -150,3 +150,34 @@ def test_killing_one_rank_makes_the_other_raise_within_the_timeout_with_its_cloc
     while read_simulated_clock_state(tmp_path / "clock1.json").locked and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not read_simulated_clock_state(tmp_path / "clock1.json").locked  # rank 1's guardian restored it
+
+
+def _hung_peer_worker(rank, world_size, timeout_s):
+    """Rank 1 answers the collective on the SM-limited communicator only after rank 0's timeout."""
+    import torch.distributed as dist
+
+    from kareus_fx.deploy.peer_failure import is_collective_failure
+    from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
+
+    prepare_comm_groups([4], [dist.group.WORLD], timeout_s=timeout_s)
+    group = backends_for(dist.group.WORLD).group_for(4)
+    if rank == 1:
+        time.sleep(2 * timeout_s)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+        outcome = None
+    except RuntimeError as err:
+        outcome = (is_collective_failure(err), str(err).splitlines()[0])
+    return time.monotonic() - start, outcome
+
+
+def test_a_hung_peer_fails_the_collective_within_the_deployments_timeout():
+    """The timeout given to prepare_comm_groups is the SM-limited communicator's: rank 0's
+    collective fails after it (not after gloo's 30 min default), as a recognised backend failure."""
+    from dist_harness import run_distributed
+
+    timeout_s = 3.0
+    (waited_s, outcome), _ = run_distributed(_hung_peer_worker, 2, timeout_s, timeout_s=120)
+    assert outcome is not None and outcome[0], outcome
+    assert timeout_s * 0.9 <= waited_s < timeout_s + 5, waited_s
