@@ -55,7 +55,8 @@ def peer_failure(
         what = (f"collective {', '.join(partition.collectives)} of partition {partition.partition_id} "
                 f"(type {partition.type_id}, {partition.comm_sms} SMs){over}")
     else:
-        what = f"a collective of the {graph_name} graph ({'un-split' if not partitions else 'outside its scheduled partitions'})"
+        where = "un-split" if not partitions else "outside its scheduled partitions"
+        what = f"a collective of the {graph_name} graph ({where})"
     cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return PeerFailureError(
         f"rank {rank}: {what} failed while running {node}: a peer rank died or did not answer within the "
