@@ -5,6 +5,12 @@ processes (tuner workers, one per partition type or GPU) can read and write it a
 measurement is committed as soon as it is stored: a run killed mid-way leaves every finished
 measurement behind, and the next run reuses them.
 
+A configuration that cannot run (the profiler raised
+:class:`~kareus_fx.workload.MeasurementFailedError`: out of memory, a collective timed out) is
+stored once in the ``failures`` table with its reason, under the same key; :class:`CachedProfiler`
+raises it again from there, so no run measures it again. Schema version 2 added that table; a
+version-1 file is migrated in place when opened (its measurements are kept).
+
 Key: (profiler kind, GPU name, partition-type fingerprint, clock MHz, comm SMs, launch slot;
 -1 for sequential). The fingerprint is a stable hash of the partition type's structure (each
 slot's ops as target, FLOPs and bytes; the collective), not of its names or count, so the same
@@ -25,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kareus_fx.workload import Measurement, PartitionConfig, PartitionType, Profiler
+from kareus_fx.workload import Measurement, MeasurementFailedError, PartitionConfig, PartitionType, Profiler
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_MIGRATES_FROM = (1,)  # versions whose files gain the failures table when opened
 _SEQUENTIAL = -1
 _MAX_TRIES = 20
 
@@ -43,6 +50,17 @@ CREATE TABLE IF NOT EXISTS measurements (
     energy_j REAL NOT NULL,
     dynamic_energy_j REAL NOT NULL,
     static_energy_j REAL NOT NULL,
+    created_unix_s REAL NOT NULL,
+    PRIMARY KEY (profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS failures (
+    profiler TEXT NOT NULL,
+    gpu TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    clock_mhz INTEGER NOT NULL,
+    comm_sms INTEGER NOT NULL,
+    launch_slot INTEGER NOT NULL,
+    reason TEXT NOT NULL,
     created_unix_s REAL NOT NULL,
     PRIMARY KEY (profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot)
 ) WITHOUT ROWID;
@@ -115,13 +133,13 @@ class ProfileDB:
     # ----- setup --------------------------------------------------------------------------------
     def _init_schema(self, cur: sqlite3.Cursor) -> None:
         version = cur.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION):
+        if version not in (0, SCHEMA_VERSION, *_MIGRATES_FROM):
             raise ProfileDBError(f"{self.path} has schema version {version}; this kareus-fx reads version "
                                  f"{SCHEMA_VERSION}. Use a new file.")
         for statement in _SCHEMA.split(";"):
             if statement.strip():
                 cur.execute(statement)
-        if version == 0:
+        if version != SCHEMA_VERSION:  # new, or migrated: the CREATE IF NOT EXISTS above added the table
             cur.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _write(self, work) -> Any:
@@ -184,6 +202,38 @@ class ProfileDB:
 
         with self._lock:
             return self._write(work)
+
+    def get_failure(self, profiler: str, gpu: str, fp: str, config: PartitionConfig) -> str | None:
+        """The reason stored for a configuration that failed, or None."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT reason FROM failures WHERE profiler=? AND gpu=? AND fingerprint=? AND clock_mhz=? "
+                "AND comm_sms=? AND launch_slot=?", self._key(profiler, gpu, fp, config)).fetchone()
+        return None if row is None else str(row[0])
+
+    def put_failure(self, profiler: str, gpu: str, ptype: PartitionType, config: PartitionConfig, reason: str,
+                    fp: str | None = None) -> None:
+        """Record that ``config`` cannot run, and why (committed at once; the first reason stays)."""
+        fp = fp or fingerprint(ptype)
+
+        def work(cur: sqlite3.Cursor) -> None:
+            cur.execute("INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
+                        (fp, ptype.type_id, json.dumps(structure_of(ptype), separators=(",", ":"))))
+            cur.execute("INSERT OR IGNORE INTO failures VALUES (?,?,?,?,?,?,?,?)",
+                        (*self._key(profiler, gpu, fp, config), reason, time.time()))
+
+        with self._lock:
+            self._write(work)
+
+    def failures(self, profiler: str | None = None) -> list[tuple[str, PartitionConfig, str]]:
+        """Stored failures, optionally of one profiler: (fingerprint, config, reason)."""
+        sql, args = "SELECT fingerprint, clock_mhz, comm_sms, launch_slot, reason FROM failures", []
+        if profiler is not None:
+            sql, args = sql + " WHERE profiler=?", [profiler]
+        with self._lock:
+            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot",
+                                      args).fetchall()
+        return [(r[0], PartitionConfig(r[1], r[2], None if r[3] == _SEQUENTIAL else r[3]), r[4]) for r in rows]
 
     def measurements(self, profiler: str | None = None, gpu: str | None = None,
                      fp: str | None = None) -> list[tuple[str, str, str, PartitionConfig, Measurement]]:
@@ -248,13 +298,24 @@ class CachedProfiler:
         return self.stats.misses
 
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
+        """The stored measurement, else the inner profiler's (stored); a configuration that failed,
+        now or in an earlier run, raises :class:`MeasurementFailedError` with the stored reason."""
         fp = self._fingerprint(ptype)
         stored = self.db.get(self.kind, self.gpu_name, fp, config)
         if stored is not None:
             self.stats.hits += 1
             return stored
+        failed = self.db.get_failure(self.kind, self.gpu_name, fp, config)
+        if failed is not None:
+            self.stats.hits += 1
+            raise MeasurementFailedError(failed)
         self.stats.misses += 1
-        return self.db.put(self.kind, self.gpu_name, ptype, config, self.inner.measure(ptype, config), fp=fp)
+        try:
+            measurement = self.inner.measure(ptype, config)
+        except MeasurementFailedError as err:
+            self.db.put_failure(self.kind, self.gpu_name, ptype, config, err.reason, fp=fp)
+            raise
+        return self.db.put(self.kind, self.gpu_name, ptype, config, measurement, fp=fp)
 
     def measure_sequence(self, ops, collectives, clock_mhz: int) -> Measurement:
         """Work run op after op, measured by the inner profiler (not stored: the database keys

@@ -1,4 +1,4 @@
-"""The ``kareus`` command line. Subcommands: ``plan``, ``dump``, ``inspect``, ``bench``.
+"""The ``kareus`` command line. Subcommands: ``plan``, ``dump``, ``inspect``, ``bench``, ``clocks``.
 
 Every bad-input error (:class:`~kareus_fx.errors.KareusError`) is printed as one line naming the
 problem and the fix, with exit status 2; anything else is a bug and keeps its traceback.
@@ -56,7 +56,21 @@ def _parser() -> argparse.ArgumentParser:
                          help="compare two dumps or two plans instead of summarising one file")
     inspect.set_defaults(run=_run_inspect)
     _add_bench_parser(sub)
+    _add_clocks_parser(sub)
     return parser
+
+
+def _add_clocks_parser(sub: argparse._SubParsersAction) -> None:
+    clocks = sub.add_parser(
+        "clocks",
+        help="list GPU clock locks left by processes that are gone; --reset-stale restores those GPUs",
+        description="Every FrequencyController records the clock it holds locked in a lock directory "
+        "($KAREUS_CLOCK_LOCK_DIR, else kareus-clock-locks-<uid> in the temporary directory) until it restores "
+        "it. A record whose process is gone is stale: the GPU may still run at that clock.",
+    )
+    clocks.add_argument("--reset-stale", action="store_true", help="restore every GPU with a stale lock")
+    clocks.add_argument("--lock-dir", type=Path, default=None, help="the lock directory (default: see above)")
+    clocks.set_defaults(run=_run_clocks)
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -222,6 +236,23 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     return run_bench_command(args.suite, args.baseline, update=args.update, as_json=args.json,
                              ablate=args.ablate, console=_console())
+
+
+def _run_clocks(args: argparse.Namespace) -> int:
+    from kareus_fx.runtime.clock_locks import default_lock_dir, repair_stale_locks, stale_locks
+
+    lock_dir = args.lock_dir or default_lock_dir()
+    if not args.reset_stale:
+        found = stale_locks(lock_dir)
+        for _, lock in found:
+            print(f"stale: GPU {lock.gpu} locked at {lock.clock_mhz} MHz by process {lock.pid}, which is gone")
+        print(f"{len(found)} stale lock(s) in {lock_dir}" + ("; restore with --reset-stale" if found else ""))
+        return 0
+    repaired = repair_stale_locks(lock_dir)
+    for item in repaired:
+        print(item.describe())
+    print(f"{len(repaired)} stale lock(s) in {lock_dir}")
+    return 1 if any(item.error is not None for item in repaired) else 0
 
 
 def _console() -> Console:

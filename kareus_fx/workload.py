@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from kareus_fx.errors import KareusError
+
 CollectiveKind = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]
 GraphName = Literal["forward", "backward"]
 
@@ -108,11 +110,21 @@ class Measurement:
     static_energy_j: float
 
 
+class MeasurementFailedError(KareusError, RuntimeError):
+    """One configuration cannot run (out of memory, a collective timed out): a failed
+    configuration with its ``reason``, not a broken run. Tuners record it and go on."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Profiler(Protocol):
     """Measures partitions: the simulated GPU or the on-device profiler."""
 
     gpu_name: str
 
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
-        """Time and energy of one partition of type ``ptype`` run with ``config``."""
+        """Time and energy of one partition of type ``ptype`` run with ``config``; raises
+        :class:`MeasurementFailedError` for a configuration that cannot run."""
         ...

@@ -14,12 +14,20 @@ from a worker thread so that the training loop never waits on it. Three backends
 
 "Restoring" a clock means returning to the GPU's default clock management (unlocked), which is
 what ``reset_gpu_locked_clocks`` does on a real GPU.
+
+Another process can restore a GPU too: a backend's ``reset_spec()`` is a small JSON-able dict
+saying how (:func:`reset_clock_from_spec` applies it). The clock guardian
+(:mod:`kareus_fx.runtime.clock_guardian`) and the stale-lock repair
+(:mod:`kareus_fx.runtime.clock_locks`) use it. ``gpu_key()`` names the GPU the same way in every
+process.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -57,6 +65,17 @@ class ClockBackend(Protocol):
     def reset_clock(self) -> None:
         """Return the SM clock to the GPU's default management (unlocked)."""
 
+    def reset_spec(self) -> ResetSpec | None:
+        """How another process resets this GPU; None when nothing outside this process is locked."""
+
+    def gpu_key(self) -> str:
+        """The GPU's name in lock records (the same for every process on this machine)."""
+
+
+ResetSpec = dict[str, Any]
+"""``{"kind": "simulated", "state_path": ..., "default_clock_mhz": ...}`` or
+``{"kind": "zeus", "device": <CUDA_VISIBLE_DEVICES entry of the GPU>}``."""
+
 
 class DryRunClockBackend:
     """Never touches a GPU: every call is a no-op (the controller keeps the request log)."""
@@ -71,6 +90,13 @@ class DryRunClockBackend:
 
     def reset_clock(self) -> None:
         """Apply nothing."""
+
+    def reset_spec(self) -> ResetSpec | None:
+        """None: a dry run locks nothing."""
+        return None
+
+    def gpu_key(self) -> str:
+        return "dry-run"
 
 
 @dataclass(frozen=True)
@@ -132,6 +158,17 @@ class SimulatedClockBackend:
         self.locked = False
         self._write_state()
 
+    def reset_spec(self) -> ResetSpec | None:
+        """Rewrite the state file unlocked; None without a state file (the state dies with us)."""
+        if self.state_path is None:
+            return None
+        return {"kind": "simulated", "state_path": str(self.state_path.resolve()),
+                "default_clock_mhz": self.default_clock_mhz}
+
+    def gpu_key(self) -> str:
+        where = "memory" if self.state_path is None else str(self.state_path.resolve())
+        return f"simulated:{where}"
+
     def _write_state(self) -> None:
         if self.state_path is None:
             return
@@ -170,6 +207,7 @@ class ZeusClockBackend:
     mode: ClockMode = "real"
 
     def __init__(self, gpu_index: int = 0, zeus_gpus: Any | None = None) -> None:
+        self._own_zeus = zeus_gpus is None
         if zeus_gpus is None:
             zeus_gpus = _zeus_gpus()
         if not 0 <= gpu_index < len(zeus_gpus):
@@ -199,6 +237,16 @@ class ZeusClockBackend:
         """Unlock the SM clock (the driver's default management)."""
         self._call("reset the locked SM clock", self._gpus.reset_gpu_locked_clocks, self.gpu_index)
 
+    def reset_spec(self) -> ResetSpec | None:
+        """The GPU as another process reaches it: its ``CUDA_VISIBLE_DEVICES`` entry (index or
+        UUID). None when the Zeus object was passed in (a test's stand-in: never a real card)."""
+        if not self._own_zeus:
+            return None
+        return {"kind": "zeus", "device": visible_device(self.gpu_index)}
+
+    def gpu_key(self) -> str:
+        return f"nvidia:{visible_device(self.gpu_index)}"
+
     def _call(self, what: str, method: Any, *args: Any) -> Any:
         from zeus.device.gpu import ZeusGPUNoPermissionError
         from zeus.exception import ZeusBaseError
@@ -216,6 +264,43 @@ class ZeusClockBackend:
                 f"GPU {self.gpu_index}: could not {what} ({type(err).__name__}: {err}). If the "
                 "Zeus daemon is configured (ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT), check that it runs."
             ) from err
+
+
+def visible_device(gpu_index: int) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` entry of this process's GPU ``gpu_index`` (the index itself
+    when the variable is unset): with it as the whole variable, the GPU is index 0 anywhere."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return str(gpu_index)
+    entries = [entry.strip() for entry in visible.split(",") if entry.strip()]
+    if not 0 <= gpu_index < len(entries):
+        raise ClockControlError(f"gpu_index {gpu_index} is outside CUDA_VISIBLE_DEVICES={visible!r}")
+    return entries[gpu_index]
+
+
+def reset_clock_from_spec(spec: ResetSpec) -> None:
+    """Restore the GPU that ``spec`` names (from any process; see the module docstring).
+
+    A ``"zeus"`` spec is applied by a child process whose ``CUDA_VISIBLE_DEVICES`` is the GPU's
+    entry (Zeus reads the variable once per process), through zeusd when this process's
+    environment names it, else NVML.
+    """
+    kind = spec.get("kind")
+    if kind == "simulated":
+        SimulatedClockBackend(int(spec["default_clock_mhz"]), spec["state_path"]).reset_clock()
+    elif kind == "zeus":
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(spec["device"])}
+        done = subprocess.run([sys.executable, "-c", _ZEUS_RESET], env=env, capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise ClockControlError(
+                f"could not reset the locked clock of GPU {spec['device']}: {done.stderr.strip()[-500:]}"
+            )
+    else:
+        raise ClockControlError(f"unknown reset spec {spec!r}: written by another kareus-fx version?")
+
+
+_ZEUS_RESET = "from zeus.device import get_gpus; get_gpus().reset_gpu_locked_clocks(0)"
 
 
 def _zeus_gpus() -> Any:

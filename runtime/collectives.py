@@ -26,10 +26,17 @@ graph, at its own time. Only a base group spanning the whole world may be create
 rank compiles the same graph then), which :meth:`CollectiveBackends.group_for` does; for any
 other base group it raises :class:`CollectiveBackendError` naming :func:`prepare_comm_groups`.
 Communicators are cached per process by (base group ranks, SM count).
+
+Timeout: every communicator created here gets the deployment's process-group timeout
+(``timeout_s`` of :func:`prepare_comm_groups`, default :data:`DEFAULT_TIMEOUT_S`), so a collective
+whose peer died or hangs fails within it instead of waiting for the backend's default (30 min for
+gloo). A killed peer usually fails the collective at once (its connection closes); the timeout
+bounds the case of a peer that is alive but stuck.
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +46,17 @@ import torch
 import torch.distributed as dist
 
 from kareus_fx.errors import KareusError
+
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Process-group timeout of the SM-limited communicators when the deployment names none (NCCL's default)."""
+
+_timeout_s = DEFAULT_TIMEOUT_S
+
+
+def comm_timeout_s() -> float:
+    """The timeout this process gives the communicators it creates (see the module docstring)."""
+    return _timeout_s
 
 
 class CollectiveBackendError(KareusError, RuntimeError):
@@ -153,8 +171,10 @@ def create_comm_group(ranks: Sequence[int], backend: str, sm_count: int) -> dist
     the world. None: use the base group (the fake backend); non-members get a non-member handle."""
     if backend == "fake":
         return None
+    timeout = datetime.timedelta(seconds=_timeout_s)
     if "nccl" not in backend:
-        return dist.new_group(ranks=list(ranks), backend=backend, group_desc=f"kareus_comm_sm{sm_count}")
+        return dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout,
+                              group_desc=f"kareus_comm_sm{sm_count}")
     device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if sm_count > device_sms:
         raise CollectiveBackendError(
@@ -162,17 +182,25 @@ def create_comm_group(ranks: Sequence[int], backend: str, sm_count: int) -> dist
             "the plan was made for another GPU"
         )
     return dist.new_group(ranks=list(ranks), backend="nccl", pg_options=nccl_options_for(sm_count),
-                          group_desc=f"kareus_comm_sm{sm_count}")
+                          timeout=timeout, group_desc=f"kareus_comm_sm{sm_count}")
 
 
-def prepare_comm_groups(sm_counts: Iterable[int], groups: Iterable[dist.ProcessGroup | None]) -> None:
+def prepare_comm_groups(
+    sm_counts: Iterable[int], groups: Iterable[dist.ProcessGroup | None], timeout_s: float | None = None,
+) -> None:
     """Create every rank's communicators for ``sm_counts`` over its ``groups`` (the module docstring).
 
     Call on every rank, after ``init_process_group`` and before the first compiled step, with
     this rank's own base groups (``[tp_group, cp_group]``; None entries, size-1 dimensions, are
     skipped). Collective over the world; idempotent. Ranks may pass different SM counts only if
-    every rank passes the same set (it is checked).
+    every rank passes the same set (it is checked). ``timeout_s`` (default
+    :data:`DEFAULT_TIMEOUT_S`) is the process-group timeout of the communicators created from now on.
     """
+    global _timeout_s
+    if timeout_s is not None:
+        if not timeout_s > 0:
+            raise CollectiveBackendError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        _timeout_s = float(timeout_s)
     counts = sorted(set(sm_counts))
     for sm_count in counts:
         _check_sm_count(sm_count)

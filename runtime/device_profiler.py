@@ -34,6 +34,11 @@ cools until its temperature is within ``cooldown_tolerance_c`` of its idle tempe
 measurement) or ``cooldown_timeout_s`` passes. The clock goes through a
 :class:`~kareus_fx.runtime.frequency.FrequencyController`; ``close()`` restores it.
 
+A configuration that runs out of GPU memory, or whose collective fails or times out
+(``torch.distributed.DistBackendError``), raises :class:`~kareus_fx.workload.MeasurementFailedError`
+with the reason: the tuner records it as failed and goes on (its replay is dropped and the cache
+emptied, so the next configuration starts clean).
+
 Without CUDA, :meth:`DeviceProfiler.measure` raises :class:`DeviceProfilerError`; the replay
 itself (:func:`replay_partition` with ``device="cpu"``) runs on CPU with wall-clock timing, for
 tests.
@@ -57,7 +62,15 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.runtime.frequency import FrequencyController
 
 from kareus_fx.errors import KareusError
-from kareus_fx.workload import CollectiveSpec, GraphName, Measurement, OpCost, PartitionConfig, PartitionType
+from kareus_fx.workload import (
+    CollectiveSpec,
+    GraphName,
+    Measurement,
+    MeasurementFailedError,
+    OpCost,
+    PartitionConfig,
+    PartitionType,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -509,12 +522,16 @@ class DeviceProfiler:
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
         """Time and energy of one partition of ``ptype`` run with ``config`` on this GPU."""
         key = (ptype.graph, ptype.type_id)
-        if key not in self._replays:
-            self._check_cuda()
-            slots = [slot.ops for slot in ptype.slots]
-            table = self._table([op for ops in slots for op in ops], ptype.graph)
-            self._replays[key] = PartitionReplay.build(slots, [ptype.collective], self._device(), table)
-        return self._measure(self._replays[key], config.clock_mhz, config.launch_slot, config.comm_sms)
+
+        def run() -> Measurement:
+            if key not in self._replays:
+                self._check_cuda()
+                slots = [slot.ops for slot in ptype.slots]
+                table = self._table([op for ops in slots for op in ops], ptype.graph)
+                self._replays[key] = PartitionReplay.build(slots, [ptype.collective], self._device(), table)
+            return self._measure(self._replays[key], config.clock_mhz, config.launch_slot, config.comm_sms)
+
+        return self._as_configuration_failure(key, f"{ptype.type_id} at {config}", run)
 
     def measure_sequence(
         self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int,
@@ -524,11 +541,28 @@ class DeviceProfiler:
         simulator's default, 16), at ``clock_mhz``; the node table is ``tables_by_ops``' for these
         ops, else ``node_tables[graph]``."""
         key = ("sequence", replay_key(ops), tuple(collectives))
-        if key not in self._replays:
-            self._check_cuda()
-            self._replays[key] = PartitionReplay.build([[op] for op in ops], list(collectives), self._device(),
-                                                       self._table(ops, graph))
-        return self._measure(self._replays[key], clock_mhz, None, comm_sms)
+
+        def run() -> Measurement:
+            if key not in self._replays:
+                self._check_cuda()
+                self._replays[key] = PartitionReplay.build([[op] for op in ops], list(collectives), self._device(),
+                                                           self._table(ops, graph))
+            return self._measure(self._replays[key], clock_mhz, None, comm_sms)
+
+        return self._as_configuration_failure(key, f"{len(ops)} ops in sequence at {clock_mhz} MHz", run)
+
+    def _as_configuration_failure(self, key: tuple[Any, ...], what: str, run: Callable[[], Measurement]) -> Measurement:
+        """``run()``, with out-of-memory and collective failures raised as a failed configuration."""
+        try:
+            return run()
+        except torch.cuda.OutOfMemoryError as err:
+            reason = f"out of memory replaying {what}: {str(err).splitlines()[0]}"
+        except torch.distributed.DistBackendError as err:
+            reason = f"collective failed or timed out replaying {what}: {str(err).splitlines()[0]}"
+        self._replays.pop(key, None)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        raise MeasurementFailedError(reason)
 
     def _table(self, ops: Sequence[OpCost], graph: GraphName | None) -> NodeTable | None:
         table = self.tables_by_ops.get(replay_key(ops)) if self.tables_by_ops else None

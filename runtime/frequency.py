@@ -14,8 +14,14 @@ instruction, paper section 5.1) and applies them on a worker thread through a
   restores, then hands the signal to the handler installed before it, or, if that was the
   default, terminates the process by SIGTERM as the default would. A handler can only be
   installed from the main thread; Python runs it between bytecodes of the main thread, so a
-  main thread blocked in a long C call delays it. SIGKILL cannot be caught: nothing restores
-  after it (reset the clocks by hand: ``nvidia-smi --reset-gpu-clocks``).
+  main thread blocked in a long C call delays it.
+- SIGKILL cannot be caught, so a backend that locks something outside this process (a real GPU,
+  a simulated GPU with a state file) gets a guardian process at construction
+  (:mod:`kareus_fx.runtime.clock_guardian`): it restores the clock when this process dies by any
+  means, and exits with it. Each applied clock is also recorded in a lock record
+  (:mod:`kareus_fx.runtime.clock_locks`), removed on restore. A controller starting on a GPU
+  first repairs a stale record (a dead locker whose guardian died too) and warns
+  (:class:`StaleClockLockWarning`) naming the process, clock and time.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -38,8 +45,14 @@ from kareus_fx.runtime.clock_backends import (
     check_clock_request,
     open_clock_backend,
 )
+from kareus_fx.runtime.clock_guardian import ClockGuardian, start_guardian
+from kareus_fx.runtime.clock_locks import default_lock_dir, lock_path, remove_lock, repair_stale_locks, write_lock
 
 logger = logging.getLogger(__name__)
+
+
+class StaleClockLockWarning(RuntimeWarning):
+    """A GPU was left locked by a process that is gone; the controller restored it (the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +69,9 @@ class FrequencyController:
 
     ``record_requests`` (default: only in dry-run mode) keeps every request in
     :attr:`requests`. ``handle_sigterm`` installs the SIGTERM handler when constructed in the
-    main thread.
+    main thread. ``guard`` starts the guardian process (module docstring) when the backend has a
+    ``reset_spec``; ``lock_dir`` holds the lock records (default
+    :func:`~kareus_fx.runtime.clock_locks.default_lock_dir`).
     """
 
     def __init__(
@@ -65,6 +80,8 @@ class FrequencyController:
         *,
         record_requests: bool | None = None,
         handle_sigterm: bool = True,
+        guard: bool = True,
+        lock_dir: str | Path | None = None,
     ) -> None:
         self.backend = backend
         if record_requests is None:
@@ -86,9 +103,28 @@ class FrequencyController:
         self._worker: threading.Thread | None = None
         self._previous_sigterm: Any = None
         self._sigterm_installed = False
+        self._reset_spec = getattr(backend, "reset_spec", lambda: None)()
+        self._lock_file: Path | None = None
+        self.guardian: ClockGuardian | None = None
+        """The guardian process, when one runs."""
+        if self._reset_spec is not None:
+            self._lock_file = self._repair_stale_lock(Path(lock_dir) if lock_dir else default_lock_dir())
+            if guard:
+                self.guardian = start_guardian(self._reset_spec, self._lock_file)
         atexit.register(self._restore_at_exit)
         if handle_sigterm:
             self._install_sigterm()
+
+    def _repair_stale_lock(self, lock_dir: Path) -> Path:
+        """Repair a lock a dead process left on this GPU (warning once per repair); the GPU's record file."""
+        gpu = self.backend.gpu_key()
+        for repaired in repair_stale_locks(lock_dir, gpu):
+            message = repaired.describe()
+            logger.warning(message)
+            warnings.warn(message, StaleClockLockWarning, stacklevel=3)
+            if repaired.error is not None:
+                raise ClockControlError(f"{message}; reset it by hand (nvidia-smi --reset-gpu-clocks) first")
+        return lock_path(lock_dir, gpu)
 
     @classmethod
     def open(
@@ -102,6 +138,8 @@ class FrequencyController:
         fallback: Literal["error", "dry-run"] = "error",
         zeus_gpus: Any | None = None,
         handle_sigterm: bool = True,
+        guard: bool = True,
+        lock_dir: str | Path | None = None,
     ) -> FrequencyController:
         """A controller over the backend for ``mode`` (see ``open_clock_backend``).
 
@@ -117,7 +155,7 @@ class FrequencyController:
             fallback=fallback,
             zeus_gpus=zeus_gpus,
         )
-        return cls(backend, handle_sigterm=handle_sigterm)
+        return cls(backend, handle_sigterm=handle_sigterm, guard=guard, lock_dir=lock_dir)
 
     @property
     def mode(self) -> ClockMode:
@@ -178,6 +216,10 @@ class FrequencyController:
                 self.backend.reset_clock()
                 self._applied_clock_mhz = None
                 self._restored = True
+                if self._lock_file is not None:
+                    remove_lock(self._lock_file, os.getpid())
+                if self.guardian is not None:
+                    self.guardian.disarm()
         worker = self._worker
         if worker is not None and worker is not threading.current_thread():
             worker.join(timeout=5.0)
@@ -212,6 +254,8 @@ class FrequencyController:
                     return
                 if self._worker_error is None and clock_mhz != self._applied_clock_mhz:
                     try:
+                        if self._lock_file is not None:  # recorded first: no locked clock without a record
+                            write_lock(self._lock_file.parent, self.backend.gpu_key(), clock_mhz, self._reset_spec)
                         self.backend.set_clock(clock_mhz)
                         self._applied_clock_mhz = clock_mhz
                     except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread

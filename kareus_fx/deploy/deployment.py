@@ -35,6 +35,13 @@
    than one TP or CP group, e.g. with pipeline stages); a job whose collectives all run over the
    whole world may leave them to the first compile.
 
+6. Peers fail fast: the SM-limited communicators get a process-group timeout
+   (:func:`prepare_collectives`' ``timeout_s``); a collective of a deployed graph that fails (a
+   peer died, or did not answer within the timeout) raises
+   :class:`~kareus_fx.deploy.peer_failure.PeerFailureError` naming this rank, the instruction and
+   the collective, after restoring this rank's clock. Un-split graphs communicate over the
+   model's own groups, whose timeout is the one given to ``init_process_group`` / ``new_group``.
+
 Known limitations: the forward and backward of one microbatch come from the same graph (split
 or not), but the plan chooses their options independently; where they disagree the backward
 follows its forward (an un-split forward's backward runs un-split at its planned clock; a split
@@ -72,6 +79,7 @@ from kareus_fx.compose.pipeline import INSTRUCTIONS, PipelineNode
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.deploy.hook_ops import ClockBinding, set_running
+from kareus_fx.deploy.peer_failure import is_collective_failure, peer_failure
 from kareus_fx.errors import KareusError, OptionsError
 from kareus_fx.passes.analysis import META_KEY
 from kareus_fx.passes.partitions import GraphPartitioning
@@ -122,16 +130,19 @@ def deployed_graphs() -> list[DeployedGraph]:
 
 def prepare_collectives(
     plan: str | Path | Plan, target: Target = "max-throughput", groups: Iterable[dist.ProcessGroup | None] = (),
+    *, timeout_s: float | None = None,
 ) -> frozenset[int]:
     """Create this job's SM-limited communicators at startup (step 5 of the module docstring).
 
     Call on every rank after ``init_process_group`` and before the first compiled step, with the
     plan and target the compile options will name and this rank's TP and CP groups. Returns the
-    SM counts prepared: every count at the target's point, over all stages.
+    SM counts prepared: every count at the target's point, over all stages. ``timeout_s`` is
+    their process-group timeout (default
+    :data:`~kareus_fx.runtime.collectives.DEFAULT_TIMEOUT_S`): step 6 of the module docstring.
     """
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     sm_counts = plan.comm_sm_counts(plan.point_index(target))
-    prepare_comm_groups(sm_counts, groups)
+    prepare_comm_groups(sm_counts, groups, timeout_s)
     return sm_counts
 
 
@@ -343,7 +354,7 @@ class Deployment:
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
         per_type: Mapping[str, CommSchedule], microbatches: tuple[int, ...], example_inputs: list[Any],
         *, nanobatched: bool,
-    ) -> Callable[..., Any]:
+    ) -> tuple[DeployedGraph, Callable[..., Any]]:
         if partitioning is None:
             variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
             insert_clock_hook(variant, self.stage, name)
@@ -357,10 +368,10 @@ class Deployment:
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
             self._write_code(deployed)
-        return boxed_nop(variant, example_inputs)
+        return deployed, boxed_nop(variant, example_inputs)
 
     def _dispatcher(
-        self, name: str, variants: Mapping[str, Callable[..., Any]], variant_of: Mapping[int, str]
+        self, name: str, variants: Mapping[str, tuple[DeployedGraph, Callable[..., Any]]], variant_of: Mapping[int, str]
     ) -> Callable[..., Any]:
         cursor, clock = self.cursor, self.clock
 
@@ -375,7 +386,13 @@ class Deployment:
                     f"drive other orders with StepContext and next_instruction()"
                 )
             set_running(node, clock)
-            return variants[key](args)
+            deployed, compiled = variants[key]
+            try:
+                return compiled(args)
+            except RuntimeError as err:  # step 6 of the module docstring
+                if not is_collective_failure(err):
+                    raise
+                raise peer_failure(err, node, name, deployed.gm, deployed.partitions, clock) from err
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run

@@ -66,6 +66,8 @@ class HookRuntime:
     clock: ClockBinding | None = None
     tables: dict[torch.device, StreamTable] = field(default_factory=dict)
     comm_regions: dict[str, contextlib.ExitStack] = field(default_factory=dict)
+    collective: str | None = None
+    """The tag of the partition whose collective was last launched or awaited (names a failure)."""
     log: list[tuple] | None = None
     """When a list (see :func:`recording_hooks`), every hook call appends (op name, args)."""
 
@@ -84,6 +86,7 @@ def set_running(node: PipelineNode | None, clock: ClockBinding | None) -> None:
     """Mark ``node`` as the instruction whose graph runs next (the dispatcher calls this)."""
     RUNTIME.running = node
     RUNTIME.clock = clock
+    RUNTIME.collective = None
 
 
 @contextlib.contextmanager
@@ -125,6 +128,7 @@ def clock_hook(stage: int, instruction: str) -> None:
 def comm_launch(tag: str, comm_sms: int, launch_slot: int, inputs: list[Tensor]) -> None:
     """Launch point of a partition's collective: order it after the slot's predecessor."""
     _log("comm_launch", tag, comm_sms, launch_slot)
+    RUNTIME.collective = tag
     table = RUNTIME.table_for(inputs)
     table.record(tag, "compute")
     table.wait(tag, "comm")
@@ -149,6 +153,7 @@ def comm_issued(tag: str, outputs: list[Tensor]) -> None:
 def comm_wait(tag: str, outputs: list[Tensor]) -> None:
     """First use of the collective's result: the compute stream waits for the comm stream."""
     _log("comm_wait", tag)
+    RUNTIME.collective = tag
     table = RUNTIME.table_for(outputs)
     table.wait(f"{tag}/issued", "compute")
     _record_streams(table, outputs, "compute")

@@ -52,6 +52,12 @@ Chosen on the synthetic and simulated Llama types of ``bench/mbo_quality.py`` (6
 
 Every measurement goes through the given profiler, in a deterministic order for a given seed and
 profiler answers: re-running a killed run with a caching profiler re-issues the same configs.
+
+A configuration the profiler reports as failed (:class:`~kareus_fx.workload.MeasurementFailedError`:
+out of memory, a collective timed out) is kept in :attr:`TuningResult.failed` with its reason,
+counts against the budget, is never chosen again in the run and never enters the surrogates or
+the frontier; the run goes on. A run whose every initial configuration fails stops
+(``stop_reason="all_failed"``) with an empty frontier.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ from kareus_fx.tuner.pareto import (
 )
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, Encoding, SearchSpace, build_search_space
 from kareus_fx.tuner.surrogate import PartitionSurrogate, XGBParams
-from kareus_fx.workload import Measurement, PartitionConfig, PartitionType, Profiler
+from kareus_fx.workload import Measurement, MeasurementFailedError, PartitionConfig, PartitionType, Profiler
 
 SOURCES = ("initial",) + PASSES + ("exhaustive", "random")
 
@@ -217,6 +223,24 @@ class MeasuredPoint:
         )
 
 
+@dataclass(frozen=True)
+class FailedPoint:
+    """A configuration that could not run, why, the pass that chose it and its batch."""
+
+    config: PartitionConfig
+    reason: str
+    source: str
+    batch: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": _config_to_dict(self.config), "reason": self.reason, "source": self.source,
+                "batch": self.batch}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> FailedPoint:
+        return cls(_config_from_dict(d["config"]), str(d["reason"]), str(d["source"]), int(d["batch"]))
+
+
 @dataclass
 class TuningStats:
     """How a run went. HV numbers are on normalised (time, total energy)."""
@@ -228,7 +252,7 @@ class TuningStats:
     batch_size: int
     max_batches: int
     stop_reason: str
-    """``converged``, ``max_batches``, ``exhausted`` (nothing left), ``exhaustive`` or ``random``."""
+    """``converged``, ``max_batches``, ``exhausted`` (nothing left), ``all_failed``, ``exhaustive`` or ``random``."""
     hv_history: list[float] = field(default_factory=list)
     """HV of the measured front after the initial sample and after each batch, all on the final
     normaliser and reference point."""
@@ -237,6 +261,8 @@ class TuningStats:
     acq_seconds: list[float] = field(default_factory=list)
     """Surrogate training + acquisition seconds of each batch."""
     measure_seconds: float = 0.0
+    failed: int = 0
+    """Configurations that could not run (not counted in ``measured``)."""
 
     @property
     def fraction_measured(self) -> float:
@@ -259,6 +285,8 @@ class TuningResult:
     points: list[MeasuredPoint]
     stats: TuningStats
     settings: dict[str, Any] = field(default_factory=dict)
+    failed: list[FailedPoint] = field(default_factory=list)
+    """Configurations that could not run, with their reasons."""
 
     def objectives(self, energy: str = "total") -> np.ndarray:
         """``(n, 2)`` array of (time_s, energy) of every measured point; energy total/dynamic/static."""
@@ -295,6 +323,7 @@ class TuningResult:
             "frontier": [p.to_dict() for p in self.frontier],
             "stats": asdict(self.stats),
             "settings": self.settings,
+            "failed": [p.to_dict() for p in self.failed],
         }
 
     @classmethod
@@ -307,6 +336,7 @@ class TuningResult:
             points=[MeasuredPoint.from_dict(p) for p in d["points"]],
             stats=TuningStats(**d["stats"]),
             settings=dict(d.get("settings", {})),
+            failed=[FailedPoint.from_dict(p) for p in d.get("failed", [])],
         )
 
 
@@ -315,7 +345,8 @@ class TuningResult:
 
 
 class _Recorder:
-    """Measures through the profiler, never twice for one config, and keeps provenance."""
+    """Measures through the profiler, never twice for one config (a failed one included), and keeps
+    provenance; ``rows``/``points`` hold the successful measurements, ``failed`` the others."""
 
     def __init__(
         self,
@@ -331,6 +362,7 @@ class _Recorder:
         self.planned = planned
         self.progress = progress
         self.points: list[MeasuredPoint] = []
+        self.failed: list[FailedPoint] = []
         self.rows: list[int] = []
         self.measured = np.zeros(len(space), dtype=bool)
         self.seconds = 0.0
@@ -341,13 +373,23 @@ class _Recorder:
                 continue
             cfg = self.space.configs[row]
             t0 = time.perf_counter()
-            m = self.profiler.measure(self.ptype, cfg)
+            try:
+                m = self.profiler.measure(self.ptype, cfg)
+            except MeasurementFailedError as err:
+                m = None
+                self.failed.append(FailedPoint(cfg, err.reason, source, batch))
             self.seconds += time.perf_counter() - t0
             self.measured[row] = True
-            self.rows.append(row)
-            self.points.append(MeasuredPoint(cfg, m, source, batch))
+            if m is not None:
+                self.rows.append(row)
+                self.points.append(MeasuredPoint(cfg, m, source, batch))
             if self.progress is not None:
-                self.progress(len(self.points), self.planned)
+                self.progress(self.attempted, self.planned)
+
+    @property
+    def attempted(self) -> int:
+        """Configurations measured or failed (what the budget counts)."""
+        return len(self.points) + len(self.failed)
 
     def objectives(self) -> MeasuredObjectives:
         ms = [p.measurement for p in self.points]
@@ -432,7 +474,10 @@ def tune_partition(
         if rec.measured.all():
             stop_reason = "exhausted"
             break
-        size = min(batch_size, planned - len(rec.points))
+        if not rec.points:
+            stop_reason = "all_failed"
+            break
+        size = min(batch_size, planned - rec.attempted)
         if size <= 0:
             stop_reason = "budget"
             break
@@ -481,8 +526,9 @@ def tune_partition(
         rel_improvement_history=rel_hist,
         acq_seconds=acq_seconds,
         measure_seconds=rec.seconds,
+        failed=len(rec.failed),
     )
-    return TuningResult(ptype.type_id, gpu.name, "mbo", seed, rec.points, stats, settings.to_dict())
+    return TuningResult(ptype.type_id, gpu.name, "mbo", seed, rec.points, stats, settings.to_dict(), rec.failed)
 
 
 def exhaustive_search(
@@ -509,8 +555,9 @@ def exhaustive_search(
         stop_reason="exhaustive",
         hv_history=_hv_history(rec.points, 0, settings.ref_margin, settings.ref_basis),
         measure_seconds=rec.seconds,
+        failed=len(rec.failed),
     )
-    return TuningResult(ptype.type_id, gpu.name, "exhaustive", 0, rec.points, stats, settings.to_dict())
+    return TuningResult(ptype.type_id, gpu.name, "exhaustive", 0, rec.points, stats, settings.to_dict(), rec.failed)
 
 
 def random_search(
@@ -533,7 +580,7 @@ def random_search(
     rec.measure([int(r) for r in rows], ["random"] * n, batch=0)
     stats = TuningStats(
         space_size=len(space),
-        measured=n,
+        measured=len(rec.points),
         batches=0,
         n_init=n,
         batch_size=0,
@@ -541,8 +588,9 @@ def random_search(
         stop_reason="random",
         hv_history=_hv_history(rec.points, 0, settings.ref_margin, settings.ref_basis),
         measure_seconds=rec.seconds,
+        failed=len(rec.failed),
     )
-    return TuningResult(ptype.type_id, gpu.name, "random", seed, rec.points, stats, settings.to_dict())
+    return TuningResult(ptype.type_id, gpu.name, "random", seed, rec.points, stats, settings.to_dict(), rec.failed)
 
 
 def frontier_hv_ratio(
