@@ -29,10 +29,14 @@ def _hand_plan() -> dict:
         "workload": {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": 4,
                      "seq": 64, "layers": 2, "world_size": 2},
         "gpu": "A100-SXM4-40GB",
+        "profiler": "simulated:test",
+        "energy_scope": "one pipeline",
         "stages": [{"stage": 0, "graphs": {
             name: {"fingerprint": "f" + name, "partition_types": {"local0": "T0"}} for name in ("forward", "backward")}}],
-        "partition_types": {"T0": {"graph": "forward", "count": 2, "fingerprint": "x", "collective": {},
-                                   "slots": [{}, {}], "launch_slots": [0, 1], "frontier": []}},
+        "partition_types": {"T0": {"graph": "forward", "count": 2, "fingerprint": "x", "collective": {"kind": "all_reduce", "bytes": 4096, "group_size": 2},
+                                   "slots": [{"ops": ["aten.mm.default"], "flops": 1e6, "bytes": 1e4},
+                                             {"ops": ["aten.add.Tensor"], "flops": 1e3, "bytes": 1e4}],
+                                   "launch_slots": [0, 1], "frontier": []}},
         "microbatch_options": {
             "0/forward": [_option(1410, 1.0, 10.0, config), _option(1200, 1.2, 8.0)],
             "0/backward": [_option(1410, 2.0, 20.0, config), _option(1200, 2.4, 16.0)],
@@ -67,7 +71,7 @@ def test_corrupt_json_is_a_validation_error_naming_the_file(tmp_path):
     path.write_text(json.dumps(_hand_plan())[:-40])
     with pytest.raises(PlanFormatError, match=r"plan.json is not a kareus plan: invalid JSON at line 1"):
         load_plan(path)
-    with pytest.raises(PlanFormatError, match="cannot read plan file"):
+    with pytest.raises(PlanFormatError, match="cannot read kareus plan .*missing.json: No such file"):
         load_plan(tmp_path / "missing.json")
 
 
@@ -82,9 +86,9 @@ def _broken(edit):
     [
         (lambda d: d.update(format="other"), "not a kareus plan"),
         (lambda d: d.update(schema_version=99), "reads version 1"),
-        (lambda d: d["workload"].pop("tp"), r"workload: missing tp"),
+        (lambda d: d["workload"].pop("tp"), r"workload.tp: missing"),
         (lambda d: d["workload"].update(pp=2), "expected 2 stages"),
-        (lambda d: d["microbatch_options"].pop("0/backward"), "missing '0/backward'"),
+        (lambda d: d["microbatch_options"].pop("0/backward"), r"microbatch_options: expected exactly the keys \['0/forward', '0/backward'\]"),
         (lambda d: d["iteration_frontier"][0]["choices"]["0/forward"].__setitem__(1, 5), "option 5 out of range"),
         (lambda d: d["iteration_frontier"][0]["choices"]["0/forward"].pop(), "expected 2 entries"),
         (lambda d: d["microbatch_options"]["0/forward"][0]["configs"].update(T9={"comm_sms": 1, "launch_slot": 0}),
