@@ -120,3 +120,12 @@ def test_metrics_follow_the_paper_definitions():
     slow = frontier_metrics([(20.0, 200.0)], megatron, mp)
     assert slow["iso_time_energy_reduction"] is None and slow["iso_energy_time_reduction"] is None
     assert least_energy_within(method, 9.5) == 90.0 and least_time_within(method, 60.0) is None
+
+
+def test_a_400_digit_integer_is_refused_not_a_crash():
+    """Regression (found fuzzing, tests/test_fuzz_readers.py): the number check called
+    math.isfinite on an int of 400 digits, which raises OverflowError."""
+    data = _hand_plan()
+    data["microbatch_options"]["0/forward"][0]["time_s"] = 10**400
+    with pytest.raises(PlanFormatError, match=r"microbatch_options.0/forward\[0\].time_s: expected a number >= 0 and <= 1e\+30"):
+        validate_plan(data, "plan.json")
