@@ -55,17 +55,3 @@ def small_real_plan(tmp_path_factory):
     outcome = make_plan(request, root / "work", progress=False)
     return write_plan(root / "plan.json", outcome.data), root / "work"
 
-
-@pytest.fixture(scope="session")
-def small_real_dumps(tmp_path_factory):
-    """Graph dumps of a real trace (tiny-llama TP2, 1 layer, microbatch 2 x 64, what `kareus dump`
-    writes): the nanobatched dump (partitions, types, leftovers) and the un-split one."""
-    from kareus_fx.capture.tracing import TraceSpec, trace_full_size
-
-    root = tmp_path_factory.mktemp("small-real-dumps")
-    spec = TraceSpec(model="tiny-llama", tp=2, cp=1, mbs=2, seq=64, layers=1)
-    paths = []
-    for nanobatch in (True, False):
-        out = root / ("nanobatched" if nanobatch else "sequential")
-        paths += trace_full_size(spec, options={"dump_dir": str(out), "nanobatch": nanobatch}).dump_paths
-    return paths

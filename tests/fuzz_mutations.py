@@ -4,8 +4,8 @@ a huge or negative number, an extra key, a wrong string, an element repeated or 
 number or string nudged to another plausible value; then, sometimes, the text cut short or
 garbled (a stray character, NaN, 1e999, a 5000-digit number).
 
-The path to each mutated value is drawn level by level from the root (each child of a container
-equally likely), so a top-level field is hit as often as one deep in a large list.
+The path to each mutated value is drawn level by level from the root, so a top-level field is hit
+as often as one deep in a large list.
 """
 
 from __future__ import annotations
@@ -30,13 +30,18 @@ def _children(value: Any) -> list[Any]:
 
 @st.composite
 def _path(draw: st.DrawFn, doc: Any) -> list[Any]:
-    """A path from the root: at each level one child, stopping at a leaf or (1 in 4) earlier."""
+    """A path from the root: at each level one child (half the time one of the containers among
+    them, so deep fields are reached as often as the root's scalars), stopping at a leaf or
+    (1 in 4) earlier."""
     path: list[Any] = []
     node = doc
     while True:
         children = _children(node)
         if not children or (path and draw(st.integers(0, 3)) == 0):
             return path
+        containers = [k for k in children if isinstance(node[k], (dict, list)) and node[k]]
+        if containers and draw(st.booleans()):
+            children = containers
         key = children[draw(st.integers(0, len(children) - 1))]
         path.append(key)
         node = node[key]
@@ -96,7 +101,7 @@ def mutated_text(draw: st.DrawFn, seeds: list[Any]) -> str:
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["remove", "replace", "replace", "extra", "duplicate", "scale", "nudge", "nudge"]))
         doc = _apply(doc, draw(_path(doc)), kind, draw)
-    text = json.dumps(doc)  # NaN and Infinity written as the tokens Python's json reads back
+    text = json.dumps(doc, check_circular=False)  # NaN and Infinity: the tokens Python's json reads back
     damage = draw(st.sampled_from(["none"] * 6 + ["cut", "garble", "digits"]))
     if damage == "cut":
         text = text[: draw(st.integers(0, max(0, len(text) - 1)))]

@@ -7,8 +7,9 @@ within its type's slots, one stage record per pipeline stage). :mod:`plan_format
 hands readers only the validated data (unknown keys are dropped). A reader that needs a new
 field adds it here first.
 
-Bounds are "far beyond any real plan" (a clock of at most 100 GHz, counts below 2**53, numbers of
-at most 1e30); they keep arithmetic finite, not workloads small.
+Bounds are "far beyond any real plan" (counts below 2**53, numbers of at most 1e30): they keep
+arithmetic finite, not workloads small. Clocks and SM counts are held to the plan's GPU (its
+clock range, fewer SMs than it has), which is what the simulator and the runtime accept.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Literal
 from pydantic import StrictBool, StrictStr, field_validator
 
 from kareus_fx.capture.validated_input import MAX_MAGNITUDE, SchemaModel, count, number
-from kareus_fx.cost_models.hardware import canonical_gpu_name
+from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.errors import UnknownGPUError
 from kareus_fx.workload import CollectiveKind, GraphName
 
@@ -209,12 +210,23 @@ class PlanFile(SchemaModel):
 def cross_check(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
     """Call ``fail(field, what is wrong)`` (which raises) unless the plan's parts agree."""
     workload, types = plan.workload, plan.partition_types
+    gpu = gpu_spec(plan.gpu)
+
+    def check_knobs(where: str, clock_mhz: int | None, comm_sms: int | None) -> None:
+        """A clock and an SM count the plan's GPU has (what the simulator and the runtime accept)."""
+        if clock_mhz is not None and not gpu.clock_min_mhz <= clock_mhz <= gpu.clock_max_mhz:
+            fail(f"{where}.clock_mhz", f"{clock_mhz} MHz outside the {plan.gpu}'s clock range "
+                                       f"{gpu.clock_min_mhz}-{gpu.clock_max_mhz} MHz")
+        if comm_sms is not None and not 1 <= comm_sms < gpu.sm_count:
+            fail(f"{where}.comm_sms", f"{comm_sms} outside 1-{gpu.sm_count - 1} (the {plan.gpu} has {gpu.sm_count} SMs)")
+
     keys = [instruction_key(s, name) for s in range(workload.pp) for name in INSTRUCTIONS]
     for tid, record in types.items():
         for i, slot in enumerate(record.launch_slots):
             if slot >= len(record.slots):
                 fail(f"partition_types.{tid}.launch_slots[{i}]", f"slot {slot} outside the type's {len(record.slots)} slots")
         for i, point in enumerate(record.frontier):
+            check_knobs(f"partition_types.{tid}.frontier[{i}]", point.clock_mhz, point.comm_sms)
             if point.launch_slot is not None and point.launch_slot >= len(record.slots):
                 fail(f"partition_types.{tid}.frontier[{i}].launch_slot",
                      f"slot {point.launch_slot} outside the type's {len(record.slots)} slots")
@@ -237,11 +249,13 @@ def cross_check(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
             fail(f"microbatch_options.{key}", "must not be empty")
         for i, option in enumerate(options):
             where = f"microbatch_options.{key}[{i}]"
+            check_knobs(where, option.clock_mhz, None)
             if option.sequential != (option.configs is None):
                 fail(where, "configs must be null exactly when sequential is true")
             for tid, config in (option.configs or {}).items():
                 if tid not in types:
                     fail(f"{where}.configs", f"unknown partition type {tid!r}")
+                check_knobs(f"{where}.configs.{tid}", None, config.comm_sms)
                 n_slots = len(types[tid].slots)
                 if config.launch_slot is not None and config.launch_slot >= n_slots:
                     fail(f"{where}.configs.{tid}.launch_slot",
