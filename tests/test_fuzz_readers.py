@@ -9,8 +9,9 @@ nanobatched and un-split graph dumps the planner traced for stage 0 of that plan
 
 End to end, for a plan that loads: ``kareus inspect`` (text), ``--diff`` against the seed, the
 ``--html`` page, ``Plan.point_index`` for the three target kinds, and per frontier point
-``clock_schedule``, ``comm_sm_counts``, a :class:`Deployment` of every stage and the deploy-time
-fit checks. For a dump: ``kareus inspect`` (text), ``--diff``, the HTML page, the ``kareus dump``
+``clock_schedule``, ``comm_sm_counts``, a :class:`Deployment` of every stage with the schedule
+``compile`` derives per graph and microbatch, and the deploy-time fit checks (GPU, world size,
+stage; the graph-structure checks need a live graph and are not fuzzed). For a dump: ``kareus inspect`` (text), ``--diff``, the HTML page, the ``kareus dump``
 collective summary and the planner's readers (``partitioned_graphs`` / ``sequential_graphs``).
 
 One part is not run per example: rasterising the HTML's PNG images (matplotlib, about 6 s per
@@ -36,6 +37,7 @@ import time
 import warnings
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from fuzz_mutations import mutated_text
@@ -166,7 +168,12 @@ def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool)
         for stage in range(plan.workload["pp"]):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                Deployment(plan=plan, point_index=point, stage=stage, clock=None)
+                deployed = Deployment(plan=plan, point_index=point, stage=stage, clock=None)
+            for name, graph in plan.data["stages"][stage]["graphs"].items():
+                # what compile() asks per microbatch: the schedule of each of the graph's partition types
+                partitioning = SimpleNamespace(types=dict.fromkeys(graph["partition_types"]))
+                for microbatch in range(plan.workload["microbatches"]):
+                    deployed._schedules(name, deployed._option(name, microbatch), partitioning, graph["partition_types"])
             with contextlib.suppress(PlanMismatchError):  # this process is not the planned job
                 deployment._check_plan_fits(plan, KareusOptions(gpu=plan.gpu, stage=stage))
 

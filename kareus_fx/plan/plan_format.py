@@ -1,8 +1,10 @@
 """The plan file (``plan.json``): a versioned, validated, never-executed JSON artifact.
 
 ``kareus plan`` writes it; ``torch.compile(..., options={"plan": PATH})``, ``kareus inspect`` and
-``kareus bench`` read it. Loading validates every field this module relies on and raises
-:class:`PlanFormatError` naming the offending field; nothing in a plan is evaluated as code.
+``kareus bench`` read it. Loading checks the file against :mod:`plan_schema` (every field any
+reader uses: types, finite ranges, cross-references) and raises :class:`PlanFormatError` naming
+the file and the offending field; readers get only the validated fields. Nothing in a plan is
+evaluated as code.
 
 Layout (schema version 1)::
 
@@ -72,7 +74,8 @@ Target = str | Mapping[str, float]
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated plan. ``data`` is the JSON object as loaded (read it, do not mutate it)."""
+    """A validated plan. ``data`` is what :func:`validate_plan` returns: the fields the schema
+    names, optional ones filled with their defaults (read it, do not mutate it)."""
 
     data: Mapping[str, Any]
     source: str = "<memory>"
