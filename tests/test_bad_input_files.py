@@ -132,6 +132,22 @@ def test_dump_refusals_name_the_field(small_real_plan, tmp_path):
         assert rc == 2 and err.count("\n") == 1 and "regenerate the dump" in err
 
 
+def test_a_dump_with_one_graph_unpartitioned_is_planned_sequentially_not_a_crash(small_real_plan, tmp_path):
+    """Regression (found by the full suite, compile-time tuning at TP1): the validated dump fills an
+    absent ``partitions`` with null and ``partition_types_from_dump`` iterated it (TypeError)."""
+    from kareus_fx.errors import UnsupportedGraphError
+    from kareus_fx.plan.graph_workload import partitioned_graphs
+
+    (seed,) = (small_real_plan[1] / "dumps" / "stage0-nanobatched").glob("*.json")
+    data = json.loads(seed.read_text())
+    for key in ("partitions", "partition_types", "leftover"):
+        del data["graphs"][1][key]
+    path = tmp_path / "dump.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(UnsupportedGraphError, match="nanobatched backward graph has no partitions"):
+        partitioned_graphs(load_dump(path))
+
+
 def _at_the_bounds(data: dict) -> dict:
     """A valid plan whose numbers sit at the schema's limits: huge work and times, zero energies,
     the GPU's highest clock, all its SMs but one, and every microbatch on its nanobatched option."""

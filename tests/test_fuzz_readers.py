@@ -188,8 +188,9 @@ def _dump_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool)
     assert rc == 0 and err == "", err
     assert inspected_html(inspector.load_inspectable(path)).rstrip().endswith("</html>")
     collectives_by_layer_text(dump)
-    with contextlib.suppress(UnsupportedGraphError):  # no forward/backward pair, or no partitions
-        (partitioned_graphs if any(g.get("partitions") for g in dump["graphs"]) else sequential_graphs)(dump)
+    for planner_reader in (partitioned_graphs, sequential_graphs):
+        with contextlib.suppress(UnsupportedGraphError):  # no forward/backward pair, or no partitions
+            planner_reader(dump)
 
 
 def _fuzz(seeds, tmp_path: Path, monkeypatch, end_to_end, refusals) -> Counter:

@@ -86,7 +86,7 @@ def _broken(edit):
     [
         (lambda d: d.update(format="other"), "not a kareus plan"),
         (lambda d: d.update(schema_version=99), "reads version 1"),
-        (lambda d: d["workload"].pop("tp"), r"workload.tp: missing"),
+        (lambda d: d["workload"].pop("tp"), r"plan.json: workload: missing tp;"),
         (lambda d: d["workload"].update(pp=2), "expected 2 stages"),
         (lambda d: d["microbatch_options"].pop("0/backward"), r"microbatch_options: expected exactly the keys \['0/forward', '0/backward'\]"),
         (lambda d: d["iteration_frontier"][0]["choices"]["0/forward"].__setitem__(1, 5), "option 5 out of range"),

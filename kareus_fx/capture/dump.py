@@ -193,9 +193,9 @@ def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
     for graph in dump["graphs"]:
         nodes = {n["name"]: n for n in graph["nodes"]}
         exemplar = {}
-        for partition in graph.get("partitions", []):
+        for partition in graph.get("partitions") or []:
             exemplar.setdefault(partition["type"], partition)
-        for record in graph.get("partition_types", []):
+        for record in graph.get("partition_types") or []:
             partition = exemplar[record["type"]]
             slots = tuple(
                 SlotSpec(ops=tuple(

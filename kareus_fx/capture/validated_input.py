@@ -103,15 +103,23 @@ def _location(loc: tuple[Any, ...]) -> str:
             continue
         else:
             text += f".{part}" if text else str(part)
-    return text or "(top level)"
+    return text
 
 
 def error_text(err: ValidationError, source: str) -> str:
-    """``SOURCE: FIELD: what is wrong (got VALUE)`` for the first of a pydantic error's problems."""
-    first = err.errors(include_url=False)[0]
-    message = "missing (a required field)" if first["type"] == "missing" else first["msg"].removeprefix("Value error, ")
-    got = repr(first.get("input"))
-    got = got if len(got) <= 60 else got[:57] + "..."
-    shown = "" if first["type"] == "missing" else f" (got {got})"
-    more = f" and {err.error_count() - 1} more problem(s)" if err.error_count() > 1 else ""
-    return f"{source}: {_location(tuple(first['loc']))}: {message}{shown}{more}"
+    """``SOURCE: FIELD: what is wrong (got VALUE)`` for the first of a pydantic error's problems;
+    ``SOURCE: FIELD: missing a, b, c`` when that problem is missing fields (all of them named)."""
+    problems = err.errors(include_url=False)
+    first = problems[0]
+    where = _location(tuple(first["loc"][:-1] if first["type"] == "missing" else first["loc"]))
+    if first["type"] == "missing":
+        names = [str(p["loc"][-1]) for p in problems if p["type"] == "missing" and p["loc"][:-1] == first["loc"][:-1]]
+        more = len(problems) - len(names)
+        message = f"missing {', '.join(names)}"
+    else:
+        got = repr(first.get("input"))
+        got = got if len(got) <= 60 else got[:57] + "..."
+        message = f"{first['msg'].removeprefix('Value error, ')} (got {got})"
+        more = len(problems) - 1
+    more_text = f" and {more} more problem(s)" if more else ""
+    return f"{source}: {where + ': ' if where else ''}{message}{more_text}"
