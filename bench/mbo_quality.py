@@ -128,7 +128,7 @@ def traced_types(preset_name: str, gpu: str, layers: int, cache_dir: Path | None
     labels = {
         rec["type"]: f"{graph['name']} {rec['label']}"
         for graph in dump["graphs"]
-        for rec in graph.get("partition_types", [])
+        for rec in graph.get("partition_types") or []
     }
     return [LabelledType(t, labels[tid]) for tid, t in types.items()]
 

@@ -31,27 +31,52 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import StrictStr, ValidationError, create_model
+
+from kareus_fx.capture.validated_input import MAX_MAGNITUDE, SchemaModel, count, error_text, number
+from kareus_fx.errors import KareusError
 from kareus_fx.workload import Measurement, MeasurementFailedError, PartitionConfig, PartitionType, Profiler
 
 SCHEMA_VERSION = 2
 _MIGRATES_FROM = (1,)  # versions whose files gain the failures table when opened
 _SEQUENTIAL = -1
 _MAX_TRIES = 20
+_SQLITE_HEADER = b"SQLite format 3\x00"
 
-_SCHEMA = """
+KEY_COLUMNS = ("profiler", "gpu", "fingerprint", "clock_mhz", "comm_sms", "launch_slot")
+MEASUREMENT_COLUMNS: tuple[tuple[str, str, Any], ...] = (
+    ("profiler", "TEXT NOT NULL", StrictStr),
+    ("gpu", "TEXT NOT NULL", StrictStr),
+    ("fingerprint", "TEXT NOT NULL", StrictStr),
+    ("clock_mhz", "INTEGER NOT NULL", count(1, 100_000)),
+    ("comm_sms", "INTEGER NOT NULL", count(1, 100_000)),
+    ("launch_slot", "INTEGER NOT NULL", count(_SEQUENTIAL, 100_000)),
+    ("time_s", "REAL NOT NULL", number()),
+    ("energy_j", "REAL NOT NULL", number()),
+    ("dynamic_energy_j", "REAL NOT NULL", number(-MAX_MAGNITUDE)),
+    ("static_energy_j", "REAL NOT NULL", number()),
+    ("created_unix_s", "REAL NOT NULL", number()),
+)
+"""The one description of a ``measurements`` row: (column, SQL type, validated type). The table,
+the queries and :class:`MeasurementRow` (which checks every row written and read: finite
+numbers, clocks and SM counts in range) are built from it; a new column is added here."""
+MEASUREMENT_FIELDS = ("time_s", "energy_j", "dynamic_energy_j", "static_energy_j")
+"""The columns that make a :class:`~kareus_fx.workload.Measurement`, in its field order."""
+
+MeasurementRow = create_model(
+    "MeasurementRow", __base__=SchemaModel, **{name: (kind, ...) for name, _, kind in MEASUREMENT_COLUMNS})
+"""One validated ``measurements`` row."""
+
+_TABLE_COLUMNS = {
+    "measurements": tuple(name for name, _, _ in MEASUREMENT_COLUMNS),
+    "partition_types": ("fingerprint", "type_id", "structure"),
+    "failures": (*KEY_COLUMNS, "reason", "created_unix_s"),
+}
+_TABLES_OF_VERSION_1 = ("measurements", "partition_types")
+_SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS measurements (
-    profiler TEXT NOT NULL,
-    gpu TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    clock_mhz INTEGER NOT NULL,
-    comm_sms INTEGER NOT NULL,
-    launch_slot INTEGER NOT NULL,
-    time_s REAL NOT NULL,
-    energy_j REAL NOT NULL,
-    dynamic_energy_j REAL NOT NULL,
-    static_energy_j REAL NOT NULL,
-    created_unix_s REAL NOT NULL,
-    PRIMARY KEY (profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot)
+    {", ".join(f"{name} {sql}" for name, sql, _ in MEASUREMENT_COLUMNS)},
+    PRIMARY KEY ({", ".join(KEY_COLUMNS)})
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS failures (
     profiler TEXT NOT NULL,
@@ -70,6 +95,8 @@ CREATE TABLE IF NOT EXISTS partition_types (
     structure TEXT NOT NULL
 ) WITHOUT ROWID;
 """
+_SELECT_MEASUREMENT = f"SELECT {', '.join(MEASUREMENT_FIELDS)} FROM measurements"
+_WHERE_KEY = " WHERE " + " AND ".join(f"{name}=?" for name in KEY_COLUMNS)
 
 
 def structure_of(ptype: PartitionType) -> dict[str, Any]:
@@ -104,8 +131,9 @@ class FingerprintCache:
         return hit[1]
 
 
-class ProfileDBError(RuntimeError):
-    """The profile database file is not one this version can use."""
+class ProfileDBError(KareusError, RuntimeError):
+    """The profile database file is not one this version can use (corrupt, truncated, another
+    program's, another schema version) or a row in it is invalid; the file is left untouched."""
 
 
 class ProfileDB:
@@ -119,27 +147,60 @@ class ProfileDB:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        _check_header(self.path)
         self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None,
                                      check_same_thread=False)
-        self._conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
-        mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise ProfileDBError(f"{self.path}: could not switch to WAL mode (got {mode!r}); "
-                                 "is it on a network file system?")
-        self._conn.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
-        with self._lock:
-            self._write(lambda cur: self._init_schema(cur))
+        try:
+            self._conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
+            self._check_readable()  # before anything writes: a refused file is left as it was
+            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise ProfileDBError(f"{self.path}: could not switch to WAL mode (got {mode!r}); "
+                                     "is it on a network file system?")
+            self._conn.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
+            with self._lock:
+                self._write(lambda cur: self._init_schema(cur))
+        except sqlite3.DatabaseError as err:
+            self._conn.close()
+            raise ProfileDBError(f"{self.path} is not a usable profile database ({err}); it was left "
+                                 f"unchanged: move it away or use another file") from None
+        except BaseException:
+            self._conn.close()
+            raise
 
     # ----- setup --------------------------------------------------------------------------------
+    def _refuse(self, what: str) -> None:
+        raise ProfileDBError(f"{self.path}: {what}; it was left unchanged: move it away or use another file")
+
+    def _check_readable(self) -> None:
+        """Refuse a corrupt or truncated file (SQLite's quick check) and another program's
+        database, reading only."""
+        problems = [row[0] for row in self._conn.execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            self._refuse(f"the database is corrupt or truncated (SQLite: {problems[0]})")
+        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        self._check_tables(self._conn.cursor(), version)
+
+    def _check_tables(self, cur: sqlite3.Cursor, version: int) -> None:
+        tables = {row[0] for row in cur.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if version == 0 and tables:
+            self._refuse(f"not a kareus profile database (another program's tables: {', '.join(sorted(tables))})")
+        if version not in (0, SCHEMA_VERSION, *_MIGRATES_FROM):
+            self._refuse(f"schema version {version}; this kareus-fx reads version {SCHEMA_VERSION}")
+        for table, columns in _TABLE_COLUMNS.items():
+            if version == SCHEMA_VERSION or (version in _MIGRATES_FROM and table in _TABLES_OF_VERSION_1):
+                found = tuple(row[1] for row in cur.execute(f"PRAGMA table_info({table})"))
+                if found != columns:
+                    self._refuse(f"table {table} has columns {found or 'none'}, expected {columns} "
+                                 f"(not a kareus profile database of version {SCHEMA_VERSION})")
+
     def _init_schema(self, cur: sqlite3.Cursor) -> None:
         version = cur.execute("PRAGMA user_version").fetchone()[0]
-        if version not in (0, SCHEMA_VERSION, *_MIGRATES_FROM):
-            raise ProfileDBError(f"{self.path} has schema version {version}; this kareus-fx reads version "
-                                 f"{SCHEMA_VERSION}. Use a new file.")
-        for statement in _SCHEMA.split(";"):
-            if statement.strip():
-                cur.execute(statement)
-        if version != SCHEMA_VERSION:  # new, or migrated: the CREATE IF NOT EXISTS above added the table
+        self._check_tables(cur, version)  # again, in the write transaction: another process may have set it up
+        if version != SCHEMA_VERSION:  # new, or migrated: CREATE IF NOT EXISTS adds what is missing
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    cur.execute(statement)
             cur.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _write(self, work) -> Any:
@@ -172,33 +233,42 @@ class ProfileDB:
         slot = _SEQUENTIAL if config.launch_slot is None else int(config.launch_slot)
         return (profiler, gpu, fp, int(config.clock_mhz), int(config.comm_sms), slot)
 
+    def _measurement(self, key: tuple, values: tuple) -> Measurement:
+        """A row's measurement, validated (:class:`MeasurementRow`)."""
+        row = dict(zip(KEY_COLUMNS, key)) | dict(zip(MEASUREMENT_FIELDS, values)) | {"created_unix_s": 0.0}
+        try:
+            MeasurementRow.model_validate(row)
+        except ValidationError as err:
+            raise ProfileDBError(f"{error_text(err, f'{self.path}: row {key}')}; delete that row or use "
+                                 f"another file") from None
+        return Measurement(*values)
+
     def get(self, profiler: str, gpu: str, ptype_or_fp: PartitionType | str, config: PartitionConfig,
             ) -> Measurement | None:
         """The stored measurement for this key, or None."""
         fp = ptype_or_fp if isinstance(ptype_or_fp, str) else fingerprint(ptype_or_fp)
+        key = self._key(profiler, gpu, fp, config)
         with self._lock:
-            row = self._conn.execute(
-                "SELECT time_s, energy_j, dynamic_energy_j, static_energy_j FROM measurements WHERE profiler=? "
-                "AND gpu=? AND fingerprint=? AND clock_mhz=? AND comm_sms=? AND launch_slot=?",
-                self._key(profiler, gpu, fp, config)).fetchone()
-        return None if row is None else Measurement(*row)
+            row = self._conn.execute(_SELECT_MEASUREMENT + _WHERE_KEY, key).fetchone()
+        return None if row is None else self._measurement(key, row)
 
     def put(self, profiler: str, gpu: str, ptype: PartitionType, config: PartitionConfig,
             measurement: Measurement, fp: str | None = None) -> Measurement:
-        """Store a measurement (committed at once); returns the one stored for the key (first wins)."""
+        """Store a measurement (committed at once); returns the one stored for the key (first wins).
+
+        A measurement :class:`MeasurementRow` refuses (NaN, a negative time) raises
+        :class:`ProfileDBError` and stores nothing."""
         fp = fp or fingerprint(ptype)
         key = self._key(profiler, gpu, fp, config)
-        m = measurement
+        values = tuple(getattr(measurement, name) for name in MEASUREMENT_FIELDS)
+        self._measurement(key, values)
 
         def work(cur: sqlite3.Cursor) -> Measurement:
             cur.execute("INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
                         (fp, ptype.type_id, json.dumps(structure_of(ptype), separators=(",", ":"))))
-            cur.execute("INSERT OR IGNORE INTO measurements VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                        (*key, m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, time.time()))
-            row = cur.execute(
-                "SELECT time_s, energy_j, dynamic_energy_j, static_energy_j FROM measurements WHERE profiler=? "
-                "AND gpu=? AND fingerprint=? AND clock_mhz=? AND comm_sms=? AND launch_slot=?", key).fetchone()
-            return Measurement(*row)
+            cur.execute(f"INSERT OR IGNORE INTO measurements ({', '.join(_TABLE_COLUMNS['measurements'])}) "
+                        f"VALUES ({', '.join('?' * len(MEASUREMENT_COLUMNS))})", (*key, *values, time.time()))
+            return Measurement(*cur.execute(_SELECT_MEASUREMENT + _WHERE_KEY, key).fetchone())
 
         with self._lock:
             return self._write(work)
@@ -243,15 +313,15 @@ class ProfileDB:
             if value is not None:
                 where.append(f"{column}=?")
                 args.append(value)
-        sql = ("SELECT profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot, time_s, energy_j, "
-               "dynamic_energy_j, static_energy_j FROM measurements")
+        sql = f"SELECT {', '.join((*KEY_COLUMNS, *MEASUREMENT_FIELDS))} FROM measurements"
         if where:
             sql += " WHERE " + " AND ".join(where)
         with self._lock:
             rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot",
                                       args).fetchall()
+        n = len(KEY_COLUMNS)
         return [(r[0], r[1], r[2], PartitionConfig(r[3], r[4], None if r[5] == _SEQUENTIAL else r[5]),
-                 Measurement(*r[6:])) for r in rows]
+                 self._measurement(r[:n], r[n:])) for r in rows]
 
     def count(self) -> int:
         with self._lock:
@@ -266,6 +336,22 @@ class ProfileDB:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_header(path: Path) -> None:
+    """Refuse a non-empty file that does not start with SQLite's header (another kind of file, or
+    one truncated below its first page), before SQLite opens it."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(_SQLITE_HEADER))
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise ProfileDBError(f"cannot read profile database {path}: {err.strerror}") from None
+    if head and head != _SQLITE_HEADER:
+        raise ProfileDBError(f"{path} is not an SQLite profile database (it does not start with SQLite's "
+                             f"header: another kind of file, or truncated); it was left unchanged: move it "
+                             f"away or use another file")
 
 
 @dataclass

@@ -39,3 +39,19 @@ def train_microbatches(model, fn, batches):
         loss.backward()
         losses.append(loss.detach())
     return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="session")
+def small_real_plan(tmp_path_factory):
+    """(plan.json path, planner work directory) of a real plan: tiny-llama TP2 PP2, 2 layers,
+    2 microbatches of 2 x 1536 tokens, simulated GPU; planned once per session (about 12 s).
+    The work directory holds the graph dumps the planner traced (``dumps/stage*-*/``)."""
+    from kareus_fx.plan.plan_format import write_plan
+    from kareus_fx.plan.planner import PlanRequest, make_plan
+
+    root = tmp_path_factory.mktemp("small-real-plan")
+    request = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=1536, layers=2,
+                          clock_stride_mhz=120)
+    outcome = make_plan(request, root / "work", progress=False)
+    return write_plan(root / "plan.json", outcome.data), root / "work"
+

@@ -267,7 +267,7 @@ def test_corrupt_plan_file_gives_a_plan_format_error(tmp_path):
     missing_field.write_text(json.dumps({"format": "kareus-plan", "schema_version": 1}))
     torch._dynamo.reset()
     compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus", options={"plan": str(missing_field)})
-    with pytest.raises(Exception, match=r"plan: missing workload, gpu, stages"):
+    with pytest.raises(Exception, match=r"partial.json: missing workload, gpu, profiler, energy_scope, stages"):
         compiled(torch.randn(3, 4))
 
 

@@ -678,10 +678,14 @@ def test_perseus_profile_round_trip_microbatch_points():
         ("stage,instr,frequency,time,energy\n0,forward,1410,1.0,1.0\n", "header"),
         (
             "stage,instruction,frequency,time,energy\n0,sideways,1410,1.0,1.0\n",
-            "unknown instruction",
+            "instruction: Input should be 'forward' or 'backward'",
         ),
         ("stage,instruction,frequency,time,energy\n0,forward,1410,abc,1.0\n", ":2:"),
-        ("stage,instruction,frequency,time,energy\n0,forward,1410,0,1.0\n", "time must be > 0"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1410,0,1.0\n", "<stream>:2: time: Input should be greater than 0"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1410,nan,1.0\n", "time: Input should be a finite number"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1410,1.0,1e999\n", "energy: Input should be a finite number"),
+        ("stage,instruction,frequency,time,energy\n-1,forward,1410,1.0,1.0\n", "stage: Input should be greater than or equal to 0"),
+        ("stage,instruction,frequency,time,energy\n0,forward,1410,1.0,-1\n", "energy: Input should be greater than or equal to 0"),
         ("stage,instruction,frequency,time,energy\n0,forward,1410,1.0\n", "expected 5 fields"),
         (
             "stage,instruction,frequency,time,energy\n"
@@ -705,3 +709,19 @@ def test_perseus_plan_round_trip():
     assert read_perseus_plan(buffer) == plan
     with pytest.raises(CompositionError):
         read_perseus_plan(io.StringIO("__import__('os').system('true')"))
+    with pytest.raises(CompositionError, match=r"<stream>: \[0\]\[1\]: Input should be greater than 0"):
+        read_perseus_plan(io.StringIO("[[1410, -5]]"))
+    with pytest.raises(CompositionError, match="valid integer"):
+        read_perseus_plan(io.StringIO("[[1410, True]]"))
+
+
+def test_perseus_files_larger_than_any_real_one_are_refused_unread(tmp_path, monkeypatch):
+    from kareus_fx.compose import perseus_csv
+
+    path = tmp_path / "profile.csv"
+    with path.open("wb") as f:
+        f.truncate(perseus_csv.MAX_PROFILE_BYTES + 1)  # sparse: nothing written, nothing to read
+    with pytest.raises(CompositionError, match=r"profile.csv: \d+ bytes, more than any real Perseus profile CSV"):
+        read_perseus_profile(path)
+    with pytest.raises(CompositionError, match="more than any real Perseus frequency plan"):
+        read_perseus_plan(path)

@@ -198,7 +198,7 @@ def test_bad_plan_and_mixed_diff_fail_with_clear_errors(planned, tmp_path, capsy
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
     assert main(["inspect", str(bad)]) == 2
-    assert "missing stages" in capsys.readouterr().err
+    assert "bad.json: missing stages" in capsys.readouterr().err
     (dump,) = (planned[1] / "dumps" / "stage0-nanobatched").glob("*.json")
     assert main(["inspect", "--diff", str(planned[0]), str(dump)]) == 2
     assert "two plans or two dumps" in capsys.readouterr().err

@@ -29,10 +29,14 @@ def _hand_plan() -> dict:
         "workload": {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": 4,
                      "seq": 64, "layers": 2, "world_size": 2},
         "gpu": "A100-SXM4-40GB",
+        "profiler": "simulated:test",
+        "energy_scope": "one pipeline",
         "stages": [{"stage": 0, "graphs": {
             name: {"fingerprint": "f" + name, "partition_types": {"local0": "T0"}} for name in ("forward", "backward")}}],
-        "partition_types": {"T0": {"graph": "forward", "count": 2, "fingerprint": "x", "collective": {},
-                                   "slots": [{}, {}], "launch_slots": [0, 1], "frontier": []}},
+        "partition_types": {"T0": {"graph": "forward", "count": 2, "fingerprint": "x", "collective": {"kind": "all_reduce", "bytes": 4096, "group_size": 2},
+                                   "slots": [{"ops": ["aten.mm.default"], "flops": 1e6, "bytes": 1e4},
+                                             {"ops": ["aten.add.Tensor"], "flops": 1e3, "bytes": 1e4}],
+                                   "launch_slots": [0, 1], "frontier": []}},
         "microbatch_options": {
             "0/forward": [_option(1410, 1.0, 10.0, config), _option(1200, 1.2, 8.0)],
             "0/backward": [_option(1410, 2.0, 20.0, config), _option(1200, 2.4, 16.0)],
@@ -67,7 +71,7 @@ def test_corrupt_json_is_a_validation_error_naming_the_file(tmp_path):
     path.write_text(json.dumps(_hand_plan())[:-40])
     with pytest.raises(PlanFormatError, match=r"plan.json is not a kareus plan: invalid JSON at line 1"):
         load_plan(path)
-    with pytest.raises(PlanFormatError, match="cannot read plan file"):
+    with pytest.raises(PlanFormatError, match="cannot read kareus plan .*missing.json: No such file"):
         load_plan(tmp_path / "missing.json")
 
 
@@ -82,9 +86,9 @@ def _broken(edit):
     [
         (lambda d: d.update(format="other"), "not a kareus plan"),
         (lambda d: d.update(schema_version=99), "reads version 1"),
-        (lambda d: d["workload"].pop("tp"), r"workload: missing tp"),
+        (lambda d: d["workload"].pop("tp"), r"plan.json: workload: missing tp;"),
         (lambda d: d["workload"].update(pp=2), "expected 2 stages"),
-        (lambda d: d["microbatch_options"].pop("0/backward"), "missing '0/backward'"),
+        (lambda d: d["microbatch_options"].pop("0/backward"), r"microbatch_options: expected exactly the keys \['0/forward', '0/backward'\]"),
         (lambda d: d["iteration_frontier"][0]["choices"]["0/forward"].__setitem__(1, 5), "option 5 out of range"),
         (lambda d: d["iteration_frontier"][0]["choices"]["0/forward"].pop(), "expected 2 entries"),
         (lambda d: d["microbatch_options"]["0/forward"][0]["configs"].update(T9={"comm_sms": 1, "launch_slot": 0}),
@@ -116,3 +120,12 @@ def test_metrics_follow_the_paper_definitions():
     slow = frontier_metrics([(20.0, 200.0)], megatron, mp)
     assert slow["iso_time_energy_reduction"] is None and slow["iso_energy_time_reduction"] is None
     assert least_energy_within(method, 9.5) == 90.0 and least_time_within(method, 60.0) is None
+
+
+def test_a_400_digit_integer_is_refused_not_a_crash():
+    """Regression (found fuzzing, tests/test_fuzz_readers.py): the number check called
+    math.isfinite on an int of 400 digits, which raises OverflowError."""
+    data = _hand_plan()
+    data["microbatch_options"]["0/forward"][0]["time_s"] = 10**400
+    with pytest.raises(PlanFormatError, match=r"microbatch_options.0/forward\[0\].time_s: expected a number >= 0 and <= 1e\+30"):
+        validate_plan(data, "plan.json")

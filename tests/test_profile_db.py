@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kareus_fx.cost_models.analytic_workloads import kareus_attention_tp2, llama_attention_partition
-from kareus_fx.cost_models.profile_db import CachedProfiler, ProfileDB, fingerprint
+from kareus_fx.cost_models.profile_db import CachedProfiler, ProfileDB, ProfileDBError, fingerprint
 from kareus_fx.workload import Measurement, PartitionConfig, PartitionType
 
 
@@ -182,3 +182,92 @@ def test_rejects_other_schema_version(tmp_path: Path):
 
     with pytest.raises(ProfileDBError, match="schema version 99"):
         ProfileDB(path)
+
+
+# ----- files that are not a usable profile database: refused, left exactly as they were ---------
+def _filled_db(path: Path, rows: int = 300) -> list:
+    pt = kareus_attention_tp2()
+    with ProfileDB(path) as db:
+        for k in range(rows):
+            db.put("sim", "A100", pt, PartitionConfig(600 + k, 1 + k % 40, k % 5), _m(1.0 + k))
+        stored = db.measurements()
+    return stored
+
+
+def _refused_unchanged(path: Path, match: str) -> None:
+    before = path.read_bytes()
+    with pytest.raises(ProfileDBError, match=match):
+        ProfileDB(path)
+    assert path.read_bytes() == before
+    assert not Path(f"{path}-wal").exists() or Path(f"{path}-wal").stat().st_size == 0
+
+
+def test_truncated_database_is_refused_and_left_unchanged(tmp_path):
+    path = tmp_path / "p.sqlite"
+    _filled_db(path)
+    data = path.read_bytes()
+    assert len(data) > 3 * 4096
+    path.write_bytes(data[: len(data) // 2])
+    _refused_unchanged(path, r"p.sqlite: .*corrupt or truncated|p.sqlite is not a usable profile database")
+    path.write_bytes(data[:50])  # shorter than SQLite's header page
+    _refused_unchanged(path, "p.sqlite is not a usable profile database \\(database disk image is malformed\\)")
+    path.write_bytes(data[:10])  # not even SQLite's header
+    _refused_unchanged(path, "not an SQLite profile database")
+
+
+def test_corrupt_database_is_refused_and_left_unchanged(tmp_path):
+    path = tmp_path / "p.sqlite"
+    _filled_db(path)
+    data = bytearray(path.read_bytes())
+    data[2 * 4096: 2 * 4096 + 200] = bytes(range(200))  # garbage over a b-tree page's header
+    path.write_bytes(bytes(data))
+    _refused_unchanged(path, r"corrupt or truncated|not a usable profile database")
+
+
+def test_foreign_files_are_refused_and_left_unchanged(tmp_path):
+    import sqlite3
+
+    text = tmp_path / "notes.sqlite"
+    text.write_text("stage,instruction\n0,forward\n")
+    _refused_unchanged(text, "not an SQLite profile database")
+    other = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT)")
+    conn.execute("INSERT INTO customers VALUES (1, 'a')")
+    conn.commit()
+    conn.close()
+    _refused_unchanged(other, r"not a kareus profile database \(another program's tables: customers\)")
+    conn = sqlite3.connect(other)
+    conn.execute("PRAGMA user_version = 1")  # right version number, wrong tables
+    conn.commit()
+    conn.close()
+    _refused_unchanged(other, "table measurements has columns none")
+    conn = sqlite3.connect(other)
+    assert conn.execute("SELECT * FROM customers").fetchall() == [(1, "a")]
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not switched to WAL
+    conn.close()
+
+
+def test_a_valid_database_keeps_every_row_on_reopening(tmp_path):
+    path = tmp_path / "p.sqlite"
+    stored = _filled_db(path)
+    with ProfileDB(path) as db:
+        assert db.measurements() == stored and db.count() == 300
+
+
+def test_invalid_rows_are_refused_on_write_and_on_read(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "p.sqlite"
+    pt = kareus_attention_tp2()
+    with ProfileDB(path) as db:
+        with pytest.raises(ProfileDBError, match=r"row \('sim', 'A100', .*time_s: expected a finite number"):
+            db.put("sim", "A100", pt, PartitionConfig(1410, 8, 0), Measurement(float("nan"), 1.0, 0.5, 0.5))
+        assert db.count() == 0
+        db.put("sim", "A100", pt, PartitionConfig(1410, 8, 0), _m(1.0))
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE measurements SET time_s = -1.0")  # another tool wrote a bad value
+    conn.commit()
+    conn.close()
+    with ProfileDB(path) as db, pytest.raises(ProfileDBError, match=r"time_s: expected a number >= 0"):
+        db.measurements()

@@ -32,14 +32,21 @@ from pathlib import Path
 from typing import Any
 
 import torch.fx
+from pydantic import ValidationError
 
 from kareus_fx import __version__
+from kareus_fx.capture.dump_schema import DumpFile, cross_check
+from kareus_fx.capture.validated_input import error_text, parse_json, read_bounded_text
+from kareus_fx.errors import KareusError
 from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path, tensor_meta
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionType, SlotSpec
 
 SCHEMA_VERSION = 1
 GRAPH_NAMES = ("forward", "backward")
+MAX_DUMP_BYTES = 512 * 2**20
+"""A dump of an 80-layer graph is tens of MB; a file beyond this is refused before it is read."""
+_FIX = "regenerate the dump with this kareus-fx (options dump_dir, or `kareus dump`)"
 
 
 def node_record(node: torch.fx.Node) -> dict[str, Any]:
@@ -140,20 +147,40 @@ class GraphDumpFile:
         os.replace(tmp, self.path)
 
 
+class DumpFormatError(KareusError, ValueError):
+    """A graph dump file that is not valid: names the file, the field and what was expected."""
+
+
 def load_dump(path: str | Path) -> dict[str, Any]:
-    """Read a dump, checking its schema version; raise ValueError naming the problem."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not a kareus graph dump: invalid JSON ({err})") from None
+    """Read and validate a dump (:mod:`dump_schema`); any problem raises :class:`DumpFormatError`.
+
+    Refused before parsing: a file larger than :data:`MAX_DUMP_BYTES`, or not UTF-8 text. The
+    result holds only the fields the schema names."""
+    source = str(path)
+    text = read_bounded_text(path, MAX_DUMP_BYTES, DumpFormatError, "kareus graph dump")
+    return validate_dump(parse_json(text, source, DumpFormatError, "kareus graph dump", _FIX), source)
+
+
+def validate_dump(data: Any, source: str = "<dump>") -> dict[str, Any]:
+    """The dump ``data`` as validated (every field a reader uses, nothing else), or
+    :class:`DumpFormatError` naming the source, the field and the fix."""
     if not isinstance(data, dict) or "graphs" not in data:
-        raise ValueError(f"{path} is not a kareus graph dump: no 'graphs' key")
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise ValueError(
-            f"{path} has dump schema_version {data.get('schema_version')!r}; this kareus-fx reads "
-            f"version {SCHEMA_VERSION}: regenerate the dump with this version"
+        raise DumpFormatError(f"{source} is not a kareus graph dump: no 'graphs' key; {_FIX}")
+    if data.get("schema_version") != SCHEMA_VERSION or isinstance(data.get("schema_version"), bool):
+        raise DumpFormatError(
+            f"{source} has dump schema_version {data.get('schema_version')!r}; this kareus-fx reads "
+            f"version {SCHEMA_VERSION}: {_FIX}"
         )
-    return data
+    try:
+        dump = DumpFile.model_validate(data)
+    except ValidationError as err:
+        raise DumpFormatError(f"{error_text(err, source)}; {_FIX}") from None
+
+    def fail(where: str, what: str) -> None:
+        raise DumpFormatError(f"{source}: {where}: {what}; {_FIX}")
+
+    cross_check(dump, fail)
+    return dump.model_dump()
 
 
 def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
@@ -166,9 +193,9 @@ def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
     for graph in dump["graphs"]:
         nodes = {n["name"]: n for n in graph["nodes"]}
         exemplar = {}
-        for partition in graph.get("partitions", []):
+        for partition in graph.get("partitions") or []:
             exemplar.setdefault(partition["type"], partition)
-        for record in graph.get("partition_types", []):
+        for record in graph.get("partition_types") or []:
             partition = exemplar[record["type"]]
             slots = tuple(
                 SlotSpec(ops=tuple(

@@ -20,10 +20,14 @@ from __future__ import annotations
 
 import ast
 import csv
-import math
+import io
 import os
 from collections.abc import Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
+
+from kareus_fx.capture.validated_input import MAX_MAGNITUDE, error_text, read_bounded_text
 
 from kareus_fx.compose.iteration import InstructionOption, IterationFrontier, IterationPoint
 from kareus_fx.compose.pipeline import (
@@ -35,7 +39,9 @@ from kareus_fx.compose.pipeline import (
 )
 
 __all__ = [
+    "MAX_PROFILE_BYTES",
     "PROFILE_COLUMNS",
+    "PerseusProfileRow",
     "plan_frequencies",
     "read_perseus_plan",
     "read_perseus_profile",
@@ -44,6 +50,9 @@ __all__ = [
 ]
 
 PROFILE_COLUMNS = ("stage", "instruction", "frequency", "time", "energy")
+MAX_PROFILE_BYTES = 64 * 2**20
+"""A profile has a row per (stage, instruction, clock): a few thousand rows, well under 1 MB."""
+_FREQUENCY_PLAN = TypeAdapter(list[list[Annotated[StrictInt, Field(gt=0, le=100_000)]]])
 
 Profile = dict[tuple[int, Instruction], list[InstructionOption]]
 PathOrFile = str | os.PathLike | IO[str]
@@ -66,58 +75,62 @@ class _NoClose:
         return None
 
 
+class PerseusProfileRow(BaseModel):
+    """One row of a Perseus profile CSV, from its text cells: a stage >= 0, a known instruction,
+    a clock in MHz, a finite time > 0 s and a finite energy >= 0 J."""
+
+    model_config = ConfigDict(frozen=True, str_strip_whitespace=True)
+
+    stage: Annotated[int, Field(ge=0, le=1_000_000)]
+    instruction: Instruction
+    frequency: Annotated[int, Field(gt=0, le=100_000)]
+    time: Annotated[float, Field(gt=0, le=MAX_MAGNITUDE, allow_inf_nan=False)]
+    energy: Annotated[float, Field(ge=0, le=MAX_MAGNITUDE, allow_inf_nan=False)]
+
+
 def read_perseus_profile(source: PathOrFile) -> Profile:
     """Read a Perseus profile CSV into ``{(stage, instruction): [InstructionOption, ...]}``.
 
-    Options keep the file's row order; ``knob`` is the clock in MHz.
+    Options keep the file's row order; ``knob`` is the clock in MHz. Each row is validated by
+    :class:`PerseusProfileRow`; a file larger than :data:`MAX_PROFILE_BYTES` is refused unread.
 
     Raises:
-        CompositionError: wrong header, a malformed or non-finite value, a negative stage, an
-            unknown instruction, a time <= 0, a negative energy, a repeated
-            (stage, instruction, frequency), or no rows.
+        CompositionError: naming the file, line and column: wrong header, a malformed or
+            non-finite value, a negative stage, an unknown instruction, a time <= 0, a negative
+            energy, a repeated (stage, instruction, frequency), or no rows.
     """
     name = str(source) if isinstance(source, (str, os.PathLike)) else "<stream>"
+    if isinstance(source, (str, os.PathLike)):
+        text = read_bounded_text(source, MAX_PROFILE_BYTES, CompositionError, "Perseus profile CSV")
+    else:
+        text = source.read(MAX_PROFILE_BYTES + 1)
+        if len(text) > MAX_PROFILE_BYTES:
+            raise CompositionError(f"{name}: more than {MAX_PROFILE_BYTES} characters; not a Perseus profile CSV")
     profile: Profile = {}
     seen: set[tuple[int, str, int]] = set()
-    with _open(source, "r") as f:
-        reader = csv.reader(f)
+    reader = csv.reader(io.StringIO(text))
+    try:
         header = next(reader, None)
         if header is None or tuple(h.strip() for h in header) != PROFILE_COLUMNS:
-            raise CompositionError(
-                f"{name}: expected the header {','.join(PROFILE_COLUMNS)}, got {header!r}"
-            )
-        for line, row in enumerate(reader, start=2):
-            if not row or all(not cell.strip() for cell in row):
+            raise CompositionError(f"{name}: expected the header {','.join(PROFILE_COLUMNS)}, got {header!r}")
+        for line, cells in enumerate(reader, start=2):
+            if not cells or all(not cell.strip() for cell in cells):
                 continue
-            if len(row) != len(PROFILE_COLUMNS):
-                raise CompositionError(f"{name}:{line}: expected 5 fields, got {len(row)}")
+            if len(cells) != len(PROFILE_COLUMNS):
+                raise CompositionError(f"{name}:{line}: expected 5 fields, got {len(cells)}")
             try:
-                stage = int(row[0])
-                frequency = int(row[2])
-                time_s = float(row[3])
-                energy_j = float(row[4])
-            except ValueError as e:
-                raise CompositionError(f"{name}:{line}: {e}") from None
-            instruction = row[1].strip()
-            if stage < 0:
-                raise CompositionError(f"{name}:{line}: negative stage {stage}")
-            if instruction not in INSTRUCTIONS:
-                raise CompositionError(
-                    f"{name}:{line}: unknown instruction {instruction!r}; use one of {INSTRUCTIONS}"
-                )
-            if not (math.isfinite(time_s) and time_s > 0):
-                raise CompositionError(f"{name}:{line}: time must be > 0 seconds, got {row[3]}")
-            if not (math.isfinite(energy_j) and energy_j >= 0):
-                raise CompositionError(f"{name}:{line}: energy must be >= 0 joules, got {row[4]}")
-            if (stage, instruction, frequency) in seen:
-                raise CompositionError(
-                    f"{name}:{line}: repeated row for stage {stage} {instruction} "
-                    f"at {frequency} MHz"
-                )
-            seen.add((stage, instruction, frequency))
-            profile.setdefault((stage, instruction), []).append(  # type: ignore[arg-type]
-                InstructionOption(time_s=time_s, energy_j=energy_j, knob=frequency)
-            )
+                row = PerseusProfileRow.model_validate(dict(zip(PROFILE_COLUMNS, cells)))
+            except ValidationError as err:
+                raise CompositionError(error_text(err, f"{name}:{line}")) from None
+            key = (row.stage, row.instruction, row.frequency)
+            if key in seen:
+                raise CompositionError(f"{name}:{line}: repeated row for stage {row.stage} {row.instruction} "
+                                       f"at {row.frequency} MHz")
+            seen.add(key)
+            profile.setdefault((row.stage, row.instruction), []).append(
+                InstructionOption(time_s=row.time, energy_j=row.energy, knob=row.frequency))
+    except csv.Error as err:
+        raise CompositionError(f"{name}: not a CSV file: {err}") from None
     if not profile:
         raise CompositionError(f"{name}: no rows")
     return profile
@@ -189,20 +202,26 @@ def write_perseus_plan(target: PathOrFile, frequencies: Sequence[Sequence[int]])
 def read_perseus_plan(source: PathOrFile) -> list[list[int]]:
     """Read a Perseus frequency plan list literal (``ast.literal_eval``; never ``eval``).
 
-    Lines starting with ``#`` (the planner's trailing comments) are ignored.
+    Lines starting with ``#`` (the planner's trailing comments) are ignored. The value must be a
+    list of lists of clocks (integers in MHz); a file larger than :data:`MAX_PROFILE_BYTES` is
+    refused unread.
     """
-    with _open(source, "r") as f:
-        text = f.read()
+    if isinstance(source, (str, os.PathLike)):
+        text = read_bounded_text(source, MAX_PROFILE_BYTES, CompositionError, "Perseus frequency plan")
+    else:
+        text = source.read(MAX_PROFILE_BYTES + 1)
+    if len(text) > MAX_PROFILE_BYTES:
+        raise CompositionError(f"more than {MAX_PROFILE_BYTES} characters: not a Perseus frequency plan")
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     try:
         value = ast.literal_eval(body)
-    except (ValueError, SyntaxError) as e:
+    except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
         raise CompositionError(
             f"not a Perseus frequency plan (a list of lists of ints): {e}"
         ) from None
-    if not (
-        isinstance(value, list)
-        and all(isinstance(s, list) and all(isinstance(x, int) for x in s) for s in value)
-    ):
-        raise CompositionError("not a Perseus frequency plan (a list of lists of ints)")
-    return value
+    try:
+        return _FREQUENCY_PLAN.validate_python(value)
+    except ValidationError as err:
+        name = str(source) if isinstance(source, (str, os.PathLike)) else "<stream>"
+        raise CompositionError(f"{error_text(err, name)}: not a Perseus frequency plan (a list of lists of "
+                               f"clocks in MHz)") from None

@@ -1,14 +1,14 @@
 """``kareus inspect``: read a graph dump or a plan without the model code and show what it holds.
 
-A file is a plan when its JSON has ``"format": "kareus-plan"`` (``plan_format``); otherwise it
-must be a graph dump (``dump``). Both render as text (rich) or as one self-contained HTML page.
+A file is a plan when its JSON has a ``"format"`` key (``plan_format`` checks it is ``"kareus-plan"``);
+otherwise it must be a graph dump (``dump``). Both render as text (rich) or as one self-contained HTML page.
 """
 
 from __future__ import annotations
 
 import html
 import io
-import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,15 +16,20 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kareus_fx.capture.dump import load_dump
+from kareus_fx.capture.dump import MAX_DUMP_BYTES, DumpFormatError, validate_dump
+from kareus_fx.capture.validated_input import parse_json, read_bounded_text
 from kareus_fx.errors import KareusError
-from kareus_fx.plan.plan_format import PLAN_FORMAT, Plan, load_plan
+from kareus_fx.plan.plan_format import MAX_PLAN_BYTES, Plan, PlanFormatError, validate_plan
 from kareus_fx.report.dump_summary import short_ops_text, summary_table
 from kareus_fx.report.plan_summary import plan_report_html, print_plan
 
 
 class InspectError(KareusError, ValueError):
     """A file ``kareus inspect`` cannot read."""
+
+
+_FORMAT_KEY = re.compile(r'"format"\s*:')
+"""A plan's text shows its ``format`` key, even cut short; a dump has no such key."""
 
 
 def partition_types_table(graph: dict[str, Any]) -> Table | None:
@@ -81,20 +86,17 @@ class Inspected:
 def load_inspectable(path: str | Path) -> Inspected:
     """Read a plan (its ``format`` is ``"kareus-plan"``) or a graph dump, validated.
 
-    Raises a :class:`~kareus_fx.errors.KareusError` naming the problem."""
+    A file whose text has a ``"format"`` key is read as a plan (even when cut short), any other
+    as a dump. Raises :class:`~kareus_fx.plan.plan_format.PlanFormatError` or
+    :class:`~kareus_fx.capture.dump.DumpFormatError` naming the problem, :class:`InspectError`
+    when the file cannot be read or is larger than any plan or dump."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except OSError as err:
-        raise InspectError(f"cannot read {path}: {err.strerror}; check the path") from None
-    except json.JSONDecodeError:
-        data = None  # load_dump words the error
-    if isinstance(data, dict) and data.get("format") == PLAN_FORMAT:
-        return Inspected(path, plan=load_plan(path))
-    try:
-        return Inspected(path, dump=load_dump(path))
-    except ValueError as err:
-        raise InspectError(str(err)) from None
+    text = read_bounded_text(path, max(MAX_PLAN_BYTES, MAX_DUMP_BYTES), InspectError, "kareus plan or graph dump")
+    if _FORMAT_KEY.search(text):
+        data = parse_json(text, str(path), PlanFormatError, "kareus plan", "regenerate the plan with `kareus plan`")
+        return Inspected(path, plan=Plan(data=validate_plan(data, str(path)), source=str(path)))
+    data = parse_json(text, str(path), DumpFormatError, "kareus graph dump", "regenerate the dump")
+    return Inspected(path, dump=validate_dump(data, str(path)))
 
 
 def print_inspected(item: Inspected, console: Console) -> None:

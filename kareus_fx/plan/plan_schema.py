@@ -1,0 +1,278 @@
+"""The schema of ``plan.json`` (version 1): every field any reader of a plan touches.
+
+Two layers: pydantic models for the shape and range of every field (:class:`PlanFile`), then
+:func:`cross_check` for what relates fields to each other (a frontier point's option index
+within its option list, a config's partition type among the plan's types, a launch slot
+within its type's slots, one stage record per pipeline stage). :mod:`plan_format` runs both and
+hands readers only the validated data (unknown keys are dropped). A reader that needs a new
+field adds it here first.
+
+Bounds are "far beyond any real plan" (counts below 2**53, numbers of at most 1e30): they keep
+arithmetic finite, not workloads small. Clocks and SM counts are held to the plan's GPU (its
+clock range, fewer SMs than it has), which is what the simulator and the runtime accept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import StrictBool, StrictStr, field_validator
+
+from kareus_fx.capture.validated_input import MAX_MAGNITUDE, SchemaModel, count, number
+from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
+from kareus_fx.errors import UnknownGPUError
+from kareus_fx.workload import CollectiveKind, GraphName
+
+__all__ = ["INSTRUCTIONS", "PlanFile", "cross_check", "instruction_key"]
+
+INSTRUCTIONS: tuple[GraphName, ...] = ("forward", "backward")
+Clock = count(1, 100_000)
+"""MHz."""
+SMs = count(1, 100_000)
+Slot = count(0, 100_000)
+Seconds = number()
+Joules = number()
+Bound = Literal["compute", "memory"]
+
+
+def instruction_key(stage: int, instruction: str) -> str:
+    """The key of one (stage, instruction) in ``microbatch_options`` and ``choices``."""
+    return f"{stage}/{instruction}"
+
+
+class Workload(SchemaModel):
+    model: StrictStr
+    tp: count(1)
+    cp: count(1)
+    pp: count(1, 100_000)
+    microbatches: count(1, 1_000_000)
+    mbs: count(1)
+    seq: count(1)
+    layers: count(1) | None
+    """None: a plan of a live graph (no reference model, layer count unknown)."""
+    world_size: count(1)
+    preset: StrictStr | None = None
+    dtype: StrictStr | None = None
+
+
+class StageGraph(SchemaModel):
+    fingerprint: StrictStr
+    sequential_fingerprint: StrictStr | None = None
+    partition_types: dict[StrictStr, StrictStr]
+    """The graph's local partition type id -> the plan's type id."""
+
+
+class StageGraphs(SchemaModel):
+    forward: StageGraph
+    backward: StageGraph
+
+
+class Stage(SchemaModel):
+    stage: count(0)
+    graphs: StageGraphs
+
+
+class TypeCollective(SchemaModel):
+    kind: CollectiveKind
+    bytes: number()
+    group_size: count(1, 1_000_000)
+    fused: count(1, 1_000_000) = 1
+
+
+class TypeSlot(SchemaModel):
+    ops: list[StrictStr]
+    flops: number()
+    bytes: number()
+    bound: Bound | None = None
+
+
+class TypePoint(SchemaModel):
+    """A point of a partition type's tuned frontier."""
+
+    clock_mhz: Clock
+    comm_sms: SMs
+    launch_slot: Slot | None
+    time_s: number(low_inclusive=False)
+    energy_j: Joules
+    dynamic_energy_j: Joules | None = None
+    static_energy_j: Joules | None = None
+    found_by: StrictStr | None = None
+
+
+class Tuning(SchemaModel):
+    space_size: count(0)
+    measured: count(0)
+    fraction_measured: number(0.0, 1.0)
+    stop_reason: StrictStr
+    batches: count(0) | None = None
+    frontier_sources: dict[StrictStr, number()] | None = None
+
+
+class PartitionTypeRecord(SchemaModel):
+    graph: GraphName
+    count: count(1, 1_000_000)
+    fingerprint: StrictStr
+    collective: TypeCollective
+    slots: list[TypeSlot]
+    launch_slots: list[Slot]
+    frontier: list[TypePoint]
+    tuning: Tuning | None = None
+
+    @field_validator("slots")
+    @classmethod
+    def _some_slots(cls, slots: list[TypeSlot]) -> list[TypeSlot]:
+        if not slots:
+            raise ValueError("a partition type has at least one slot")
+        return slots
+
+
+class TypeConfig(SchemaModel):
+    comm_sms: SMs
+    launch_slot: Slot | None
+    """None: that type runs sequentially."""
+
+
+class MicrobatchOption(SchemaModel):
+    clock_mhz: Clock
+    sequential: StrictBool
+    configs: dict[StrictStr, TypeConfig] | None
+    """None exactly when ``sequential``: the whole microbatch runs un-split."""
+    time_s: Seconds
+    energy_j: Joules
+    dynamic_energy_j: Joules | None = None
+    static_energy_j: Joules | None = None
+
+
+class IterationPoint(SchemaModel):
+    time_s: Seconds
+    energy_j: Joules
+    choices: dict[StrictStr, list[count(0)]]
+    """``"<stage>/<instruction>"`` -> the option index each microbatch runs."""
+
+
+class Method(SchemaModel):
+    frontier: list[list[number()]]
+    """``[time_s, energy_j]`` points."""
+    metrics: dict[StrictStr, number(-MAX_MAGNITUDE) | None]
+    """Metric name -> a relative reduction (a fraction; negative: worse), None when undefined."""
+
+    @field_validator("frontier")
+    @classmethod
+    def _pairs(cls, frontier: list[list[float]]) -> list[list[float]]:
+        if not frontier:
+            raise ValueError("a method's frontier has at least one point")
+        for point in frontier:
+            if len(point) != 2:
+                raise ValueError(f"expected [time_s, energy_j] pairs, got {len(point)} numbers")
+        return frontier
+
+
+class PlanFile(SchemaModel):
+    """A schema-1 plan. ``format`` and ``schema_version`` are checked before this model runs."""
+
+    format: Literal["kareus-plan"]
+    schema_version: Literal[1]
+    kareus_fx_version: StrictStr | None = None
+    created_utc: StrictStr | None = None
+    workload: Workload
+    gpu: StrictStr
+    profiler: StrictStr
+    simulated: StrictBool = False
+    measurement: StrictStr | None = None
+    energy_scope: StrictStr
+    baselines: list[StrictStr] | None = None
+    stages: list[Stage]
+    partition_types: dict[StrictStr, PartitionTypeRecord]
+    microbatch_options: dict[StrictStr, list[MicrobatchOption]]
+    iteration_frontier: list[IterationPoint]
+    methods: dict[StrictStr, Method]
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, gpu: str) -> str:
+        try:
+            canonical = canonical_gpu_name(gpu)
+        except UnknownGPUError as err:
+            raise ValueError(str(err)) from None
+        if canonical != gpu:
+            raise ValueError(f"expected the canonical GPU name {canonical!r}")
+        return gpu
+
+    @field_validator("iteration_frontier")
+    @classmethod
+    def _some_points(cls, points: list[IterationPoint]) -> list[IterationPoint]:
+        if not points:
+            raise ValueError("the iteration frontier has at least one point")
+        return points
+
+
+def cross_check(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
+    """Call ``fail(field, what is wrong)`` (which raises) unless the plan's parts agree."""
+    workload, types = plan.workload, plan.partition_types
+    gpu = gpu_spec(plan.gpu)
+
+    def check_knobs(where: str, clock_mhz: int | None, comm_sms: int | None) -> None:
+        """A clock and an SM count the plan's GPU has (what the simulator and the runtime accept)."""
+        if clock_mhz is not None and not gpu.clock_min_mhz <= clock_mhz <= gpu.clock_max_mhz:
+            fail(f"{where}.clock_mhz", f"{clock_mhz} MHz outside the {plan.gpu}'s clock range "
+                                       f"{gpu.clock_min_mhz}-{gpu.clock_max_mhz} MHz")
+        if comm_sms is not None and not 1 <= comm_sms < gpu.sm_count:
+            fail(f"{where}.comm_sms", f"{comm_sms} outside 1-{gpu.sm_count - 1} (the {plan.gpu} has {gpu.sm_count} SMs)")
+
+    keys = [instruction_key(s, name) for s in range(workload.pp) for name in INSTRUCTIONS]
+    for tid, record in types.items():
+        for i, slot in enumerate(record.launch_slots):
+            if slot >= len(record.slots):
+                fail(f"partition_types.{tid}.launch_slots[{i}]", f"slot {slot} outside the type's {len(record.slots)} slots")
+        for i, point in enumerate(record.frontier):
+            check_knobs(f"partition_types.{tid}.frontier[{i}]", point.clock_mhz, point.comm_sms)
+            if point.launch_slot is not None and point.launch_slot >= len(record.slots):
+                fail(f"partition_types.{tid}.frontier[{i}].launch_slot",
+                     f"slot {point.launch_slot} outside the type's {len(record.slots)} slots")
+
+    if len(plan.stages) != workload.pp:
+        fail("stages", f"expected {workload.pp} stages (workload.pp), got {len(plan.stages)}")
+    for s, stage in enumerate(plan.stages):
+        if stage.stage != s:
+            fail(f"stages[{s}].stage", f"expected {s} (stages in order), got {stage.stage}")
+        for name in INSTRUCTIONS:
+            for local, tid in getattr(stage.graphs, name).partition_types.items():
+                if tid not in types:
+                    fail(f"stages[{s}].graphs.{name}.partition_types.{local}", f"unknown partition type {tid!r}")
+
+    if sorted(plan.microbatch_options) != sorted(keys):
+        fail("microbatch_options", f"expected exactly the keys {keys} (one per stage and instruction), "
+                                   f"got {sorted(plan.microbatch_options)}")
+    for key, options in plan.microbatch_options.items():
+        if not options:
+            fail(f"microbatch_options.{key}", "must not be empty")
+        for i, option in enumerate(options):
+            where = f"microbatch_options.{key}[{i}]"
+            check_knobs(where, option.clock_mhz, None)
+            if option.sequential != (option.configs is None):
+                fail(where, "configs must be null exactly when sequential is true")
+            for tid, config in (option.configs or {}).items():
+                if tid not in types:
+                    fail(f"{where}.configs", f"unknown partition type {tid!r}")
+                check_knobs(f"{where}.configs.{tid}", None, config.comm_sms)
+                n_slots = len(types[tid].slots)
+                if config.launch_slot is not None and config.launch_slot >= n_slots:
+                    fail(f"{where}.configs.{tid}.launch_slot",
+                         f"slot {config.launch_slot} outside type {tid}'s {n_slots} slots")
+            stage, instruction = key.split("/")
+            graph_types = set(getattr(plan.stages[int(stage)].graphs, instruction).partition_types.values())
+            if option.configs is not None and set(option.configs) != graph_types:
+                fail(f"{where}.configs", f"expected one config per partition type of the {key} graph "
+                                         f"{sorted(graph_types)}, got {sorted(option.configs)}")
+
+    for p, point in enumerate(plan.iteration_frontier):
+        where = f"iteration_frontier[{p}].choices"
+        if sorted(point.choices) != sorted(keys):
+            fail(where, f"expected exactly the keys {keys}, got {sorted(point.choices)}")
+        for key, indices in point.choices.items():
+            if len(indices) != workload.microbatches:
+                fail(f"{where}.{key}", f"expected {workload.microbatches} entries (one per microbatch), got {len(indices)}")
+            for m, index in enumerate(indices):
+                if index >= len(plan.microbatch_options[key]):
+                    fail(f"{where}.{key}[{m}]", f"option {index} out of range ({len(plan.microbatch_options[key])} options)")
