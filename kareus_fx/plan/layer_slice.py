@@ -3,9 +3,9 @@
 Tracing every layer of a stage costs about a second per layer and graph (Dynamo, aot_autograd,
 the backend's passes); the decoder layers are identical, so the planner traces each stage, in its
 role (embedding on the first stage, LM head and loss on the last), with ``k`` and ``k + 1`` layers
-(``SLICE_LAYERS``). Nanobatched: 3 layers (first, one middle, last) and 4; the partition pass's
-rules that count partitions (trimming one-off partitions, dissolving edge types) need a middle
-layer to decide as they do at full size. Un-split: 1 and 2.
+(``SLICE_LAYERS``): 2 layers (first and last), then 3 (first, one middle, last). The partition
+pass's edge rule counts partitions (``passes/partitions.py``, step 6), so it is applied again at
+the full-size counts (below).
 
 What one more layer adds is measured node by node: per node key, the longer trace's count minus
 the shorter's, never negative (else :class:`SliceNotRepresentativeError`; the planner then warns
@@ -24,9 +24,12 @@ whether they are leftover work), not by name, inputs or module path, which numbe
 Only computation and collective nodes are kept (placeholders hold every layer's parameters, waits
 and outputs are free). The result is a summary dump for
 :func:`~kareus_fx.plan.graph_workload.partitioned_graphs` and ``sequential_graphs``, not a
-replayable one: the copies (named ``<node>~<copy>``) follow the added layer's last node, in the
-added layer's order, which is the graph order of the forward but not of aot_autograd's backward
-(the simulated profiler's cost of work outside partitions does not depend on order); ``partitions``
+replayable one. When the longer trace is the shorter one with one contiguous block inserted that
+repeats the block before it (the un-split graphs and the nanobatched forward), the copies
+(named ``<node>~<copy>``) go there and the order is a full trace's, so sums of costs are too, to
+the last bit (the iteration solver is sensitive to that). Otherwise (aot_autograd's nanobatched
+backward interleaves layers) they follow the added layer's last node, in its order; the simulated
+profiler's cost of work outside partitions does not depend on order beyond rounding. ``partitions``
 holds the longer trace's partitions (one exemplar per type is all those readers use).
 
 Assumption: every middle decoder layer of the model has the same structure (no per-layer
@@ -41,12 +44,12 @@ from typing import Any
 
 from kareus_fx.errors import UnsupportedGraphError
 
-__all__ = ["SLICE_LAYERS", "SliceNotRepresentativeError", "added_layer", "extend_dump", "slice_pays"]
+__all__ = ["SLICE_LAYERS", "SliceNotRepresentativeError", "added_layer", "extend_dump", "inserted_block", "slice_pays"]
 
-SLICE_LAYERS = {"nanobatched": (2, 3), "sequential": (1, 2)}
-"""Layer counts of the two slice traces per split. Nanobatched: first, one middle and last layer,
-then one middle more (the partition pass's count rules, see ``passes/partitions.py``, need a
-middle layer); un-split: one layer, then two."""
+SLICE_LAYERS = {"nanobatched": (2, 3), "sequential": (2, 3)}
+"""Layer counts of the two slice traces per split: first + last, then first + one middle + last.
+(Un-split 1 and 2 layers give the same op multiset but not the full trace's backward order, whose
+float sums then differ in the last bit.)"""
 
 _PRICED_KINDS = ("compute", "collective")
 _NODE_FIELDS = ("op", "kind", "shape", "dtype", "flops", "bytes", "bound", "nanobatch")
@@ -59,6 +62,19 @@ def slice_pays(num_layers: int) -> bool:
 
 class SliceNotRepresentativeError(UnsupportedGraphError):
     """Two slice traces of a stage that do not differ by one repeated block of nodes."""
+
+
+def inserted_block(shorter: Sequence[Hashable], longer: Sequence[Hashable]) -> tuple[int, int] | None:
+    """``(at, length)`` when ``longer`` is ``shorter`` with one block inserted at ``at`` that repeats
+    the ``length`` nodes before it (so inserting it again extends the repetition in graph order),
+    else None."""
+    length = len(longer) - len(shorter)
+    at = 0
+    while at < len(shorter) and shorter[at] == longer[at]:
+        at += 1
+    if length <= 0 or at < length or longer[at + length:] != shorter[at:]:
+        return None
+    return (at, length) if longer[at - length:at] == longer[at:at + length] else None
 
 
 def added_layer(shorter: Sequence[Hashable], longer: Sequence[Hashable], what: str) -> list[int]:
@@ -125,14 +141,20 @@ def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int
     dissolved = frozenset(t for t, count in counts.items() if 2 * count < most)
     _, short_keys = _priced_nodes(short, dissolved)
     long_nodes, long_keys = _priced_nodes(long, dissolved)
-    positions = added_layer(short_keys, long_keys, what)
-    block = [long_nodes[i] for i in positions]
+    exact = inserted_block(short_keys, long_keys)
+    if exact is not None:  # the graph order of a full trace
+        at, length = exact
+        block = long_nodes[at:at + length]
+    else:
+        positions = added_layer(short_keys, long_keys, what)
+        block = [long_nodes[i] for i in positions]
+        at = positions[-1] + 1
     inserted = [{**node, "name": f"{node['name']}~{copy}", "inputs": [], "partition": None}
                 for copy in range(1, copies + 1) for node in block]
-    at = positions[-1] + 1
     nodes = [*long_nodes[:at], *inserted, *long_nodes[at:]]
     record: dict[str, Any] = {"name": long["name"], "nodes": nodes,
-                              "extended": {"inserted_at": at, "block_nodes": len(block), "copies": copies}}
+                              "extended": {"inserted_at": at, "block_nodes": len(block), "copies": copies,
+                                           "graph_order": exact is not None}}
     if "partition_types" not in long:
         return record
     leftover_names = {node["name"] for node, key in zip(long_nodes, long_keys) if key[-1]}

@@ -3,7 +3,7 @@
 1. Trace every distinct pipeline stage on the meta device under the ``fake`` process group,
    twice: nanobatched (partition types, work outside partitions) and un-split (the sequential
    microbatch of Megatron-LM and of execution-model switching). A stage of more than 5 layers is
-   traced as two slices of its layers (2 and 3 nanobatched, 1 and 2 un-split) and extended to its
+   traced as two slices of its layers (2 and 3 layers, nanobatched and un-split) and extended to its
    layer count (``layer_slice.py``); ``full_trace`` traces every layer.
 2. Tune each distinct partition type once (types of different stages with the same structure
    share one tuning run) with multi-objective Bayesian optimisation; every measurement goes
