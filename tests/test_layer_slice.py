@@ -72,17 +72,12 @@ def test_six_layer_slice_gives_the_full_traces_graphs(tmp_path):
     assert seven["forward"].fingerprint != sliced[0].partitioned["forward"].fingerprint
 
 
-def _energy_at(front: list[list[float]], time_s: float) -> float:
-    """The least energy of a frontier point no slower than ``time_s`` (with the tolerance)."""
-    return min((e for t, e in front if t <= time_s * (1 + FRONTIER_RTOL)), default=float("inf"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["qwen3-1.7b-tp8-mbs8-seq4k", "llama3.2-3b-cp2tp4-mbs8-seq4k"])
 def test_sliced_plan_equals_full_trace_plan(tmp_path, preset):
     """The issue's must-show: same partition types and counts, same graph fingerprints, and every
-    method's frontier within 0.1 % of the full trace's (each point's energy against the other
-    frontier's least energy at that time, both ways, and the same fastest time)."""
+    method's frontier within 0.1 % of the full trace's (as many points, each point's time and
+    energy within 0.1 %)."""
     req = plan_request_from_preset(preset)
     sliced = make_plan(req, tmp_path / "slice", progress=False).data
     full = make_plan(dataclasses.replace(req, full_trace=True), tmp_path / "full", progress=False).data
@@ -93,8 +88,7 @@ def test_sliced_plan_equals_full_trace_plan(tmp_path, preset):
     assert sliced["partition_types"].keys() == full["partition_types"].keys()
     for method, result in full["methods"].items():
         a, b = sliced["methods"][method]["frontier"], result["frontier"]
-        assert min(t for t, _ in a) == pytest.approx(min(t for t, _ in b), rel=FRONTIER_RTOL), method
-        for front, other in ((a, b), (b, a)):
-            for time_s, energy_j in front:
-                assert energy_j == pytest.approx(_energy_at(other, time_s), rel=FRONTIER_RTOL), (method, time_s)
+        assert len(a) == len(b), method
+        for point, expected in zip(a, b):
+            assert point == pytest.approx(expected, rel=FRONTIER_RTOL), method
     assert sliced["wall_s"]["trace_s"] < full["wall_s"]["trace_s"]
