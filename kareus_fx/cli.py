@@ -98,8 +98,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan",
         help="trace, tune and compose a training step's time-energy frontier; write plan.json and a report",
-        description="Plan a workload (a --preset, or --model or --hf-config with its layout) on a GPU: full-size trace on "
-        "the meta device, partitions, MBO tuning per partition type, microbatch and iteration frontiers, "
+        description="Plan a workload (a --preset, or --model or --hf-config with its layout) on a GPU: trace on the "
+        "meta device (each pipeline stage as a slice of its layers extended to its layer count), partitions, MBO "
+        "tuning per partition type, microbatch and iteration frontiers, "
         "and the baselines (Megatron-LM, Megatron-LM + Perseus, Nanobatching, Nanobatching + Perseus).",
     )
     plan.add_argument("--preset", help="a named workload (see kareus_fx/plan/presets.py), e.g. qwen3-1.7b-tp8-mbs8-seq4k")
@@ -122,6 +123,9 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--device-window", type=float, default=None, metavar="SECONDS",
                       help="with --profiler cuda: the least energy window of one measurement (default 5 s, "
                       "at least 1 s: NVML's energy counter updates about every 100 ms)")
+    plan.add_argument("--full-trace", action="store_true",
+                      help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
+                      "stage's layer count (slower; the plan is the same)")
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
     plan.add_argument("--clock-stride", type=int, default=30, help="tuning clock stride in MHz")
@@ -136,7 +140,8 @@ def _plan_request(args: argparse.Namespace):
 
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
     common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
-                  clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode)
+                  clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode,
+                  full_trace=args.full_trace)
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
     given = [flag for flag, value in (("--preset", args.preset), ("--model", args.model),

@@ -220,7 +220,7 @@ def _tuner_quality(plan: Mapping[str, Any], dump_root: Path, clock_stride_mhz: i
         for graph in stage["graphs"].values():
             local_to_plan.update(graph["partition_types"])
     ptypes = {}
-    for path in sorted(dump_root.glob("*-nanobatched/kareus_graph_*.json")):
+    for path in sorted(dump_root.glob("*-nanobatched*/kareus_graph_*.json")):  # also the layer slices
         for local, ptype in partition_types_from_dump(load_dump(path)).items():
             plan_id = local_to_plan.get(local)
             if plan_id is None or plan_id in ptypes:

@@ -59,14 +59,19 @@ def graph_fingerprint(graph_record: Mapping[str, Any]) -> str:
     compares it with the graph it is deployed on. A collective counts by its kind, bytes and
     group size, not its group's name: names number process groups in creation order, which
     differs between the planner's trace (one group per stage) and a job with several TP groups.
+    The ops count as a multiset, not in graph order: the planner derives a stage's fingerprint
+    from a slice of its layers (``layer_slice.py``), whose added layer it knows op by op but not
+    where aot_autograd's backward interleaves it; another model, shape, dtype or layer count
+    still changes the multiset.
     """
-    items = [
-        (n["op"], n.get("shape"), n.get("kind"),
-         None if n.get("collective") is None else {k: v for k, v in n["collective"].items() if k != "group_name"})
+    items = sorted(
+        json.dumps((n["op"], n.get("shape"), n.get("kind"),
+                    None if n.get("collective") is None else {k: v for k, v in n["collective"].items() if k != "group_name"}),
+                   sort_keys=True, default=str)
         for n in graph_record["nodes"]
         if n.get("kind") in ("compute", "collective")
-    ]
-    return hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    )
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
 
 def _op_cost(node: Mapping[str, Any]) -> OpCost:

@@ -1,8 +1,10 @@
 """``kareus plan``: trace, partition, tune, compose and compare, end to end (DESIGN.md steps 1-6).
 
-1. Trace every distinct pipeline stage at full size on the meta device under the ``fake``
-   process group, twice: nanobatched (partition types, work outside partitions) and un-split
-   (the sequential microbatch of Megatron-LM and of execution-model switching).
+1. Trace every distinct pipeline stage on the meta device under the ``fake`` process group,
+   twice: nanobatched (partition types, work outside partitions) and un-split (the sequential
+   microbatch of Megatron-LM and of execution-model switching). A stage of more than 5 layers is
+   traced as two slices of its layers (2 and 3 layers, nanobatched and un-split) and extended to its
+   layer count (``layer_slice.py``); ``full_trace`` traces every layer.
 2. Tune each distinct partition type once (types of different stages with the same structure
    share one tuning run) with multi-objective Bayesian optimisation; every measurement goes
    through the profile database in the output directory, so a killed run resumes.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import tempfile
 import time
 import warnings
@@ -51,6 +54,7 @@ from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
+from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, extend_dump, slice_pays
 from kareus_fx.plan.methods import (
     BASELINES,
     METHODS,
@@ -118,6 +122,10 @@ class PlanRequest:
     device_window_s: float = DEFAULT_DEVICE_WINDOW_S
     """``--profiler cuda`` only: the least energy window of one measurement (NVML's energy counter
     updates about every 100 ms; 5 s keeps its error near 2 %)."""
+    full_trace: bool = False
+    """Trace every layer of each stage (``--full-trace``) instead of a slice extended to the stage's
+    layer count (``layer_slice.py``). ``--profiler cuda`` always traces in full: it replays the
+    dumps' recorded ops."""
 
     @property
     def world_size(self) -> int:
@@ -273,24 +281,48 @@ def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str |
 
 # ----- 1. tracing -------------------------------------------------------------------------------
 def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
-    gpu = canonical_gpu_name(req.gpu)
     traced = []
     for group in distinct_stages(req.trace_spec()):
         stage = group.stages[0]
-        spec = req.trace_spec(stage)
-        paths = {}
-        for split in (True, False):
-            kind = "nanobatched" if split else "sequential"
-            out = dump_root / f"stage{stage}-{kind}"
-            result = trace_full_size(spec, options={"dump_dir": str(out), "gpu": gpu, "nanobatch": split})
-            if len(result.dump_paths) != 1:
-                raise UnsupportedGraphError(
-                    f"stage {stage} traced into {len(result.dump_paths)} graphs; the planner needs one "
-                    f"graph per stage (a model that compiles with fullgraph=True)"
-                )
-            paths[kind] = result.dump_paths[0]
+        paths = None
+        if not req.full_trace and req.profiler != "cuda" and slice_pays(group.num_layers):
+            try:
+                paths = _trace_slices(req, stage, group.num_layers, dump_root)
+            except SliceNotRepresentativeError as err:
+                warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
+        if paths is None:
+            paths = {kind: _trace_dump(req, req.trace_spec(stage), kind == "nanobatched", dump_root / f"stage{stage}-{kind}")
+                     for kind in ("nanobatched", "sequential")}
         traced.append(stage_graphs_from_dumps(tuple(group.stages), paths["nanobatched"], paths["sequential"]))
     return traced
+
+
+def _trace_slices(req: PlanRequest, stage: int, num_layers: int, dump_root: Path) -> dict[str, Path]:
+    """Dumps of stage ``stage`` at ``num_layers`` layers, extended from traces of its
+    ``SLICE_LAYERS`` slices (``layer_slice.py``), nanobatched and sequential."""
+    paths = {}
+    for kind in ("nanobatched", "sequential"):
+        # Every stage of a pipeline of `layers * pp` layers has `layers`: stage `stage` keeps its role.
+        short, long = (
+            load_dump(_trace_dump(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp),
+                                  kind == "nanobatched", dump_root / f"stage{stage}-{kind}-slice{layers}"))
+            for layers in SLICE_LAYERS[kind]
+        )
+        paths[kind] = dump_root / f"stage{stage}-{kind}-extended.json"
+        paths[kind].write_text(json.dumps(extend_dump(short, long, SLICE_LAYERS[kind][1], num_layers, f"stage {stage} {kind}")))
+    return paths
+
+
+def _trace_dump(req: PlanRequest, spec: TraceSpec, split: bool, out: Path) -> Path:
+    """Trace ``spec`` (nanobatched if ``split``) into one dump under ``out``; its path."""
+    result = trace_full_size(spec, options={"dump_dir": str(out), "gpu": canonical_gpu_name(req.gpu),
+                                            "nanobatch": split})
+    if len(result.dump_paths) != 1:
+        raise UnsupportedGraphError(
+            f"stage {spec.stage} traced into {len(result.dump_paths)} graphs; the planner needs one "
+            f"graph per stage (a model that compiles with fullgraph=True)"
+        )
+    return result.dump_paths[0]
 
 
 def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path) -> StageGraphs:

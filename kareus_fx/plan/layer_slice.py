@@ -1,0 +1,187 @@
+"""A pipeline stage's graphs at full size from two traces of a slice of its layers.
+
+Tracing every layer of a stage costs about a second per layer and graph (Dynamo, aot_autograd,
+the backend's passes); the decoder layers are identical, so the planner traces each stage, in its
+role (embedding on the first stage, LM head and loss on the last), with ``k`` and ``k + 1`` layers
+(``SLICE_LAYERS``): 2 layers (first and last), then 3 (first, one middle, last). The partition
+pass's edge rule counts partitions (``passes/partitions.py``, step 6), so it is applied again at
+the full-size counts (below).
+
+What one more layer adds is measured node by node: per node key, the longer trace's count minus
+the shorter's, never negative (else :class:`SliceNotRepresentativeError`; the planner then warns
+and traces the stage in full). The stage's graph is the longer trace's with ``layers - k - 1``
+more copies of that added layer: the same ops, shapes, costs, collectives, partition types and
+leftover membership per node as a full trace, so its fingerprint
+(:func:`~kareus_fx.plan.graph_workload.graph_fingerprint`, a multiset of ops) is the full
+trace's, and deployment checks a plan against a live graph exactly as before. Each partition
+type's count is extended linearly, ``count(k+1) + (layers - k - 1) x (count(k+1) - count(k))``; a
+type the partition pass would dissolve as an edge at that count (``passes/partitions.py``, step
+6) but the slice keeps is refused.
+
+Nodes are compared by everything that prices or fingerprints them (op, kind, shape, dtype, FLOPs,
+bytes, bound, collective without its group name, nanobatch, slot, the type of their partition and
+whether they are leftover work), not by name, inputs or module path, which number layers.
+Only computation and collective nodes are kept (placeholders hold every layer's parameters, waits
+and outputs are free). The result is a summary dump for
+:func:`~kareus_fx.plan.graph_workload.partitioned_graphs` and ``sequential_graphs``, not a
+replayable one. When the longer trace is the shorter one with one contiguous block inserted that
+repeats the block before it (the un-split graphs and the nanobatched forward), the copies
+(named ``<node>~<copy>``) go there and the order is a full trace's, so sums of costs are too, to
+the last bit (the iteration solver is sensitive to that). Otherwise (aot_autograd's nanobatched
+backward interleaves layers) they follow the added layer's last node, in its order; the simulated
+profiler's cost of work outside partitions does not depend on order beyond rounding. ``partitions``
+holds the longer trace's partitions (one exemplar per type is all those readers use).
+
+Assumption: every middle decoder layer of the model has the same structure (no per-layer
+attention pattern or width), which holds for the reference models (``kareus_fx.models``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from kareus_fx.errors import UnsupportedGraphError
+
+__all__ = ["SLICE_LAYERS", "SliceNotRepresentativeError", "added_layer", "extend_dump", "inserted_block", "slice_pays"]
+
+SLICE_LAYERS = {"nanobatched": (2, 3), "sequential": (2, 3)}
+"""Layer counts of the two slice traces per split: first + last, then first + one middle + last.
+(Un-split 1 and 2 layers give the same op multiset but not the full trace's backward order, whose
+float sums then differ in the last bit.)"""
+
+_PRICED_KINDS = ("compute", "collective")
+_NODE_FIELDS = ("op", "kind", "shape", "dtype", "flops", "bytes", "bound", "nanobatch")
+
+
+def slice_pays(num_layers: int) -> bool:
+    """Whether tracing the slices costs fewer layer traces than the ``num_layers``-layer stage."""
+    return all(sum(layers) < num_layers for layers in SLICE_LAYERS.values())
+
+
+class SliceNotRepresentativeError(UnsupportedGraphError):
+    """Two slice traces of a stage that do not differ by one repeated block of nodes."""
+
+
+def inserted_block(shorter: Sequence[Hashable], longer: Sequence[Hashable]) -> tuple[int, int] | None:
+    """``(at, length)`` when ``longer`` is ``shorter`` with one block inserted at ``at`` that repeats
+    the ``length`` nodes before it (so inserting it again extends the repetition in graph order),
+    else None."""
+    length = len(longer) - len(shorter)
+    at = 0
+    while at < len(shorter) and shorter[at] == longer[at]:
+        at += 1
+    if length <= 0 or at < length or longer[at + length:] != shorter[at:]:
+        return None
+    return (at, length) if longer[at - length:at] == longer[at:at + length] else None
+
+
+def added_layer(shorter: Sequence[Hashable], longer: Sequence[Hashable], what: str) -> list[int]:
+    """Positions in ``longer`` of the nodes one more layer adds: per key, the last
+    ``count_longer - count_shorter`` nodes with that key. Raises
+    :class:`SliceNotRepresentativeError` if a key is rarer in ``longer`` or nothing is added."""
+    added = Counter(longer)
+    added.subtract(Counter(shorter))
+    fewer = sorted(str(key) for key, count in added.items() if count < 0)
+    if fewer:
+        raise SliceNotRepresentativeError(
+            f"{what}: the trace with one more layer has fewer nodes of {len(fewer)} kinds "
+            f"(e.g. {fewer[0][:200]}); the layers are not a repeated block"
+        )
+    if not +added:
+        raise SliceNotRepresentativeError(f"{what}: the trace with one more layer adds no nodes")
+    positions = []
+    for index in range(len(longer) - 1, -1, -1):
+        if added[longer[index]] > 0:
+            added[longer[index]] -= 1
+            positions.append(index)
+    return positions[::-1]
+
+
+def _priced_nodes(graph: Mapping[str, Any], dissolved: frozenset[str]) -> tuple[list[Mapping[str, Any]], list[Hashable]]:
+    """The graph's computation and collective nodes and their comparison keys, with the
+    partitions of the ``dissolved`` types counted as leftover work (as the partition pass's edge
+    rule leaves them at full size)."""
+    partition_type = {}
+    for partition in graph.get("partitions", []):
+        if partition["type"] in dissolved:
+            continue
+        for name in [*partition["collectives"], *(n for slot in partition["slots"] for n in slot)]:
+            partition_type[name] = partition["type"]
+    nodes = [n for n in graph["nodes"] if n["kind"] in _PRICED_KINDS]
+    partitioned = "partitions" in graph
+    keys = []
+    for node in nodes:
+        collective = node.get("collective")
+        ptype = partition_type.get(node["name"])
+        keys.append((
+            *(repr(node.get(f)) for f in _NODE_FIELDS),
+            None if collective is None else repr(sorted((k, v) for k, v in collective.items() if k != "group_name")),
+            ptype,
+            repr(node.get("slot")) if ptype is not None else None,
+            partitioned and ptype is None,
+        ))
+    return nodes, keys
+
+
+def _extended_counts(short: Mapping[str, Any], long: Mapping[str, Any], copies: int) -> dict[str, int]:
+    """Each partition type's count at full size, extended linearly (negative: a type that one
+    more layer makes rarer, an edge of the slice)."""
+    short_counts = {t["type"]: t["count"] for t in short.get("partition_types", [])}
+    long_counts = {t["type"]: t["count"] for t in long.get("partition_types", [])}
+    return {t: long_counts.get(t, 0) + copies * (long_counts.get(t, 0) - short_counts.get(t, 0))
+            for t in {*short_counts, *long_counts}}
+
+
+def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int, what: str) -> dict[str, Any]:
+    counts = _extended_counts(short, long, copies)
+    most = max(counts.values(), default=0)
+    # The partition pass's edge rule (passes/partitions.py, step 6) at full size.
+    dissolved = frozenset(t for t, count in counts.items() if 2 * count < most)
+    _, short_keys = _priced_nodes(short, dissolved)
+    long_nodes, long_keys = _priced_nodes(long, dissolved)
+    exact = inserted_block(short_keys, long_keys)
+    if exact is not None:  # the graph order of a full trace
+        at, length = exact
+        block = long_nodes[at:at + length]
+    else:
+        positions = added_layer(short_keys, long_keys, what)
+        block = [long_nodes[i] for i in positions]
+        at = positions[-1] + 1
+    inserted = [{**node, "name": f"{node['name']}~{copy}", "inputs": [], "partition": None}
+                for copy in range(1, copies + 1) for node in block]
+    nodes = [*long_nodes[:at], *inserted, *long_nodes[at:]]
+    record: dict[str, Any] = {"name": long["name"], "nodes": nodes,
+                              "extended": {"inserted_at": at, "block_nodes": len(block), "copies": copies,
+                                           "graph_order": exact is not None}}
+    if "partition_types" not in long:
+        return record
+    leftover_names = {node["name"] for node, key in zip(long_nodes, long_keys) if key[-1]}
+    left_nodes = [n for n in nodes if n["name"].split("~")[0] in leftover_names]
+    compute = [n for n in left_nodes if n["kind"] == "compute"]
+    record.update(
+        partitions=[p for p in long["partitions"] if p["type"] not in dissolved],
+        partition_types=[{**t, "count": counts[t["type"]]} for t in long["partition_types"] if t["type"] not in dissolved],
+        leftover={"nodes": [n["name"] for n in compute], "flops": sum(n["flops"] for n in compute),
+                  "bytes": sum(n["bytes"] for n in compute),
+                  "collectives": [n["name"] for n in left_nodes if n["kind"] == "collective"]},
+    )
+    return record
+
+
+def extend_dump(short: Mapping[str, Any], long: Mapping[str, Any], long_layers: int, layers: int,
+                what: str) -> dict[str, Any]:
+    """The summary dump of a ``layers``-layer stage from dumps of a ``long_layers - 1`` and a
+    ``long_layers``-layer slice of it (``short``, ``long``: the same stage role, split and
+    options). ``what`` names the stage and split in errors."""
+    if layers < long_layers:
+        raise ValueError(f"a {layers}-layer stage is traced whole, not extended from a {long_layers}-layer slice")
+    short_graphs = {g["name"]: g for g in short["graphs"]}
+    graphs = []
+    for graph in long["graphs"]:
+        if graph["name"] not in short_graphs:
+            raise SliceNotRepresentativeError(f"{what}: only one slice trace has a {graph['name']} graph")
+        graphs.append(_extend_graph(short_graphs[graph["name"]], graph, layers - long_layers,
+                                    f"{what} {graph['name']}"))
+    return {**long, "graphs": graphs, "extended_from_layers": [long_layers - 1, long_layers], "layers": layers}
