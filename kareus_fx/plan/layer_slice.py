@@ -104,7 +104,7 @@ def _priced_nodes(graph: Mapping[str, Any], dissolved: frozenset[str]) -> tuple[
     partitions of the ``dissolved`` types counted as leftover work (as the partition pass's edge
     rule leaves them at full size)."""
     partition_type = {}
-    for partition in graph.get("partitions", []):
+    for partition in graph.get("partitions") or []:
         if partition["type"] in dissolved:
             continue
         for name in [*partition["collectives"], *(n for slot in partition["slots"] for n in slot)]:
@@ -128,8 +128,8 @@ def _priced_nodes(graph: Mapping[str, Any], dissolved: frozenset[str]) -> tuple[
 def _extended_counts(short: Mapping[str, Any], long: Mapping[str, Any], copies: int) -> dict[str, int]:
     """Each partition type's count at full size, extended linearly (negative: a type that one
     more layer makes rarer, an edge of the slice)."""
-    short_counts = {t["type"]: t["count"] for t in short.get("partition_types", [])}
-    long_counts = {t["type"]: t["count"] for t in long.get("partition_types", [])}
+    short_counts = {t["type"]: t["count"] for t in short.get("partition_types") or []}
+    long_counts = {t["type"]: t["count"] for t in long.get("partition_types") or []}
     return {t: long_counts.get(t, 0) + copies * (long_counts.get(t, 0) - short_counts.get(t, 0))
             for t in {*short_counts, *long_counts}}
 
@@ -155,7 +155,7 @@ def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int
     record: dict[str, Any] = {"name": long["name"], "nodes": nodes,
                               "extended": {"inserted_at": at, "block_nodes": len(block), "copies": copies,
                                            "graph_order": exact is not None}}
-    if "partition_types" not in long:
+    if long.get("partition_types") is None:
         return record
     leftover_names = {node["name"] for node, key in zip(long_nodes, long_keys) if key[-1]}
     left_nodes = [n for n in nodes if n["name"].split("~")[0] in leftover_names]
