@@ -10,8 +10,9 @@
    supported), or a stage the pipeline does not have.
 2. Per aten graph (forward, backward): refuse another rank layout (the group sizes of the
    graph's collectives against the plan's tp and cp) and another graph (fingerprint of the
-   nanobatched, issue-ordered graph, as ``kareus plan`` computes it, against the plan's stage
-   graph: another model, microbatch size, sequence length, dtype or layer count).
+   nanobatched graph, its ops as a multiset, as ``kareus plan`` computes it from a layer slice
+   or a full trace, against the plan's stage graph: another model, microbatch size, sequence
+   length, dtype or layer count).
 3. Variants: the chosen point gives every microbatch of this stage's forward and backward an
    option: a clock, and either per partition type a comm SM count and launch slot, or
    ``sequential`` (the un-split Megatron-LM microbatch the plan priced). A microbatch whose
