@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.fx
-from pydantic import ValidationError
 
 from kareus_fx import __version__
 from kareus_fx.capture.dump_schema import DumpFile, cross_check
-from kareus_fx.capture.validated_input import error_text, parse_json, read_bounded_text
+from kareus_fx.capture.validated_input import parse_json, read_bounded_text, validated_document
 from kareus_fx.errors import KareusError
 from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path, tensor_meta
 from kareus_fx.passes.partitions import GraphPartitioning
@@ -171,16 +170,7 @@ def validate_dump(data: Any, source: str = "<dump>") -> dict[str, Any]:
             f"{source} has dump schema_version {data.get('schema_version')!r}; this kareus-fx reads "
             f"version {SCHEMA_VERSION}: {_FIX}"
         )
-    try:
-        dump = DumpFile.model_validate(data)
-    except ValidationError as err:
-        raise DumpFormatError(f"{error_text(err, source)}; {_FIX}") from None
-
-    def fail(where: str, what: str) -> None:
-        raise DumpFormatError(f"{source}: {where}: {what}; {_FIX}")
-
-    cross_check(dump, fail)
-    return dump.model_dump()
+    return validated_document(DumpFile, data, cross_check, source, DumpFormatError, _FIX)
 
 
 def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:

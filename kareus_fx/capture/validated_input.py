@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -123,3 +124,22 @@ def error_text(err: ValidationError, source: str) -> str:
         more = len(problems) - 1
     more_text = f" and {more} more problem(s)" if more else ""
     return f"{source}: {where + ': ' if where else ''}{message}{more_text}"
+
+
+def validated_document(
+    schema: type[SchemaModel], data: Any, cross_check: Callable[[Any, Callable[[str, str], None]], None],
+    source: str, error: type[Exception], fix: str,
+) -> dict[str, Any]:
+    """``data`` validated by ``schema`` and then by ``cross_check`` (which calls its ``fail(field,
+    what)`` when parts disagree), as plain data holding only the schema's fields; every problem
+    raised as ``error`` naming ``source``, the field and ``fix``."""
+    try:
+        document = schema.model_validate(data)
+    except ValidationError as err:
+        raise error(f"{error_text(err, source)}; {fix}") from None
+
+    def fail(where: str, what: str) -> None:
+        raise error(f"{source}: {where}: {what}; {fix}")
+
+    cross_check(document, fail)
+    return document.model_dump()

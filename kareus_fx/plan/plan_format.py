@@ -36,9 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from kareus_fx.capture.validated_input import error_text, parse_json, read_bounded_text
+from kareus_fx.capture.validated_input import parse_json, read_bounded_text, validated_document
 from kareus_fx.errors import KareusError
 from kareus_fx.plan.plan_schema import INSTRUCTIONS, PlanFile, cross_check, instruction_key
 
@@ -168,13 +166,4 @@ def validate_plan(data: Any, source: str = "<plan>") -> dict[str, Any]:
     if data.get("schema_version") != PLAN_SCHEMA_VERSION or isinstance(data.get("schema_version"), bool):
         raise PlanFormatError(f"{source}: schema_version: this kareus-fx reads version {PLAN_SCHEMA_VERSION}, "
                               f"got {data.get('schema_version')!r}; {_FIX}")
-    try:
-        plan = PlanFile.model_validate(data)
-    except ValidationError as err:
-        raise PlanFormatError(f"{error_text(err, source)}; {_FIX}") from None
-
-    def fail(where: str, what: str) -> None:
-        raise PlanFormatError(f"{source}: {where}: {what}; {_FIX}")
-
-    cross_check(plan, fail)
-    return plan.model_dump()
+    return validated_document(PlanFile, data, cross_check, source, PlanFormatError, _FIX)

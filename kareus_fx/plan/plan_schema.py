@@ -19,10 +19,11 @@ from typing import Literal
 
 from pydantic import StrictBool, StrictStr, field_validator
 
+from kareus_fx.capture.dump_schema import TypeCollective
 from kareus_fx.capture.validated_input import MAX_MAGNITUDE, SchemaModel, count, number
 from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.errors import UnknownGPUError
-from kareus_fx.workload import CollectiveKind, GraphName
+from kareus_fx.workload import GraphName
 
 __all__ = ["INSTRUCTIONS", "PlanFile", "cross_check", "instruction_key"]
 
@@ -71,13 +72,6 @@ class StageGraphs(SchemaModel):
 class Stage(SchemaModel):
     stage: count(0)
     graphs: StageGraphs
-
-
-class TypeCollective(SchemaModel):
-    kind: CollectiveKind
-    bytes: number()
-    group_size: count(1, 1_000_000)
-    fused: count(1, 1_000_000) = 1
 
 
 class TypeSlot(SchemaModel):
