@@ -21,6 +21,7 @@ _OPTION_HELP: dict[str, str] = {
     "dump_dir": "directory to write one JSON graph dump per compiled graph (str or Path)",
     "gpu": f"GPU whose spec labels ops compute- or memory-bound (default {DEFAULT_GPU})",
     "nanobatch": "split each microbatch into two nanobatches (bool, default True)",
+    "inductor": "Inductor generates the code of the scheduled graphs (bool, default True); False runs them op by op",
     "plan": "plan.json to deploy (str or Path; see kareus_fx/deploy/deployment.py)",
     "target": "frontier point: 'max-throughput' (default), {'deadline_s': X} or {'energy_budget_j': Y}",
     "stage": "pipeline stage this rank compiles (int, default 0)",
@@ -41,6 +42,7 @@ class KareusOptions:
     dump_dir: Path | None = None
     gpu: str = DEFAULT_GPU
     nanobatch: bool = True
+    inductor: bool = True
     plan: Path | None = None
     target: str | Mapping[str, float] = "max-throughput"
     stage: int = 0
@@ -80,10 +82,11 @@ class KareusOptions:
                 values["gpu"] = canonical_gpu_name(options["gpu"])
             except UnknownGPUError as err:
                 raise OptionsError(f"option 'gpu': {err}") from None
-        if "nanobatch" in options:
-            if not isinstance(options["nanobatch"], bool):
-                raise OptionsError(f"option 'nanobatch' must be True or False, got {options['nanobatch']!r}")
-            values["nanobatch"] = options["nanobatch"]
+        for key in ("nanobatch", "inductor"):
+            if key in options:
+                if not isinstance(options[key], bool):
+                    raise OptionsError(f"option {key!r} must be True or False, got {options[key]!r}")
+                values[key] = options[key]
         values.update(_deployment_options(options))
         return cls(**values)
 

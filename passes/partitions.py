@@ -14,8 +14,9 @@ and a nanobatch label per node (0, 1, or None for work shared by both nanobatche
 3. A *partition* is one communication of one nanobatch plus the other nanobatch's segment that
    follows it in the issue order (the longest contiguous run of computation without a dependency
    on the communication, checked on a networkx graph of the aten graph).
-4. Its computation is grouped into *launch slots*: one compute-bound op, or consecutive
-   memory-bound ops. Launch slots after which even the slowest idealised computation cannot hide
+4. Its computation is grouped into *launch slots*: one compute-bound kernel, or consecutive
+   memory-bound kernels (kernels as Inductor fuses them, ``passes/kernel_groups.py``; the ops
+   of one kernel that follow each other stay in one slot). Launch slots after which even the slowest idealised computation cannot hide
    the fastest idealised collective are excluded (appendix C); sequential execution is always a
    candidate (that is the tuner's business: ``launch_slot=None``).
 5. Partitions with the same structure (ops, shapes, dtypes, collective kind, bytes and group)
@@ -44,6 +45,7 @@ import torch.fx
 
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path
+from kareus_fx.passes.kernel_groups import KERNEL_META
 from kareus_fx.workload import CollectiveSpec, GraphName, OpCost, PartitionType, SlotSpec
 
 PARTITION_META_KEY = "kareus_partition"
@@ -210,11 +212,13 @@ def _partition(comm: Communication, run: list[torch.fx.Node], depends_on: dict[t
 
 
 def group_slots(nodes: list[torch.fx.Node]) -> list[list[torch.fx.Node]]:
-    """Compute-bound ops are a slot each; consecutive memory-bound ops share one slot."""
+    """Compute-bound kernels are a slot each; consecutive memory-bound kernels share one slot."""
     slots: list[list[torch.fx.Node]] = []
     for node in nodes:
         memory_bound = _cost(node).bound == "memory"
-        if memory_bound and slots and _cost(slots[-1][-1]).bound == "memory":
+        kernel = node.meta.get(KERNEL_META)
+        same_kernel = bool(slots) and kernel is not None and slots[-1][-1].meta.get(KERNEL_META) == kernel
+        if same_kernel or (memory_bound and slots and _cost(slots[-1][-1]).bound == "memory"):
             slots[-1].append(node)
         else:
             slots.append([node])

@@ -8,9 +8,11 @@ the deployment refuses). The planner's chosen options at this size are all seque
 little to overlap), so the test gives microbatch 0 and 1 new options whose partition types use
 different launch slots (0, 1, 2, sequential) and SM counts, and points the frontier at them.
 
-Parity tolerance: rtol=1e-5, atol=1e-6 (fp32), as tests/test_parity.py: moving a collective
-within the slots it does not feed changes no arithmetic; the nanobatch split sums each weight
-gradient from two halves (a few ulps).
+The mixed-slots test deploys through Inductor (the default) and reads the code it generated:
+the hooks, collectives and waits come in the scheduled aten graph's order. Parity tolerance:
+rtol=1e-5, atol=1e-6 (fp32), as tests/test_parity.py: moving a collective within the slots it
+does not feed changes no arithmetic; the nanobatch split sums each weight gradient from two
+halves and Inductor's fused kernels round differently (a few ulps).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def _deploy_worker(rank, world_size, plan_path):
         "requests": [(r.clock_mhz, r.instruction) for r in controller.requests],
         "log": [list(entry) for entry in log],
         "graphs": [
-            {"name": g.name, "microbatches": list(g.microbatches), "code": g.gm.code,
+            {"name": g.name, "microbatches": list(g.microbatches), "code": g.gm.code, "output_code": g.output_code,
              "partitions": [dataclasses.asdict(p) for p in g.partitions], "nodes": _graph_nodes(g.gm)}
             for g in deployed_graphs()
         ],
@@ -186,6 +188,36 @@ def test_plan_with_mixed_launch_slots_and_sms_matches_eager(base_plan, tmp_path)
     _check_deployment(data, clocks, run_distributed(_deploy_worker, 2, str(plan_path), timeout_s=600))
 
 
+_HOOKS = ("clock_hook", "comm_launch", "comm_issued", "comm_wait")
+
+
+def _aten_schedule(nodes):
+    """The scheduled aten graph's hooks (with their tags), collectives and waits (by op), in order."""
+    events = []
+    for n in nodes:
+        op = n["target"].split(".")
+        if n["target"].startswith("kareus.") and op[1] in _HOOKS:
+            events.append(op[1] if op[1] == "clock_hook" else f"{op[1]}:{n['args'][0]}")
+        elif n["target"].startswith("_c10d_functional."):
+            events.append(op[1].removesuffix("_"))
+    return events
+
+
+def _inductor_schedule(output_code):
+    """The same events read from the code Inductor generated (its ``call`` function). Inductor
+    issues a functional collective as itself, or as its in-place or ``_out`` variant on a
+    buffer it allocates (``bufN = torch.ops...`` or a bare call)."""
+    events = []
+    for line in output_code[output_code.index("def call("):].splitlines():
+        call = line.strip().split(" = ", 1)[-1]
+        if call.startswith("torch.ops.kareus.") and call.split(".")[3] in _HOOKS:
+            hook = call.split(".")[3]
+            events.append(hook if hook == "clock_hook" else f"{hook}:{call.split(chr(39))[1]}")
+        elif call.startswith("torch.ops._c10d_functional."):
+            events.append(call.split(".")[3].removesuffix("_out").removesuffix("_"))
+    return events
+
+
 def _check_deployment(data, clocks, results):
     for result in results:
         assert all(result["dce_keeps_hooks"])
@@ -202,6 +234,14 @@ def _check_deployment(data, clocks, results):
             assert first_op["target"] == "kareus.clock_hook.default" and first_op["args"] == [0, graph["name"]]
             assert f"torch.ops.kareus.clock_hook.default(0, '{graph['name']}')" in graph["code"]
             assert graph["partitions"], graph["name"]
+            # Inductor kept the plan's order of hooks, collectives and waits in the code it generated.
+            assert graph["output_code"] is not None
+            # (Inductor drops a repeated wait on a buffer already waited on: waits are compared
+            # by the hook in front of them, which must still be followed by one.)
+            inductor = _inductor_schedule(graph["output_code"])
+            assert [e for e in inductor if e != "wait_tensor"] == [
+                e for e in _aten_schedule(graph["nodes"]) if e != "wait_tensor"], graph["output_code"]
+            assert all(inductor[i + 1] == "wait_tensor" for i, e in enumerate(inductor) if e.startswith("comm_wait"))
             for partition in graph["partitions"]:
                 config = configs[plan_types[partition["type_id"]]]
                 assert (partition["comm_sms"], partition["launch_slot"]) == (config["comm_sms"], config["launch_slot"])
@@ -221,7 +261,9 @@ def _check_deployment(data, clocks, results):
 
 def _refused_worker(rank, world_size, plan_path, seq, options):
     model = _tiny_model(seq)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True, options={"plan": plan_path, **options})
+    # Refused before any code is generated: op by op keeps the test short.
+    compiled = torch.compile(model, backend="kareus", fullgraph=True,
+                             options={"plan": plan_path, "inductor": False, **options})
     try:
         compiled(**model.example_batch(mbs=WORKLOAD["mbs"], seq=seq)).backward()
     except Exception as err:  # noqa: BLE001 - the message is what the test checks
@@ -329,7 +371,8 @@ def test_compile_time_tuning_writes_and_deploys_a_plan(tmp_path):
     request = dict(model="tiny-llama", tp=1, cp=1, pp=1, microbatches=1, mbs=2, seq=16, layers=2,
                    clock_stride_mhz=240)
     compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"tune": "simulated", "plan_out": str(plan_out), "tune_request": request})
+                             options={"tune": "simulated", "plan_out": str(plan_out), "tune_request": request,
+                                      "inductor": False})  # Inductor with a plan: the mixed-slots test
     before = len(deployed_graphs())
     compiled(**model.example_batch(mbs=2, seq=16)).backward()
     assert load_plan(plan_out).workload["mbs"] == 2

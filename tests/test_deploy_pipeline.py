@@ -143,7 +143,7 @@ def _pipeline_worker(rank, world_size, plan_path):
     sm_counts = prepare_collectives(plan, "max-throughput", [layout.tp_group])
     controller = FrequencyController.open("dry-run", handle_sigterm=False)
     compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"plan": plan_path, "stage": stage})
+                             options={"plan": plan_path, "stage": stage, "inductor": False})
     iterations = 2
     with StepContext(clock_schedule(plan, point), controller, stage=stage):
         runs = [_run_1f1b(compiled, model, stage, batches, layout) for _ in range(iterations)]

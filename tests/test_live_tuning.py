@@ -32,7 +32,8 @@ def _live_worker(rank, world_size, plan_out):
 
     eager_losses, eager_grads = train_microbatches(model, model, batches)
     compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"tune": "simulated", "plan_out": plan_out, "microbatches": 2})
+                             options={"tune": "simulated", "plan_out": plan_out, "microbatches": 2,
+                                      "inductor": False})
     for _ in range(2):
         losses, grads = train_microbatches(model, compiled, batches)
         for loss, eager in zip(losses, eager_losses):

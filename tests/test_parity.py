@@ -1,9 +1,13 @@
 """Compiled with backend="kareus" == eager, on real gloo collectives in 2 processes (fp32).
 
-Tolerance: rtol=1e-5, atol=1e-6. Without the nanobatch split the compiled graphs run the same
-aten kernels as eager, so the results agree to rounding; with it, each weight gradient is the sum
-of two nanobatch halves' contributions (a different summation order), which moves fp32 results
-by a few ulps of the gradient's magnitude, well inside the tolerance.
+Tolerance: rtol=1e-5, atol=1e-6. For values up to 1 that is tighter than the fp32 tolerance
+Inductor's own tests use (its ``check_model`` compares with torch.testing's float32 defaults,
+rtol=1.3e-6, atol=1e-5). Inductor's decompositions and fused kernels, and the nanobatch split
+(each weight gradient summed from two halves), change the summation order: a few ulps.
+
+tiny-llama at TP=2 runs through Inductor (the default), split and un-split; the other layouts
+and models check the graphs op by op (``inductor=False``): Inductor's C++ compile of each graph
+takes tens of seconds on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -59,10 +63,14 @@ def _reference_model_worker(rank, world_size, name, tp, cp, options, dump_root):
     return _collective_counts(dump_dir)
 
 
+OP_BY_OP = {"inductor": False}
+
+
 @pytest.mark.parametrize("options", [{"nanobatch": False}, {}], ids=["sequential", "nanobatched"])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen"])
-def test_tp2_reference_model_matches_eager(name, options, tmp_path):
-    counts = run_distributed(_reference_model_worker, 2, name, 2, 1, options, str(tmp_path))
+@pytest.mark.parametrize("name, codegen", [("tiny-llama", {}), ("tiny-qwen", OP_BY_OP)], ids=["tiny-llama", "tiny-qwen"])
+def test_tp2_reference_model_matches_eager(name, codegen, options, tmp_path):
+    counts = run_distributed(_reference_model_worker, 2, name, 2, 1, {**options, **codegen}, str(tmp_path),
+                             timeout_s=600)
     copies = 1 if options.get("nanobatch", True) is False else 2  # two nanobatches: twice the collectives
     layers = 2
     for rank_counts in counts:
@@ -73,7 +81,7 @@ def test_tp2_reference_model_matches_eager(name, options, tmp_path):
 
 @pytest.mark.parametrize("options", [{"nanobatch": False}, {}], ids=["sequential", "nanobatched"])
 def test_cp2_reference_model_matches_eager(options, tmp_path):
-    counts = run_distributed(_reference_model_worker, 2, "tiny-llama", 1, 2, options, str(tmp_path))
+    counts = run_distributed(_reference_model_worker, 2, "tiny-llama", 1, 2, {**options, **OP_BY_OP}, str(tmp_path))
     copies = 1 if options.get("nanobatch", True) is False else 2
     for rank_counts in counts:
         assert rank_counts["forward"] == {"all_gather": copies * 2 * 2}  # K and V, 2 layers
@@ -101,4 +109,4 @@ def _dtensor_worker(rank, world_size, options):
 
 @pytest.mark.parametrize("options", [{"nanobatch": False}, {}], ids=["sequential", "nanobatched"])
 def test_dtensor_model_matches_eager(options):
-    run_distributed(_dtensor_worker, 2, options)
+    run_distributed(_dtensor_worker, 2, {**options, **OP_BY_OP})

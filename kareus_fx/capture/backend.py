@@ -7,7 +7,8 @@ reads the options, opens the graph's dump file (``options={"dump_dir": ...}``) a
 - compiles the graph with ``compile_step.compile_graph``: nanobatch split of graphs that
   communicate (``options={"nanobatch": False}`` turns it off; a graph the split cannot prove
   safe falls back to itself with one warning), aot_autograd, the passes on each aten graph,
-  dump, and with a plan (``options={"plan": PATH, "target": ..., "stage": s}``) the plan's
+  dump, Inductor's code generation (``options={"inductor": False}`` runs the graphs op by op),
+  and with a plan (``options={"plan": PATH, "target": ..., "stage": s}``) the plan's
   stream-scheduled variants (``deploy/deployment.py``, ``passes/stream_schedule.py``); or
 - with ``options={"tune": ...}``, returns a :class:`~kareus_fx.plan.live_tuning.LiveTuning` that
   plans the live graph at its first call and then deploys the plan through the same step.
@@ -41,7 +42,8 @@ def kareus_backend(
     dump = _dump_file(opts, next(_graph_counter))
     if opts.tune is not None and opts.tune_request is None:
         return LiveTuning(gm, example_inputs, opts, gpu, dump)
-    return compile_graph(gm, example_inputs, gpu, dump, Deployment.from_options(opts), nanobatch=opts.nanobatch)
+    return compile_graph(gm, example_inputs, gpu, dump, Deployment.from_options(opts), nanobatch=opts.nanobatch,
+                         inductor=opts.inductor)
 
 
 def _dump_file(opts: KareusOptions, index: int) -> GraphDumpFile | None:

@@ -5,11 +5,20 @@ Used by the backend (``backend.py``) for each Dynamo graph and by compile-time t
 the same way. Steps (the backend's module docstring gives the whole data flow):
 
 1. nanobatch split of graphs that communicate (or the split already made);
-2. aot_autograd with the min-cut partitioner (as ``aot_eager``) -> aten forward and backward;
-3. per aten graph: node analysis against the GPU spec, nanobatch labels, partitions and types,
-   reorder to the nanobatching issue order;
+2. aot_autograd with Inductor's decompositions and the min-cut partitioner -> aten forward and
+   backward (the graphs are the same with and without Inductor's code generation, so a plan's
+   fingerprint holds for both);
+3. per aten graph: node analysis against the GPU spec, grouped and priced as the kernels
+   Inductor generates (``passes/kernel_groups.py``), nanobatch labels,
+   partitions and types, reorder to the nanobatching issue order;
 4. dump, when a dump file is given;
-5. with a deployment, the plan's stream-scheduled variants; without one, the graph as it is.
+5. with a deployment, the plan's stream-scheduled variants; without one, the graph as it is;
+   each compiled by :mod:`kareus_fx.capture.codegen` (Inductor's inner compile holding the
+   graph's order, or op by op with ``inductor=False``).
+
+Inductor's FX graph cache (the generated code, keyed by the scheduled graph) serves repeated
+compiles. Inductor's joint-graph pattern passes are not run (``compile_fx`` runs them on the
+device's graphs, which made the meta-device trace of ``kareus plan`` differ from the live graph).
 """
 
 from __future__ import annotations
@@ -18,14 +27,16 @@ from typing import Any, Callable
 
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor.decomposition import select_decomp_table
 
+from kareus_fx.capture.codegen import GraphCodegen
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.deploy.deployment import Deployment
 from kareus_fx.passes.analysis import analyse_graph
 from kareus_fx.passes.issue_order import apply_issue_order
+from kareus_fx.passes.kernel_groups import group_kernels
 from kareus_fx.passes.nanobatch import NANOBATCH_META, NanobatchResult, graph_communicates, split_nanobatches
 from kareus_fx.passes.nanobatch_labels import label_nanobatches
 from kareus_fx.passes.partitions import GraphPartitioning, partition_graph
@@ -36,25 +47,29 @@ __all__ = ["compile_autograd", "compile_graph"]
 def compile_graph(
     gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
     deployment: Deployment | None, *, nanobatch: bool = True, split: NanobatchResult | None = None,
+    inductor: bool = True,
 ) -> Callable[..., Any]:
-    """Steps 1-5 of the module docstring (``split``: the nanobatch split, when already made)."""
+    """Steps 1-5 of the module docstring (``split``: the nanobatch split, when already made;
+    ``inductor``: Inductor generates the code, else the graphs run op by op)."""
     if split is None:
         if not (nanobatch and graph_communicates(gm, example_inputs)):
-            return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
+            return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False, inductor=inductor)
         split = split_nanobatches(gm, example_inputs)
     if not split.split:  # fell back: the only graph
-        return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
-    compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=True, unsplit=False)
+        return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False, inductor=inductor)
+    compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=True, unsplit=False,
+                                inductor=inductor)
     if deployment is not None and deployment.unsplit:
         # The plan runs some microbatches as the un-split Megatron-LM microbatch it priced.
-        unsplit = compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True)
+        unsplit = compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True,
+                                   inductor=inductor)
         return deployment.select_graph(compiled, unsplit)
     return compiled
 
 
 def compile_autograd(
     gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
-    deployment: Deployment | None, *, nanobatched: bool, unsplit: bool | None = None,
+    deployment: Deployment | None, *, nanobatched: bool, unsplit: bool | None = None, inductor: bool = True,
 ) -> Callable[..., Any]:
     """aot_autograd of ``gm`` with steps 3-5 of the module docstring on each aten graph.
 
@@ -68,11 +83,14 @@ def compile_autograd(
             partitioning = None
             if nanobatched:
                 partitioning = _schedule_nanobatches(aten_gm, name, forward_labels, gpu)
+            else:
+                group_kernels(aten_gm, gpu.ridge_point_flops_per_byte())
             if dump is not None:
                 dump.add(name, aten_gm, partitioning)
+            codegen = GraphCodegen(inductor=inductor, is_backward=name == "backward", is_inference=inference)
             if deployment is not None and not inference:
-                return deployment.compile(name, aten_gm, partitioning, aten_inputs, unsplit=unsplit)
-            return boxed_nop(aten_gm, aten_inputs)
+                return deployment.compile(name, aten_gm, partitioning, aten_inputs, codegen, unsplit=unsplit)
+            return codegen(aten_gm, aten_inputs)
 
         return compiler
 
@@ -80,6 +98,7 @@ def compile_autograd(
         fw_compiler=compile_aten("forward"),
         bw_compiler=compile_aten("backward"),
         inference_compiler=compile_aten("forward", inference=True),
+        decompositions=select_decomp_table(),
         partition_fn=min_cut_rematerialization_partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
@@ -88,7 +107,8 @@ def compile_autograd(
 def _schedule_nanobatches(
     aten_gm: torch.fx.GraphModule, name: str, forward_labels: dict[str, int | None], gpu: GPUSpec
 ) -> GraphPartitioning:
-    """Label nanobatches, find partitions, and reorder the graph to the nanobatching issue order.
+    """Label nanobatches, group kernels, find partitions, and reorder the graph to the
+    nanobatching issue order.
 
     The forward graph's labels are kept for the backward (its saved-activation inputs are named
     after the forward nodes they save).
@@ -99,6 +119,7 @@ def _schedule_nanobatches(
     by_node = {node: labels.get(node.name) for node in aten_gm.graph.nodes}
     for node, label in by_node.items():
         node.meta[NANOBATCH_META] = label
+    group_kernels(aten_gm, gpu.ridge_point_flops_per_byte())  # kernels within one nanobatch
     partitioning = partition_graph(aten_gm, by_node, name, gpu)
     apply_issue_order(aten_gm, partitioning.issue_order)
     return partitioning

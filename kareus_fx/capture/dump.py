@@ -7,13 +7,16 @@ Schema (``schema_version`` 1; documented in README.md, "Graph dump format")::
      "graphs": [{"name": "forward" | "backward", "nodes": [NODE, ...]}]}
 
     NODE = {"name", "op", "fx_op", "kind", "shape", "dtype", "flops", "bytes", "intensity",
-            "bound", "collective", "inputs", "module", "nanobatch", "partition"}
+            "bound", "collective", "inputs", "module", "nanobatch", "partition", "slot", "kernel"}
 
 ``kind`` is "collective" | "wait" | "compute" | "other"; ``collective`` is null or
 ``{"kind", "bytes", "group_name", "group_size"}``; ``bound`` is "compute" | "memory" for
 computation nodes; ``module`` is the innermost ``nn.Module`` path Dynamo recorded (null when the
 node has none); ``nanobatch`` is 0 | 1 | null and ``partition`` / ``slot`` null until those
 passes label it (``node.meta["kareus_nanobatch"]``, ``["kareus_partition"]``, ``["kareus_slot"]``).
+``kernel`` is the id of the kernel Inductor fuses a computation node into (``passes/kernel_groups.py``;
+null for other nodes); ``bytes`` is the node's share of its kernel's traffic, ``intensity`` and
+``bound`` the kernel's.
 
 A graph that went through the partition pass also has::
 
@@ -38,6 +41,7 @@ from kareus_fx.capture.dump_schema import DumpFile, cross_check
 from kareus_fx.capture.validated_input import parse_json, read_bounded_text, validated_document
 from kareus_fx.errors import KareusError
 from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path, tensor_meta
+from kareus_fx.passes.kernel_groups import KERNEL_META
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionType, SlotSpec
 
@@ -69,6 +73,7 @@ def node_record(node: torch.fx.Node) -> dict[str, Any]:
         "nanobatch": node.meta.get("kareus_nanobatch"),
         "partition": node.meta.get("kareus_partition"),
         "slot": node.meta.get("kareus_slot"),
+        "kernel": node.meta.get(KERNEL_META),
     }
 
 

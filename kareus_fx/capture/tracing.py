@@ -157,6 +157,8 @@ def trace_full_size(
                 stage=PipelineStage(spec.stage, spec.pp),
             )
         batch = model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")
+        if backend == "kareus":  # meta tensors: the graphs and their analysis, no generated code
+            options = {"inductor": False, **(options or {})}
         compiled = torch.compile(model, backend=backend, options=options or None, fullgraph=True)
         start_s = time.perf_counter()
         out = compiled(**batch)

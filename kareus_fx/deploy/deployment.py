@@ -73,7 +73,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
-from torch._dynamo.backends.debugging import boxed_nop
 
 from kareus_fx.capture.dump import graph_record
 from kareus_fx.compose.pipeline import INSTRUCTIONS, PipelineNode
@@ -97,6 +96,9 @@ from kareus_fx.plan.plan_format import Plan, Target, load_plan, write_plan
 from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
 
+Codegen = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+"""Compiles one aten graph into a boxed callable (Inductor's inner compile or op by op)."""
+
 __all__ = ["DeployedGraph", "Deployment", "PlanDeviationWarning", "PlanMismatchError", "clock_schedule", "prepare_collectives", "copy_graph", "deployed_graphs"]
 
 
@@ -110,7 +112,8 @@ class PlanDeviationWarning(UserWarning):
 
 @dataclass(frozen=True)
 class DeployedGraph:
-    """One compiled variant: print ``gm.code`` (or ``gm.print_readable()``) to see the schedule."""
+    """One compiled variant: print ``gm.code`` (or ``gm.print_readable()``) to see the scheduled
+    aten graph, ``output_code`` to see the code Inductor generated from it."""
 
     name: str
     stage: int
@@ -119,6 +122,8 @@ class DeployedGraph:
     partitions: tuple[ScheduledPartition, ...]
     nanobatched: bool = True
     """False: the un-split graph of the microbatches whose option is sequential."""
+    output_code: str | None = None
+    """Inductor's generated source of ``gm`` (None with ``options={"inductor": False}``)."""
 
 
 _DEPLOYED: list[DeployedGraph] = []
@@ -238,9 +243,10 @@ class Deployment:
 
     def compile(
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None, example_inputs: list[Any],
-        *, unsplit: bool | None = None,
+        codegen: Codegen, *, unsplit: bool | None = None,
     ) -> Callable[..., Any]:
-        """Check ``gm`` against the plan and compile its variants behind a microbatch dispatcher.
+        """Check ``gm`` against the plan and compile its variants behind a microbatch dispatcher;
+        ``codegen`` compiles each variant (``kareus_fx.capture.codegen.GraphCodegen``).
 
         ``unsplit``: True, ``gm`` is the un-split graph compiled for the microbatches in
         :attr:`unsplit`; False, the nanobatched graph of the others; None, the only graph (no
@@ -261,7 +267,7 @@ class Deployment:
         for key, per_type in schedules.items():
             microbatches = tuple(mb for mb, k in variant_of.items() if k == key)
             variants[key] = self._compile_variant(name, gm, partitioning, per_type, microbatches, example_inputs,
-                                                  nanobatched=partitioning is not None)
+                                                  codegen, nanobatched=partitioning is not None)
         return self._dispatcher(name, variants, variant_of)
 
     def select_graph(self, nanobatched: Callable[..., Any], unsplit: Callable[..., Any]) -> Callable[..., Any]:
@@ -354,7 +360,7 @@ class Deployment:
     def _compile_variant(
         self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
         per_type: Mapping[str, CommSchedule], microbatches: tuple[int, ...], example_inputs: list[Any],
-        *, nanobatched: bool,
+        codegen: Codegen, *, nanobatched: bool,
     ) -> tuple[DeployedGraph, Callable[..., Any]]:
         if partitioning is None:
             variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -364,12 +370,14 @@ class Deployment:
             variant, copied = copy_partitioned_graph(gm, partitioning)
             summary = schedule_partitions(variant, copied, per_type, stage=self.stage, instruction=name,
                                           group_for=self._group_rewrite())
+        compiled = codegen(variant, example_inputs)
         deployed = DeployedGraph(name=name, stage=self.stage, microbatches=microbatches, gm=variant,
-                                 partitions=tuple(summary), nanobatched=nanobatched)
+                                 partitions=tuple(summary), nanobatched=nanobatched,
+                                 output_code=getattr(compiled, "source_code", None))
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
             self._write_code(deployed)
-        return deployed, boxed_nop(variant, example_inputs)
+        return deployed, compiled
 
     def _dispatcher(
         self, name: str, variants: Mapping[str, tuple[DeployedGraph, Callable[..., Any]]], variant_of: Mapping[int, str]
@@ -416,6 +424,8 @@ class Deployment:
         path = self.dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}_mb{mbs}_rank{rank}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(deployed.gm.code)
+        if deployed.output_code is not None:
+            path.with_name(path.stem + "_inductor.py").write_text(deployed.output_code)
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

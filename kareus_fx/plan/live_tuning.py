@@ -88,7 +88,7 @@ class LiveTuning:
             raise KareusError(f"compile-time tuning of the live graph failed on rank 0: {error}")
         opts = dataclasses.replace(self.opts, tune=None, plan=plan_out)
         return compile_graph(self.gm, self.example_inputs, self.gpu, self.dump, Deployment.from_options(opts),
-                             nanobatch=self.opts.nanobatch, split=self.split)
+                             nanobatch=self.opts.nanobatch, split=self.split, inductor=self.opts.inductor)
 
     def _plan(self, plan_out: Path, work_dir: Path) -> None:
         from kareus_fx.plan.planner import plan_traced, stage_graphs_from_dumps
@@ -106,7 +106,8 @@ class LiveTuning:
         dump = GraphDumpFile(path, gpu=self.gpu.name, rank=0, world_size=_world_size(), graph_id="live")
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
         fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
-        compiled = compile_autograd(source, fakes, self.gpu, dump, None, nanobatched=nanobatched)
+        # Fake tensors trace the graphs; nothing runs, so no code is generated.
+        compiled = compile_autograd(source, fakes, self.gpu, dump, None, nanobatched=nanobatched, inductor=False)
         with fake_mode:
             outputs = compiled(*fakes)
             outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)

@@ -18,6 +18,8 @@ class GraphSummary:
 
     name: str
     nodes: int = 0
+    kernels: int = 0
+    """Kernels the computation runs as (Inductor's fusion; one per op in dumps without kernel ids)."""
     compute_bound_ops: int = 0
     memory_bound_ops: int = 0
     flops: float = 0.0
@@ -35,8 +37,10 @@ def summarise_graph(graph: dict[str, Any]) -> GraphSummary:
     ``layers.<i>`` (the reference models' naming); all others count as outside layers.
     """
     summary = GraphSummary(name=graph["name"], nodes=len(graph["nodes"]))
+    kernels = set()
     for node in graph["nodes"]:
         if node["kind"] == "compute":
+            kernels.add(node.get("kernel") or node["name"])
             summary.flops += node["flops"]
             summary.bytes += node["bytes"]
             if node["bound"] == "compute":
@@ -52,13 +56,14 @@ def summarise_graph(graph: dict[str, Any]) -> GraphSummary:
                 summary.collectives_per_layer[(int(match.group(1)), kind)] += 1
             else:
                 summary.collectives_outside_layers[kind] += 1
+    summary.kernels = len(kernels)
     return summary
 
 
 def summary_table(dump: dict[str, Any], title: str) -> Table:
     """A rich table with one row per graph of a dump."""
     table = Table(title=title)
-    for column in ("graph", "nodes", "compute-bound ops", "memory-bound ops", "TFLOP", "GB moved",
+    for column in ("graph", "nodes", "kernels", "compute-bound ops", "memory-bound ops", "TFLOP", "GB moved",
                    "collectives (count, GiB)"):
         table.add_column(column, justify="right" if column != "graph" else "left")
     for graph in dump["graphs"]:
@@ -68,7 +73,7 @@ def summary_table(dump: dict[str, Any], title: str) -> Table:
             for kind, count in sorted(s.collectives.items())
         )
         table.add_row(
-            s.name, str(s.nodes), str(s.compute_bound_ops), str(s.memory_bound_ops),
+            s.name, str(s.nodes), str(s.kernels), str(s.compute_bound_ops), str(s.memory_bound_ops),
             f"{s.flops / 1e12:.2f}", f"{s.bytes / 1e9:.2f}", collectives or "none",
         )
     return table

@@ -1,0 +1,287 @@
+"""Group an analysed aten graph's computation into the kernels Inductor generates, and price them.
+
+A rule that mirrors Inductor's scheduler (``torch/_inductor/scheduler.py``), so it also runs on
+the full-size meta-device trace where no code is generated:
+
+- Extern kernels, one kernel per node: matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``),
+  convolutions, attention (``kareus::attention`` and its backward, the CPU SDPA kernels), and
+  scatter-accumulates (``index_put`` with ``accumulate``), and ``cat`` (Inductor's
+  ``ConcatKernel``: each input is computed by its own kernel into a slice); collectives and waits are their own
+  kernels and are priced elsewhere (``kind`` collective and wait).
+- Every other computation (pointwise ops, reductions, copies, casts, ``cat``) is fusible:
+  * a pointwise node read by at most ``REALIZE_READS`` fusible ops and by nothing else is
+    inlined: computed inside its consumers' kernels, never stored (Inductor's lazy lowering);
+  * a node joins the kernel of each stored fusible producer whose loop covers the same number
+    of elements (a pointwise op: its output's; a reduction: its output's or its input's):
+    vertical fusion of pointwise chains, of a producer into a reduction and of a reduction's
+    epilogue (over the reduced or the full shape);
+  * fusible kernels over the same number of elements that read one computed tensor join
+    (horizontal fusion: Inductor fuses nodes that share reads);
+  * no join makes a cycle (a kernel that would have to run both before and after another), and
+    none joins the two nanobatches' work (labels from ``passes/nanobatch_labels.py``).
+- Views, aliases and ``getitem`` make no kernel.
+
+Bytes of a kernel: each tensor it reads from outside (a graph input or another kernel's output)
+once, plus each output that a node outside the kernel (or the graph's output) uses. Each node's
+``NodeCost.bytes`` becomes its share (the outside tensors it is first to read, and its outputs
+that leave the kernel), so a kernel's nodes sum to the kernel's bytes; its intensity and bound
+are the kernel's. FLOPs are the nodes' own. Kernel ids go to ``node.meta["kareus_kernel"]``
+(``None`` for nodes outside any kernel); ids are ``k<i>`` in order of each kernel's first node.
+
+Not mirrored: Inductor's fusion-size and proximity limits, and its loop reordering; an inlined
+node is priced once, in its first consumer's kernel, although each consumer recomputes it.
+``bench/kernel_fidelity.py`` measures the rule against the kernels Inductor generates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from kareus_fx.passes.analysis import META_KEY, NodeCost
+from kareus_fx.passes.nanobatch import NANOBATCH_META
+
+aten = torch.ops.aten
+KERNEL_META = "kareus_kernel"
+REALIZE_READS = 4
+"""Inductor stores a pointwise result read by more ops than this (``config.realize_reads_threshold``)."""
+
+_EXTERN_TARGETS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.convolution.default, aten.convolution_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    torch.ops.kareus.attention.default, torch.ops.kareus.attention_backward.default,
+    aten.index_put.default, aten._unsafe_index_put.default,
+    aten._unsafe_masked_index_put_accumulate.default, aten.scatter_add.default,
+    aten.sort.default, aten.topk.default,
+    aten.cat.default,  # Inductor's ConcatKernel: each input's kernel writes its slice
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: its id, its nodes in graph order, what it moves and computes."""
+
+    kernel_id: str
+    nodes: tuple[str, ...]
+    extern: bool
+    bytes: float
+    flops: float
+
+
+def group_kernels(gm: torch.fx.GraphModule, ridge_flops_per_byte: float) -> list[Kernel]:
+    """Group ``gm``'s analysed computation into kernels (module docstring); reprices node costs."""
+    nodes = list(gm.graph.nodes)
+    cost = {n: n.meta.get(META_KEY) for n in nodes}
+    compute = [n for n in nodes if cost[n] is not None and cost[n].kind == "compute"]
+    parent = {n: n for n in compute}
+
+    def find(n: torch.fx.Node) -> torch.fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    iteration = {n: _iteration_numel(n) for n in compute}
+    label = {n: n.meta.get(NANOBATCH_META) for n in compute}
+    label_of_root = dict(label)
+
+    def union(a: torch.fx.Node, b: torch.fx.Node) -> None:
+        ra, rb = find(a), find(b)
+        la, lb = label_of_root[ra], label_of_root[rb]
+        if ra is rb or (la is not None and lb is not None and la != lb):
+            return
+        parent[rb] = ra
+        label_of_root[ra] = la if la is not None else lb
+
+    consumers = {n: _consumers(n, cost) for n in compute}
+    inlined = {n for n in compute if _inlinable(n, consumers[n], parent, iteration)}
+    # Depth: kernel boundaries on the longest path from the inputs. An edge is free (weight 0)
+    # when both ends are fusible and the producer is inlined or loops over the same elements;
+    # every other edge crosses a boundary. Free edges between nodes of equal depth join kernels:
+    # every path between two nodes of a kernel then stays inside it, so no kernel has to run
+    # both before and after another (Inductor refuses fusions that would make such a cycle).
+    depth: dict[torch.fx.Node, int] = {}
+    readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    stored: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # producers, inlined ones expanded
+    for node in nodes:
+        producers = _producers(node, cost)
+        depth[node] = max((depth[p] + (0 if _free_edge(p, node, parent, iteration, inlined) else 1)
+                           for p in producers), default=0)
+        stored[node] = list(dict.fromkeys(q for p in producers for q in (stored[p] if p in inlined else [p])))
+        if node not in parent or node in inlined or not _fusible(node):
+            continue
+        for producer in stored[node]:
+            if (producer in parent and _fusible(producer) and iteration[producer] & iteration[node]
+                    and depth[producer] == depth[node]):
+                union(producer, node)
+        for producer in stored[node]:
+            if producer in parent:
+                readers.setdefault(producer, []).append(node)
+    # Horizontal fusion: fusible kernels at one depth over the same elements that read one
+    # computed tensor become one kernel (Inductor fuses nodes that share reads).
+    for shared in readers.values():
+        by_key: dict[tuple[int, int], torch.fx.Node] = {}
+        for reader in shared:
+            first = by_key.setdefault((depth[reader], max(iteration[reader])), reader)
+            union(first, reader)
+    # An inlined node is computed inside its consumers' kernels: it joins its first consumer's.
+    for node in reversed(compute):
+        if node in inlined:
+            parent[node] = find(consumers[node][0])
+    return _price(nodes, compute, find, cost, ridge_flops_per_byte)
+
+
+def _producers(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
+    """The nodes whose results ``node`` reads, looking through views, aliases and getitems."""
+    seen: dict[torch.fx.Node, None] = {}
+    stack = list(node.all_input_nodes)
+    while stack:
+        inp = stack.pop()
+        c = cost.get(inp)
+        if inp.op == "call_function" and c is not None and c.kind == "other":
+            stack.extend(inp.all_input_nodes)
+        else:
+            seen.setdefault(inp)
+    return list(seen)
+
+
+def _free_edge(producer: torch.fx.Node, node: torch.fx.Node, compute: dict, iteration: dict, inlined: set) -> bool:
+    return (producer in compute and node in compute and _fusible(producer) and _fusible(node)
+            and (producer in inlined or bool(iteration[producer] & iteration[node])))
+
+
+def _consumers(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
+    """The nodes that read ``node``'s result, looking through views (the output node included)."""
+    found: dict[torch.fx.Node, None] = {}
+    stack = list(node.users)
+    while stack:
+        user = stack.pop(0)
+        c = cost.get(user)
+        if user.op == "call_function" and c is not None and c.kind == "other":
+            stack.extend(user.users)
+        else:
+            found.setdefault(user)
+    return list(found)
+
+
+def _inlinable(node: torch.fx.Node, consumers: list[torch.fx.Node], compute: dict, iteration: dict) -> bool:
+    """Whether Inductor computes a pointwise node inside its consumers instead of storing it: a
+    fusible op whose loop is its output (not a reduction), read only by a few fusible ops."""
+    return (_fusible(node) and iteration[node] == {_numel(node.meta.get("val"))}
+            and 0 < len(consumers) <= REALIZE_READS
+            and all(c in compute and _fusible(c) for c in consumers))
+
+
+def _fusible(node: torch.fx.Node) -> bool:
+    return node.target not in _EXTERN_TARGETS
+
+
+def _numel(val: object) -> int:
+    if isinstance(val, torch.Tensor):
+        return int(val.numel())
+    if isinstance(val, (tuple, list)):
+        return max((_numel(v) for v in val), default=0)
+    return 0
+
+
+def _iteration_numel(node: torch.fx.Node) -> frozenset[int]:
+    """Elements of the loops a node can share: its output's, and a reduction's input's too (the
+    largest input, when larger than the output)."""
+    out = _numel(node.meta.get("val"))
+    largest = max([out] + [_numel(i.meta.get("val")) for i in node.all_input_nodes])
+    return frozenset({out, largest})
+
+
+def _tensor_bytes(val: object) -> float:
+    if isinstance(val, torch.Tensor):
+        return float(val.numel() * val.element_size())
+    if isinstance(val, (tuple, list)):
+        return sum(_tensor_bytes(v) for v in val)
+    return 0.0
+
+
+def _price(nodes, compute, find, cost, ridge) -> list[Kernel]:
+    members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in compute:
+        members.setdefault(find(node), []).append(node)
+    kernel_of = {n: root for root, group in members.items() for n in group}
+    kernels: list[Kernel] = []
+    for index, (root, group) in enumerate(members.items()):
+        read: set[torch.fx.Node] = set()
+        shares: dict[torch.fx.Node, float] = {}
+        for node in group:
+            if node.target is aten.cat.default:
+                # Computed inputs were written into the output's slices by their kernels; an
+                # input that is not computed here is copied in (read and written).
+                shares[node] = sum(2 * _tensor_bytes(i.meta.get("val")) for i in _read_tensors(node, cost)
+                                   if i not in kernel_of)
+                continue
+            share = 0.0
+            for inp in _read_tensors(node, cost):
+                if kernel_of.get(inp) is root or inp in read:
+                    continue
+                read.add(inp)
+                share += _tensor_bytes(inp.meta.get("val"))
+            if _escapes(node, root, kernel_of, cost):
+                share += _tensor_bytes(node.meta.get("val"))
+            shares[node] = share
+        total_bytes = sum(shares.values())
+        total_flops = sum(cost[n].flops for n in group)
+        intensity = total_flops / total_bytes if total_bytes > 0 else float("inf")
+        bound = "compute" if intensity >= ridge else "memory"
+        kernel_id = f"k{index}"
+        for node in group:
+            node.meta[KERNEL_META] = kernel_id
+            node.meta[META_KEY] = dataclasses.replace(cost[node], bytes=shares[node], intensity=intensity, bound=bound)
+        kernels.append(Kernel(kernel_id, tuple(n.name for n in group), not _fusible(root), total_bytes, total_flops))
+    for node in nodes:
+        node.meta.setdefault(KERNEL_META, None)
+    return kernels
+
+
+def _read_tensors(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
+    """What a node reads: the producers behind its views (a view reads its base's bytes only
+    as far as the view reaches, so a view of a graph input counts as the view's size)."""
+    result = []
+    for inp in dict.fromkeys(node.all_input_nodes):
+        c = cost.get(inp)
+        if inp.op == "call_function" and c is not None and c.kind == "other":
+            base = _producers(inp, cost)
+            if len(base) == 1 and cost.get(base[0]) is not None and cost[base[0]].kind == "compute":
+                result.append(base[0])
+                continue
+        result.append(inp)
+    return result
+
+
+def _escapes(node: torch.fx.Node, root, kernel_of, cost) -> bool:
+    """Whether a node's result is used outside its kernel (through views), or is a graph output."""
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        if user.op == "output":
+            return True
+        c = cost.get(user)
+        if user.op == "call_function" and c is not None and c.kind == "other":
+            stack.extend(user.users)
+        elif kernel_of.get(user) is not root:
+            return True
+    return False
+
+
+def count_kernels(kernels: list[Kernel]) -> dict[str, int]:
+    """Kernels by kind: ``fused`` (generated) and ``extern`` (library calls)."""
+    extern = sum(1 for k in kernels if k.extern)
+    return {"fused": len(kernels) - extern, "extern": extern}
+
+
+__all__ = ["KERNEL_META", "Kernel", "count_kernels", "group_kernels"]
