@@ -5,20 +5,28 @@ the full-size meta-device trace where no code is generated:
 
 - Extern kernels, one kernel per node: matmuls (``mm``, ``addmm``, ``bmm``, ``baddbmm``),
   convolutions, attention (``kareus::attention`` and its backward, the CPU SDPA kernels), and
-  scatter-accumulates (``index_put`` with ``accumulate``), and ``cat`` (Inductor's
-  ``ConcatKernel``: each input is computed by its own kernel into a slice); collectives and waits are their own
+  scatter-accumulates (``index_put`` with ``accumulate``); collectives and waits are their own
   kernels and are priced elsewhere (``kind`` collective and wait).
-- Every other computation (pointwise ops, reductions, copies, casts, ``cat``) is fusible:
-  * a pointwise node read by at most ``REALIZE_READS`` fusible ops and by nothing else is
-    inlined: computed inside its consumers' kernels, never stored (Inductor's lazy lowering);
+- ``cat`` is Inductor's ``ConcatKernel``, which runs no kernel of its own: each computed
+  (fusible) input is stored straight into its slice of the output by its own kernel, and the
+  writers of equal-sized slices at one depth fuse (they share the output buffer and usually
+  their reads). Inputs that are not computed by a fusible kernel (graph inputs, extern
+  outputs) are copied in by a kernel of their own, the ``cat`` node's. A ``cat`` without such
+  inputs becomes kind "other" with no bytes, like a view.
+- Every other computation (pointwise ops, reductions, copies, casts) is fusible:
+  * a pointwise node read only by fusible ops, by one of them or reading at most
+    ``REALIZE_READS`` stored tensors itself, is inlined: computed inside its consumers'
+    kernels, never stored (Inductor's lazy lowering and ``should_realize_on_reuse``);
   * a node joins the kernel of each stored fusible producer whose loop covers the same number
     of elements (a pointwise op: its output's; a reduction: its output's or its input's):
     vertical fusion of pointwise chains, of a producer into a reduction and of a reduction's
     epilogue (over the reduced or the full shape);
   * fusible kernels over the same number of elements that read one computed tensor join
     (horizontal fusion: Inductor fuses nodes that share reads);
-  * no join makes a cycle (a kernel that would have to run both before and after another), and
-    none joins the two nanobatches' work (labels from ``passes/nanobatch_labels.py``).
+  * two reductions join only when they write the same number of elements (Inductor fuses
+    reductions over the same loops only), no join makes a cycle (a kernel that would have to
+    run both before and after another), and none joins the two nanobatches' work (labels from
+    ``passes/nanobatch_labels.py``).
 - Views, aliases and ``getitem`` make no kernel.
 
 Bytes of a kernel: each tensor it reads from outside (a graph input or another kernel's output)
@@ -47,7 +55,8 @@ from kareus_fx.passes.nanobatch import NANOBATCH_META
 aten = torch.ops.aten
 KERNEL_META = "kareus_kernel"
 REALIZE_READS = 4
-"""Inductor stores a pointwise result read by more ops than this (``config.realize_reads_threshold``)."""
+"""Inductor stores a pointwise result that several ops read when its own computation reads more
+stored tensors than this (``config.realize_reads_threshold``)."""
 
 _EXTERN_TARGETS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
@@ -62,7 +71,6 @@ _EXTERN_TARGETS = {
     aten.index_put.default, aten._unsafe_index_put.default,
     aten._unsafe_masked_index_put_accumulate.default, aten.scatter_add.default,
     aten.sort.default, aten.topk.default,
-    aten.cat.default,  # Inductor's ConcatKernel: each input's kernel writes its slice
 }
 
 
@@ -93,17 +101,20 @@ def group_kernels(gm: torch.fx.GraphModule, ridge_flops_per_byte: float) -> list
     iteration = {n: _iteration_numel(n) for n in compute}
     label = {n: n.meta.get(NANOBATCH_META) for n in compute}
     label_of_root = dict(label)
+    reduced_of_root = {n: _reduction_output(n) for n in compute}
 
     def union(a: torch.fx.Node, b: torch.fx.Node) -> None:
         ra, rb = find(a), find(b)
         la, lb = label_of_root[ra], label_of_root[rb]
-        if ra is rb or (la is not None and lb is not None and la != lb):
+        ka, kb = reduced_of_root[ra], reduced_of_root[rb]
+        if ra is rb or (la is not None and lb is not None and la != lb) or (ka and kb and ka != kb):
             return
         parent[rb] = ra
         label_of_root[ra] = la if la is not None else lb
+        reduced_of_root[ra] = ka or kb
 
     consumers = {n: _consumers(n, cost) for n in compute}
-    inlined = {n for n in compute if _inlinable(n, consumers[n], parent, iteration)}
+    inlined: set[torch.fx.Node] = set()
     # Depth: kernel boundaries on the longest path from the inputs. An edge is free (weight 0)
     # when both ends are fusible and the producer is inlined or loops over the same elements;
     # every other edge crosses a boundary. Free edges between nodes of equal depth join kernels:
@@ -117,6 +128,8 @@ def group_kernels(gm: torch.fx.GraphModule, ridge_flops_per_byte: float) -> list
         depth[node] = max((depth[p] + (0 if _free_edge(p, node, parent, iteration, inlined) else 1)
                            for p in producers), default=0)
         stored[node] = list(dict.fromkeys(q for p in producers for q in (stored[p] if p in inlined else [p])))
+        if node in parent and _inlinable(node, consumers[node], parent, iteration, reads=len(stored[node])):
+            inlined.add(node)
         if node not in parent or node in inlined or not _fusible(node):
             continue
         for producer in stored[node]:
@@ -133,11 +146,36 @@ def group_kernels(gm: torch.fx.GraphModule, ridge_flops_per_byte: float) -> list
         for reader in shared:
             first = by_key.setdefault((depth[reader], max(iteration[reader])), reader)
             union(first, reader)
+    kernel_less = _join_concat_writers(compute, cost, depth, union)
     # An inlined node is computed inside its consumers' kernels: it joins its first consumer's.
     for node in reversed(compute):
         if node in inlined:
             parent[node] = find(consumers[node][0])
-    return _price(nodes, compute, find, cost, ridge_flops_per_byte)
+    for node in kernel_less:
+        node.meta[META_KEY] = dataclasses.replace(cost[node], kind="other", flops=0.0, bytes=0.0,
+                                                  intensity=None, bound=None)
+    return _price(nodes, [n for n in compute if n not in kernel_less], find, cost, ridge_flops_per_byte)
+
+
+def _join_concat_writers(compute: list[torch.fx.Node], cost: dict, depth: dict, union) -> set[torch.fx.Node]:
+    """Per ``cat``: join the kernels at one depth that write its equal-sized slices. Returns the
+    ``cat`` nodes left with no kernel: those with no input to copy in (module docstring)."""
+    kernel_less = set()
+    for cat in (n for n in compute if n.target is aten.cat.default):
+        writer_of_size: dict[tuple[int, int], torch.fx.Node] = {}
+        copied_sizes: set[int] = set()
+        for piece in dict.fromkeys(cat.all_input_nodes):
+            size = _numel(piece.meta.get("val"))
+            writer = _slice_writer(piece, cost)
+            if size == 0:
+                continue  # an empty input (a KV cache's first step) is skipped, as ATen skips it
+            if writer is None:
+                copied_sizes.add(size)
+            else:
+                union(writer_of_size.setdefault((size, depth[writer]), writer), writer)
+        if not copied_sizes:
+            kernel_less.add(cat)
+    return kernel_less
 
 
 def _producers(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
@@ -173,16 +211,34 @@ def _consumers(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
     return list(found)
 
 
-def _inlinable(node: torch.fx.Node, consumers: list[torch.fx.Node], compute: dict, iteration: dict) -> bool:
+def _inlinable(node: torch.fx.Node, consumers: list[torch.fx.Node], compute: dict, iteration: dict, *,
+               reads: int) -> bool:
     """Whether Inductor computes a pointwise node inside its consumers instead of storing it: a
-    fusible op whose loop is its output (not a reduction), read only by a few fusible ops."""
+    fusible op whose loop is its output (not a reduction), read only by fusible ops, and either
+    read by one of them or reading at most ``REALIZE_READS`` stored tensors itself (counting
+    through the nodes inlined into it; Inductor's ``should_realize_on_reuse``)."""
     return (_fusible(node) and iteration[node] == {_numel(node.meta.get("val"))}
-            and 0 < len(consumers) <= REALIZE_READS
-            and all(c in compute and _fusible(c) for c in consumers))
+            and bool(consumers) and all(c in compute and _fusible(c) for c in consumers)
+            and (len(consumers) == 1 or reads <= REALIZE_READS))
+
+
+def _slice_writer(piece: torch.fx.Node, cost: dict) -> torch.fx.Node | None:
+    """The fusible computation that can store a ``cat`` input straight into its slice: the
+    input itself, or the one computation behind a view of it; None if it must be copied."""
+    producers = _producers(piece, cost) if _kind(piece, cost) == "other" and piece.op == "call_function" else [piece]
+    if len(producers) == 1 and _kind(producers[0], cost) == "compute" and _fusible(producers[0]):
+        return producers[0]
+    return None
+
+
+def _kind(node: torch.fx.Node, cost: dict) -> str | None:
+    return None if cost.get(node) is None else cost[node].kind
 
 
 def _fusible(node: torch.fx.Node) -> bool:
-    return node.target not in _EXTERN_TARGETS
+    """Whether a node's work may fuse with its neighbours' (not an extern kernel, not a ``cat``,
+    whose pieces :func:`_join_concat_writers` places)."""
+    return node.target not in _EXTERN_TARGETS and node.target is not aten.cat.default
 
 
 def _numel(val: object) -> int:
@@ -199,6 +255,13 @@ def _iteration_numel(node: torch.fx.Node) -> frozenset[int]:
     out = _numel(node.meta.get("val"))
     largest = max([out] + [_numel(i.meta.get("val")) for i in node.all_input_nodes])
     return frozenset({out, largest})
+
+
+def _reduction_output(node: torch.fx.Node) -> frozenset[int]:
+    """A reduction's output size (its loop reads more elements than it writes); empty otherwise.
+    Inductor fuses two reductions only over the same (output, reduced) loops."""
+    out = _numel(node.meta.get("val"))
+    return frozenset({out}) if max(_iteration_numel(node)) > out else frozenset()
 
 
 def _tensor_bytes(val: object) -> float:
@@ -242,7 +305,8 @@ def _price(nodes, compute, find, cost, ridge) -> list[Kernel]:
         for node in group:
             node.meta[KERNEL_META] = kernel_id
             node.meta[META_KEY] = dataclasses.replace(cost[node], bytes=shares[node], intensity=intensity, bound=bound)
-        kernels.append(Kernel(kernel_id, tuple(n.name for n in group), not _fusible(root), total_bytes, total_flops))
+        kernels.append(Kernel(kernel_id, tuple(n.name for n in group), root.target in _EXTERN_TARGETS, total_bytes,
+                              total_flops))
     for node in nodes:
         node.meta.setdefault(KERNEL_META, None)
     return kernels

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import json
 import logging
 import math
 import statistics
@@ -61,6 +62,7 @@ import torch
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.runtime.frequency import FrequencyController
 
+from kareus_fx.capture.node_arguments import decode_arguments
 from kareus_fx.errors import KareusError
 from kareus_fx.workload import (
     CollectiveSpec,
@@ -190,11 +192,30 @@ def _replay_kernel(op: OpCost, record: Mapping[str, Any], table: NodeTable, devi
     """The recorded op on random inputs of the recorded shapes; ValueError if it cannot be replayed."""
     if record.get("op") != op.target:
         raise ValueError(f"node {op.name} is {record.get('op')} in the dump, not {op.target}")
-    inputs = [table[name] for name in record["inputs"]]
-    if any(inp.get("shape") is None for inp in inputs):
+    inputs = {name: table[name] for name in record["inputs"]}
+    if any(inp.get("shape") is None for inp in inputs.values()):
         raise ValueError("an input has no recorded tensor shape")
-    tensors = [_random(inp["shape"], getattr(torch, inp["dtype"]), device) for inp in inputs]
+    tensors = {name: _random(inp["shape"], getattr(torch, inp["dtype"]), device) for name, inp in inputs.items()}
     overload = _resolve_overload(op.target)
+    if record.get("arguments") is not None:
+        args, kwargs = decode_arguments(record["arguments"], tensors.__getitem__, device)
+    else:
+        args, kwargs = _schema_arguments(overload, record, list(tensors.values()))
+    out = overload(*args, **kwargs)
+    first = next(iter(out)) if isinstance(out, (tuple, list)) else out
+    expected = math.prod(record["shape"] or [])
+    if first.numel() != expected or str(first.dtype).removeprefix("torch.") != record["dtype"]:
+        raise ValueError(
+            f"replayed output is {list(first.shape)} {first.dtype}, recorded {record['shape']} {record['dtype']}"
+        )
+    return Kernel(op.name, op.target, "replay", lambda: overload(*args, **kwargs))
+
+
+def _schema_arguments(
+    overload: Any, record: Mapping[str, Any], tensors: list[torch.Tensor]
+) -> tuple[list[Any], dict[str, Any]]:
+    """Arguments of a record without recorded ``arguments`` (older dumps): the tensors in schema
+    order, the recorded dtype, defaults, and a fill number for required scalars."""
     args: list[Any] = []
     kwargs: dict[str, Any] = {}
     remaining = list(tensors)
@@ -217,14 +238,7 @@ def _replay_kernel(op: OpCost, record: Mapping[str, Any], table: NodeTable, devi
             raise ValueError(f"argument {argument.name}: {kind} is not in the dump")
     if remaining:
         raise ValueError(f"{len(remaining)} recorded inputs have no tensor argument")
-    out = overload(*args, **kwargs)
-    first = next(iter(out)) if isinstance(out, (tuple, list)) else out
-    expected = math.prod(record["shape"] or [])
-    if first.numel() != expected or str(first.dtype).removeprefix("torch.") != record["dtype"]:
-        raise ValueError(
-            f"replayed output is {list(first.shape)} {first.dtype}, recorded {record['shape']} {record['dtype']}"
-        )
-    return Kernel(op.name, op.target, "replay", lambda: overload(*args, **kwargs))
+    return args, kwargs
 
 
 def _proxy_kernel(op: OpCost, device: torch.device) -> Kernel:
@@ -306,13 +320,28 @@ def _record(op: OpCost, table: NodeTable | None) -> Mapping[str, Any] | None:
 
 
 def kernel_signature(op: OpCost, table: NodeTable | None) -> tuple[Any, ...]:
-    """What a kernel of ``op`` depends on: its target and recorded input and output shapes and
-    dtypes (replay), or its target and cost (proxy). Ops with equal signatures run equal kernels."""
+    """What a kernel of ``op`` depends on: its target, recorded input and output shapes and
+    dtypes and recorded arguments (replay), or its target and cost (proxy). Ops with equal
+    signatures run equal kernels."""
     record = _record(op, table)
     if record is None or table is None or any(name not in table for name in record.get("inputs", ())):
         return (op.target, op.flops, op.bytes)
     inputs = tuple((tuple(table[n].get("shape") or ()), table[n].get("dtype")) for n in record["inputs"])
-    return (op.target, inputs, tuple(record.get("shape") or ()), record.get("dtype"), op.flops, op.bytes)
+    position = {name: i for i, name in enumerate(record["inputs"])}
+    arguments = json.dumps(_by_position(record.get("arguments"), position), sort_keys=True)
+    return (op.target, inputs, arguments, tuple(record.get("shape") or ()), record.get("dtype"), op.flops, op.bytes)
+
+
+def _by_position(encoded: Any, position: Mapping[str, int]) -> Any:
+    """Encoded arguments with each node reference replaced by its input position, so the same op
+    of two layers has one signature."""
+    if isinstance(encoded, list):
+        return [_by_position(v, position) for v in encoded]
+    if isinstance(encoded, Mapping):
+        if set(encoded) == {"node"}:
+            return {"input": position.get(encoded["node"])}
+        return {k: _by_position(v, position) for k, v in encoded.items()}
+    return encoded
 
 
 def build_kernels(ops: Sequence[OpCost], device: torch.device | str, table: NodeTable | None = None) -> list[Kernel]:

@@ -7,7 +7,8 @@ Schema (``schema_version`` 1; documented in README.md, "Graph dump format")::
      "graphs": [{"name": "forward" | "backward", "nodes": [NODE, ...]}]}
 
     NODE = {"name", "op", "fx_op", "kind", "shape", "dtype", "flops", "bytes", "intensity",
-            "bound", "collective", "inputs", "module", "nanobatch", "partition", "slot", "kernel"}
+            "bound", "collective", "inputs", "module", "nanobatch", "partition", "slot", "kernel",
+            "arguments"}
 
 ``kind`` is "collective" | "wait" | "compute" | "other"; ``collective`` is null or
 ``{"kind", "bytes", "group_name", "group_size"}``; ``bound`` is "compute" | "memory" for
@@ -16,7 +17,9 @@ node has none); ``nanobatch`` is 0 | 1 | null and ``partition`` / ``slot`` null 
 passes label it (``node.meta["kareus_nanobatch"]``, ``["kareus_partition"]``, ``["kareus_slot"]``).
 ``kernel`` is the id of the kernel Inductor fuses a computation node into (``passes/kernel_groups.py``;
 null for other nodes); ``bytes`` is the node's share of its kernel's traffic, ``intensity`` and
-``bound`` the kernel's.
+``bound`` the kernel's. ``arguments`` is the call's ``{"args", "kwargs"}`` with node references as
+``{"node": NAME}`` (``capture/node_arguments.py``; null when an argument has no JSON form), so the
+device profiler can run the op again.
 
 A graph that went through the partition pass also has::
 
@@ -38,6 +41,7 @@ import torch.fx
 
 from kareus_fx import __version__
 from kareus_fx.capture.dump_schema import DumpFile, cross_check
+from kareus_fx.capture.node_arguments import encode_arguments
 from kareus_fx.capture.validated_input import parse_json, read_bounded_text, validated_document
 from kareus_fx.errors import KareusError
 from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path, tensor_meta
@@ -74,6 +78,7 @@ def node_record(node: torch.fx.Node) -> dict[str, Any]:
         "partition": node.meta.get("kareus_partition"),
         "slot": node.meta.get("kareus_slot"),
         "kernel": node.meta.get(KERNEL_META),
+        "arguments": encode_arguments(node),
     }
 
 

@@ -11,7 +11,7 @@ optional per-node field, say) adds it to :class:`Node` first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import StrictStr, model_validator
 
@@ -28,6 +28,11 @@ class NodeCollective(SchemaModel):
     bytes: number()
     group_name: StrictStr
     group_size: count(1, 1_000_000) | None
+
+
+class NodeArguments(SchemaModel):
+    args: list[Any]
+    kwargs: dict[StrictStr, Any]
 
 
 class Node(SchemaModel):
@@ -47,6 +52,10 @@ class Node(SchemaModel):
     nanobatch: Literal[0, 1] | None
     partition: count(0) | StrictStr | None
     slot: count(0) | Literal["comm"] | None = None
+    kernel: StrictStr | None = None
+    """The Inductor kernel the node is fused into (``passes/kernel_groups.py``); absent in old dumps."""
+    arguments: NodeArguments | None = None
+    """The call's arguments (``capture/node_arguments.py``); absent in old dumps."""
 
     @model_validator(mode="after")
     def _collective_iff_kind(self) -> Node:
