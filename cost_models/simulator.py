@@ -1,7 +1,8 @@
 """The simulated GPU: time and energy of a partition under a (clock, comm SMs, launch slot) schedule.
 
 Two lanes on one GPU, the way the paper's Figure 3 draws them:
-- the compute lane runs the partition's kernels in slot order, each after a fixed launch gap;
+- the compute lane runs the partition's kernels in slot order, each after a fixed launch gap (the
+  ops of one fused kernel, ``OpCost.kernel``, run as one kernel);
 - the communication lane runs the collective, started when the compute lane reaches the launch
   slot (``launch_slot=None``: after the last slot, i.e. sequential execution: the collective
   alone with its SMs while the other SMs idle).
@@ -33,12 +34,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec
 from kareus_fx.cost_models.kernel_model import KernelModel
 from kareus_fx.cost_models.power_model import ZERO_TERMS, EnergyTerms, PowerModel
 from kareus_fx.cost_models.sim_params import SimParams, gpu_params
-from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
+
+from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType, fused_kernels
 
 _INF = math.inf
 _CACHE_LIMIT = 100_000
@@ -282,10 +283,11 @@ class Simulator:
         hit = self._structures.get(id(ptype))
         if hit is not None and hit[0] is ptype:
             return hit[1]
-        kernels = tuple(op for slot in ptype.slots for op in slot.ops)
+        per_slot = [fused_kernels(slot.ops) for slot in ptype.slots]
+        kernels = tuple(kernel for slot in per_slot for kernel in slot)
         starts = [0]
-        for slot in ptype.slots:
-            starts.append(starts[-1] + len(slot.ops))
+        for slot in per_slot:
+            starts.append(starts[-1] + len(slot))
         structure = _Structure(kernels, tuple(starts), sum(op.flops for op in kernels),
                                sum(op.bytes for op in kernels))
         if len(self._structures) > 4096:
@@ -482,7 +484,7 @@ class Simulator:
         sm_count = self.spec.sm_count
         gap = self.params.kernel_overhead_s
         t = busy = flops = nbytes = link = exposed = 0.0
-        for op in ops:
+        for op in fused_kernels(ops):
             ph = self._phase(op, sm_count, clock)
             t += gap + ph.time_s
             busy += ph.busy_frac * ph.time_s

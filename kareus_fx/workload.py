@@ -12,6 +12,8 @@ Units are in the field names; bytes are HBM bytes moved (reads + writes) unless 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -26,7 +28,9 @@ class OpCost:
     """One aten op's work: FLOPs and HBM bytes (from fake-tensor metadata).
 
     ``bound`` is the graph analysis' label against the planning GPU ("compute" | "memory"),
-    None when unknown (hand-built workloads).
+    None when unknown (hand-built workloads). ``kernel`` is the id of the (Inductor) kernel the
+    op is fused into, unique within its graph (``passes/kernel_groups.py``); ``flops`` and
+    ``bytes`` are then the op's share of that kernel's. None: the op is its own kernel.
     """
 
     name: str
@@ -34,6 +38,20 @@ class OpCost:
     flops: float
     bytes: float
     bound: str | None = None
+    kernel: str | None = None
+
+
+def fused_kernels(ops: Sequence[OpCost]) -> tuple[OpCost, ...]:
+    """The kernels ``ops`` run as: consecutive ops of one kernel become one ``OpCost`` (the first
+    op's name and target, the summed FLOPs and bytes); an op without a kernel id stays itself."""
+    kernels: list[OpCost] = []
+    for op in ops:
+        last = kernels[-1] if kernels else None
+        if last is not None and op.kernel is not None and last.kernel == op.kernel:
+            kernels[-1] = dataclasses.replace(last, flops=last.flops + op.flops, bytes=last.bytes + op.bytes)
+        else:
+            kernels.append(op)
+    return tuple(kernels)
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-
-from kareus_fx.passes.analysis import META_KEY, NodeCost
+from kareus_fx.passes.analysis import META_KEY
 from kareus_fx.passes.nanobatch import NANOBATCH_META
 
 aten = torch.ops.aten
@@ -283,10 +282,10 @@ def _price(nodes, compute, find, cost, ridge) -> list[Kernel]:
         shares: dict[torch.fx.Node, float] = {}
         for node in group:
             if node.target is aten.cat.default:
-                # Computed inputs were written into the output's slices by their kernels; an
-                # input that is not computed here is copied in (read and written).
-                shares[node] = sum(2 * _tensor_bytes(i.meta.get("val")) for i in _read_tensors(node, cost)
-                                   if i not in kernel_of)
+                # Computed inputs were written into the output's slices by their kernels; the
+                # others are copied in (each slice read and written).
+                pieces = dict.fromkeys(node.all_input_nodes)
+                shares[node] = sum(2 * _tensor_bytes(p.meta.get("val")) for p in pieces if _slice_writer(p, cost) is None)
                 continue
             share = 0.0
             for inp in _read_tensors(node, cost):

@@ -343,7 +343,8 @@ def _collective_spec(collectives: list[torch.fx.Node]) -> CollectiveSpec:
 
 def _op_cost(node: torch.fx.Node) -> OpCost:
     cost = _cost(node)
-    return OpCost(name=node.name, target=str(node.target), flops=cost.flops, bytes=cost.bytes, bound=cost.bound)
+    return OpCost(name=node.name, target=str(node.target), flops=cost.flops, bytes=cost.bytes, bound=cost.bound,
+                  kernel=node.meta.get(KERNEL_META))
 
 
 def _describe(partition: Partition) -> str:

@@ -5,10 +5,10 @@ from a real trace (meta device, fake process group): Llama-3.2-3B at TP=4 (the p
 microbatch 8 (nanobatch 4), sequence 4096, 4 layers (partition types do not depend on the layer
 count). Every time and energy is the simulated A100's (a calibrated cost model).
 
-The traced sub-layer differs from the hand-built one: its RMSNorm is the unfused aten graph (nine
-kernels with fp32 casts and the residual add, 2.1 GB of HBM traffic against 0.2 GB fused), so the
-norm slot alone (~1.6 ms) outlasts the collective, and a memory-bound ``clone`` slot follows the
-attention. Slots are found by their roofline label (``SlotSpec.bound``, from arithmetic intensity),
+The traced sub-layer differs from the hand-built one: its kernels are Inductor's fusion of the
+aten graph (``passes/kernel_groups.py``): the residual add and RMSNorm run as one memory-bound
+slot, the RoPE of Q and K as another, and a memory-bound ``clone`` slot follows the attention.
+Slots are found by their roofline label (``SlotSpec.bound``, from arithmetic intensity),
 never by index.
 """
 
@@ -111,9 +111,15 @@ def test_memory_bound_launch_slot_costs_more_at_max_clock(sim, attn):
     with_norm, with_linear, alone = (sim.predict(attn, PartitionConfig(FMAX, best, slot), timeline=True)
                                      for slot in (norm, linear, None))
     assert _slot_time_s(with_norm, attn, norm) > 1.03 * _slot_time_s(alone, attn, norm)
-    assert _collective_time_s(with_norm) > 1.3 * _collective_time_s(with_linear)
+    # Beside the fused norm (one short slot) the collective runs about 1.24x as long as beside
+    # the linear; 1.3x before fusion, when the norm slot moved ten times the bytes.
+    assert _collective_time_s(with_norm) > 1.1 * _collective_time_s(with_linear)
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "with fused kernels (issue 14) the simulated A100 keeps the compute-bound launch slot optimal at "
+    "1,100 MHz (0.9360 J against 0.9364 J for the RoPE slot): the effect of the paper's Figure 3f is "
+    "within 0.05% here; the end-to-end fidelity issue (15) recalibrates contention on fused kernels"))
 def test_lower_clock_moves_the_energy_optimal_launch_slot(sim, attn):
     """3.2.3 (Figure 3b vs 3f): over the tuner's (SM count, launch slot) space, the energy-optimal
     schedule launches the collective with a compute-bound kernel at the maximum clock and with a

@@ -200,7 +200,7 @@ def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
             slots = tuple(
                 SlotSpec(ops=tuple(
                     OpCost(name=name, target=nodes[name]["op"], flops=nodes[name]["flops"],
-                           bytes=nodes[name]["bytes"], bound=nodes[name]["bound"])
+                           bytes=nodes[name]["bytes"], bound=nodes[name]["bound"], kernel=nodes[name].get("kernel"))
                     for name in slot))
                 for slot in partition["slots"]
             )

@@ -76,7 +76,7 @@ def graph_fingerprint(graph_record: Mapping[str, Any]) -> str:
 
 def _op_cost(node: Mapping[str, Any]) -> OpCost:
     return OpCost(name=node["name"], target=node["op"], flops=node["flops"], bytes=node["bytes"],
-                  bound=node["bound"])
+                  bound=node["bound"], kernel=node.get("kernel"))
 
 
 _COLLECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(CollectiveSpec))
