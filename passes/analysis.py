@@ -181,10 +181,10 @@ def _flops(node: torch.fx.Node) -> float:
         return float(_concrete(flop_registry[packet](*args, **kwargs, out_val=out)))
     if target is _KAREUS_ATTENTION:
         q, k, v = args[:3]
-        return attention_flops(q.shape, k.shape, v.shape)
+        return attention_flops(hinted(q.shape), hinted(k.shape), hinted(v.shape))
     if target is _KAREUS_ATTENTION_BACKWARD:
         q, k, v = args[1:4]
-        return attention_backward_flops(q.shape, k.shape, v.shape)
+        return attention_backward_flops(hinted(q.shape), hinted(k.shape), hinted(v.shape))
     if target in _CPU_SDPA_FORWARD:
         q, k, v = args[:3]
         return float(_concrete(sdpa_flop_count(q.shape, k.shape, v.shape)))
@@ -228,6 +228,18 @@ def _nbytes(t: Any) -> float:
 
 def _is_view(target: Any) -> bool:
     return bool(getattr(target, "is_view", False))
+
+
+def hinted(shape: Any) -> tuple[int, ...]:
+    """A shape with each symbolic size at its hint (the size of the call being compiled)."""
+    return tuple(_concrete(s) for s in shape)
+
+
+def shape_key(shape: Any) -> tuple[int | str, ...]:
+    """A hashable shape that keeps symbolic sizes symbolic (``(4, 's38', 64)``): two nodes of a
+    dynamic graph have the same key only if their shapes agree for every sequence length."""
+    return tuple(str(s.node.expr) if isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None
+                 else int(s) for s in shape)
 
 
 def _concrete(value: Any) -> int:

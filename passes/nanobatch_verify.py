@@ -354,7 +354,7 @@ def _shapes(out):
         return tuple(_shapes(o) for o in out)
     if not isinstance(out, torch.Tensor):
         return None
-    return tuple(int(s) for s in out.shape)
+    return _shape(out)  # symbolic sizes as expressions: comparing them installs no guard
 
 
 def verify_split(gm: fx.GraphModule, mode: FakeTensorMode, fake_inputs: list, halves: tuple[int, int],
