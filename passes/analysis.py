@@ -18,8 +18,11 @@ Assumptions:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
@@ -231,22 +234,36 @@ def _is_view(target: Any) -> bool:
 
 
 def hinted(shape: Any) -> tuple[int, ...]:
-    """A shape with each symbolic size at its hint (the size of the call being compiled)."""
+    """A shape with each symbolic size evaluated (:func:`_concrete`: at :func:`sizes_at`'s sizes,
+    else at its hint, the size of the call being compiled)."""
     return tuple(_concrete(s) for s in shape)
 
 
-def shape_key(shape: Any) -> tuple[int | str, ...]:
-    """A hashable shape that keeps symbolic sizes symbolic (``(4, 's38', 64)``): two nodes of a
-    dynamic graph have the same key only if their shapes agree for every sequence length."""
-    return tuple(str(s.node.expr) if isinstance(s, torch.SymInt) and s.node.maybe_as_int() is None
-                 else int(s) for s in shape)
+_SIZES: contextvars.ContextVar[Mapping[Any, int] | None] = contextvars.ContextVar("kareus_sizes", default=None)
+
+
+@contextlib.contextmanager
+def sizes_at(sizes: Mapping[Any, int] | None) -> Iterator[None]:
+    """Evaluate symbolic sizes at ``sizes`` (shape symbol -> value: a plan bucket's sequence
+    length) instead of their hints, for the analysis and records made inside the block."""
+    token = _SIZES.set(dict(sizes) if sizes else None)
+    try:
+        yield
+    finally:
+        _SIZES.reset(token)
 
 
 def _concrete(value: Any) -> int:
-    """An int from a possibly symbolic size (its hint when the graph is dynamic)."""
-    if isinstance(value, torch.SymInt):
-        return int(value.node.hint) if value.node.hint is not None else int(value.node.size_hint())
-    return int(value)
+    """An int from a possibly symbolic size: at :func:`sizes_at`'s sizes where given, otherwise
+    at its hint (the size of the call being compiled). Installs no guard."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    sizes = _SIZES.get()
+    node = value.node
+    if sizes and node.maybe_as_int() is None:
+        hints = {sym: int(val) for sym, val in node.shape_env.var_to_val.items()}
+        return int(node.expr.xreplace({**hints, **sizes}))
+    return int(node.hint) if node.hint is not None else int(node.size_hint())
 
 
 def count_kinds(costs: Iterable[NodeCost]) -> dict[str, int]:
