@@ -26,9 +26,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
+import sympy
 import torch
 import torch.fx
 from kareus_fx.cost_models.hardware import GPUSpec
+from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from kareus_fx.models.attention_op import attention_backward_flops, attention_flops
@@ -118,6 +120,43 @@ def tensor_meta(node: torch.fx.Node) -> tuple[list[int] | None, str | None]:
     if not isinstance(val, torch.Tensor):
         return None, None
     return [_concrete(s) for s in val.shape], str(val.dtype).removeprefix("torch.")
+
+
+def symbolic_shape(node: torch.fx.Node) -> list[str] | None:
+    """The (first) tensor output's shape with symbolic sizes as their expressions
+    (``["4", "s38", "64"]``); None when every size is concrete or the node has no tensor."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if not isinstance(val, torch.Tensor):
+        return None
+    sizes = [str(s.node.expr) if isinstance(s, torch.SymInt) else str(int(s)) for s in val.shape]
+    return sizes if any(not size.isdigit() for size in sizes) else None
+
+
+def shape_symbols(gm: torch.fx.GraphModule) -> dict[str, dict[str, int | None]]:
+    """The shape symbols a graph's tensors use: name -> {"hint", "min", "max"} (max None when
+    unbounded), from the graph's ShapeEnv. Empty for a graph with static shapes."""
+    symbols: dict[str, dict[str, int | None]] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for tensor in val if isinstance(val, (tuple, list)) else (val,):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            for size in tensor.shape:
+                if not isinstance(size, torch.SymInt) or size.node.maybe_as_int() is not None:
+                    continue
+                shape_env = size.node.shape_env
+                for symbol in size.node.expr.free_symbols:
+                    if str(symbol) in symbols:
+                        continue
+                    bounds = shape_env.var_to_range.get(symbol)
+                    hint = shape_env.var_to_val.get(symbol)
+                    upper = None if bounds is None or bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
+                    symbols[str(symbol)] = {"hint": None if hint is None else int(hint),
+                                            "min": 0 if bounds is None else int(bounds.lower),
+                                            "max": upper}
+    return symbols
 
 
 def module_path(node: torch.fx.Node) -> str | None:
