@@ -53,7 +53,9 @@ def _with_bucket_clocks(data):
     return data
 
 
-def test_bucketed_plan_holds_a_frontier_per_bucket_and_old_plans_still_load(bucketed_plan, tmp_path):
+def test_bucketed_plan_holds_a_frontier_per_bucket_and_old_plans_still_load(bucketed_plan, tmp_path, capsys):
+    from kareus_fx.cli import main
+
     plan = load_plan(write_plan(tmp_path / "plan.json", bucketed_plan))
     assert plan.buckets == (128, 256) and plan.workload["seq"] == 256
     assert plan.bucket_for(1) == 128 and plan.bucket_for(129) == 256 and plan.bucket_for(257) is None
@@ -61,6 +63,11 @@ def test_bucketed_plan_holds_a_frontier_per_bucket_and_old_plans_still_load(buck
     assert small.workload["seq"] == 128 and small.frontier
     assert small.data["stages"][0]["graphs"]["forward"]["fingerprint"] != \
         plan.data["stages"][0]["graphs"]["forward"]["fingerprint"]
+    capsys.readouterr()
+    main(["inspect", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert "sequence-length buckets 128, 256 (tables: the largest)" in out
+    assert "seq 128: Kareus iteration frontier" in out and "seq 256: Kareus iteration frontier" in out
     one_length = {k: v for k, v in bucketed_plan.items() if k != "buckets"}
     assert load_plan(write_plan(tmp_path / "old.json", one_length)).buckets == ()
 
@@ -123,3 +130,50 @@ def test_bucketed_plan_deploys_each_bucket_clocks_per_call(bucketed_plan, tmp_pa
         assert len(caught) == 2, caught  # one warning per length
         assert "sequence length 300 is in no bucket" in caught[0] and "--seq 128,256,300" in caught[0]
         assert json.loads(plan_path.read_text())["buckets"][0]["seq"] == 128
+
+
+def _one_length_worker(rank, world_size, plan_path):
+    import warnings
+
+    from kareus_fx.models import ParallelLayout, build_model
+    from kareus_fx.runtime.frequency import FrequencyController
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = build_model(WORKLOAD["model"], ParallelLayout.from_default_group(tp=2, cp=1),
+                        num_layers=WORKLOAD["layers"], dtype=torch.float32)
+    model.init_weights(seed=0)
+    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    compiled = torch.compile(model, backend="kareus", fullgraph=True,
+                             options={"plan": plan_path, "clock_controller": controller})
+    requests, caught_all = [], []
+    for seq in (100, 200):
+        batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
+        for value in batch.values():
+            torch._dynamo.mark_dynamic(value, 1)
+        model.zero_grad(set_to_none=True)
+        eager_loss = model(**batch)
+        model.zero_grad(set_to_none=True)
+        before = len(controller.requests)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = compiled(**batch)
+            loss.backward()
+        caught_all += [str(w.message) for w in caught if "bucket" in str(w.message)]
+        requests.append([r.clock_mhz for r in controller.requests[before:]])
+        torch.testing.assert_close(loss, eager_loss, **TOL)
+    controller.close()
+    return requests, caught_all
+
+
+@pytest.mark.slow
+def test_one_length_plan_on_a_symbolic_graph_is_its_one_bucket(bucketed_plan, tmp_path):
+    from kareus_fx.plan.plan_format import Plan
+
+    data = _with_bucket_clocks(bucketed_plan)
+    one_length = dict(Plan(data=validate_plan(data)).bucket(128).data)
+    one_length.pop("buckets")
+    plan_path = write_plan(tmp_path / "plan.json", one_length)
+    for requests, caught in run_distributed(_one_length_worker, 2, str(plan_path), timeout_s=600):
+        assert requests == [[BUCKET_CLOCKS_MHZ[128]] * 2, []]
+        assert len(caught) == 1 and "sequence length 200 is in no bucket" in caught[0], caught

@@ -42,6 +42,11 @@ def compile_graph(
     """Steps 1-5 of the module docstring (``split``: the nanobatch split, when already made)."""
     if split is None and nanobatch and graph_communicates(gm, example_inputs):
         split = split_nanobatches(gm, example_inputs)
+    split_made = split is not None and split.split
+    sequence = sequence_input(gm, split.batch_inputs) if split_made else None
+    if (isinstance(deployment, Deployment) and deployment.sizes is None and sequence is not None
+            and sequence.symbol is not None):
+        deployment = BucketedDeployment.of_one_length(deployment)  # a symbolic length: per call
     if isinstance(deployment, BucketedDeployment):  # one compile per sequence-length bucket
         dumps = iter([dump])  # the first compile dumps
 
@@ -50,9 +55,7 @@ def compile_graph(
                 return compile_autograd(gm, example_inputs, gpu, None, None, nanobatched=False)
             return compile_graph(gm, example_inputs, gpu, next(dumps, None), bucket, split=split)
 
-        split_made = split is not None and split.split
-        return deployment.compile(sequence_input(gm, split.batch_inputs) if split_made else None,
-                                  compile_bucket)
+        return deployment.compile(sequence, compile_bucket)
     if split is None:
         return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False)
     if not split.split:  # fell back: the only graph

@@ -9,6 +9,9 @@ that length), and each call runs the smallest bucket that holds its length, at t
 clocks and schedules. The buckets share one microbatch cursor, so a step whose microbatches fall
 in different buckets still counts them in order.
 
+A one-length plan deployed on a graph whose sequence length is symbolic is deployed the same way,
+as one bucket of its ``workload.seq``.
+
 A graph with a concrete sequence length (Dynamo's first compile, before it has seen a second
 length) is deployed on the bucket of exactly that length. A call that no bucket holds (longer
 than the largest, or a concrete length that is not a bucket) runs the un-split graph without the
@@ -97,6 +100,15 @@ class BucketedDeployment:
             deployment.cursor = cursor  # one count of microbatches over all buckets
         return cls(plan=plan, buckets=buckets)
 
+    @classmethod
+    def of_one_length(cls, deployment: Deployment) -> BucketedDeployment:
+        """A one-length plan's deployment as the one bucket of its ``workload.seq``."""
+        return cls(plan=deployment.plan, buckets={deployment.plan.workload["seq"]: deployment})
+
+    def bucket_for(self, length: int) -> int | None:
+        """The smallest bucket holding a call of ``length`` tokens (None: longer than all)."""
+        return next((seq for seq in sorted(self.buckets) if length <= seq), None)
+
     def compile(self, sequence: SequenceInput | None, compile_one: CompileOne) -> Callable[..., Any]:
         """The Dynamo-level callable: per call, the graph of the smallest bucket that holds it."""
         if sequence is None:
@@ -111,25 +123,25 @@ class BucketedDeployment:
                 compiled[seq] = compile_one(deployment)
         unsplit = compile_one(None)  # now: a compile outside Dynamo's would specialise the shapes
         warned: set[int] = set()
-        plan, index = self.plan, sequence.index
+        plan, index, buckets = self.plan, sequence.index, tuple(sorted(self.buckets))
         fixed = sequence.symbol is None
 
         def run(*args: Any) -> Any:
             length = int(args[index].shape[1])
-            seq = plan.bucket_for(length) if not fixed else length
+            seq = self.bucket_for(length) if not fixed else length
             if seq in compiled:
                 return compiled[seq](*args)
             if length not in warned:
                 warned.add(length)
-                warnings.warn(_outside_message(plan, length, fixed), PlanDeviationWarning, stacklevel=2)
+                warnings.warn(_outside_message(plan, buckets, length, fixed), PlanDeviationWarning, stacklevel=2)
             return unsplit(*args)
 
         return run
 
 
-def _outside_message(plan: Plan, length: int, fixed: bool) -> str:
-    buckets = ",".join(map(str, plan.buckets))
-    if fixed and length <= plan.buckets[-1]:
+def _outside_message(plan: Plan, seqs: tuple[int, ...], length: int, fixed: bool) -> str:
+    buckets = ",".join(map(str, seqs))
+    if fixed and length <= seqs[-1]:
         fix = ("mark the sequence dim dynamic (torch._dynamo.mark_dynamic(x, 1), or compile with "
                "dynamic=True) so one graph serves every bucket, or add the length to --seq")
     else:
