@@ -110,9 +110,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                       "full size on the meta device, no weights (instead of --model; needs transformers)")
     for name, what in (("tp", "tensor-parallel degree"), ("cp", "context-parallel degree"),
                        ("pp", "pipeline stages"), ("microbatches", "microbatches per iteration"),
-                       ("mbs", "microbatch size"), ("seq", "sequence length"),
+                       ("mbs", "microbatch size"),
                        ("layers", "decoder layers (default: the model's)")):
         plan.add_argument(f"--{name}", type=int, default=None, help=what)
+    plan.add_argument("--seq", type=_seq_buckets, default=None, metavar="N[,N...]",
+                      help="sequence length; several (2048,4096,8192) plan one frontier per bucket, "
+                      "deployed per call on the smallest bucket that holds it")
     plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU to plan for (default {DEFAULT_GPU})")
     plan.add_argument("--dtype", default="bfloat16", help="model dtype: bfloat16 (default), float16, float32")
     plan.add_argument("--profiler", default="simulated",
@@ -134,11 +137,20 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.set_defaults(run=_run_plan)
 
 
+def _seq_buckets(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or N,N,... (sequence lengths), got {text!r}") from None
+
+
 def _plan_request(args: argparse.Namespace):
     from kareus_fx.models.configs import HF_CONFIG_PREFIX
     from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
 
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
+    if shape["seq"] is not None:
+        shape["seq"] = max(shape["seq"])  # the largest bucket (the others: _run_plan)
     common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
                   clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode,
                   full_trace=args.full_trace)
@@ -166,14 +178,19 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from kareus_fx.compose.perseus_csv import write_perseus_profile
+    from kareus_fx.plan.buckets import make_bucketed_plan, validate_buckets
     from kareus_fx.plan.plan_format import write_plan
     from kareus_fx.plan.planner import make_plan, validate_plan_request
     from kareus_fx.report.plan_report import metrics_table, write_frontier_csv, write_report_html
 
     request = _plan_request(args)
     validate_plan_request(request)  # every bad-input error before any tracing
+    buckets = validate_buckets(request, args.seq) if args.seq is not None and len(args.seq) > 1 else None
     args.out.mkdir(parents=True, exist_ok=True)
-    outcome = make_plan(request, args.out / "work", progress=not args.json)
+    if buckets is None:
+        outcome = make_plan(request, args.out / "work", progress=not args.json)
+    else:
+        outcome = make_bucketed_plan(request, buckets, args.out / "work", progress=not args.json)
     write_plan(args.out / "plan.json", outcome.data)
     write_frontier_csv(outcome.data, args.out / "frontier.csv")
     # The sequential (Megatron-LM) microbatch profile in Perseus's CSV format, per GPU: the input

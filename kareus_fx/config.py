@@ -29,6 +29,8 @@ _OPTION_HELP: dict[str, str] = {
     "plan_out": "where 'tune' writes the plan (str or Path)",
     "tune_request": "plan a reference model instead of the live graph: a dict of kareus_fx.plan.planner.PlanRequest fields",
     "microbatches": "microbatches per iteration when 'tune' plans the live graph (int, default 1)",
+    "tune_seq": "sequence-length buckets 'tune' plans when the live graph's sequence length is symbolic "
+                "(list of ints; default: the lengths it has seen)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
 }
 _TARGET_KEYS = ("deadline_s", "energy_budget_j")
@@ -50,6 +52,7 @@ class KareusOptions:
     plan_out: Path | None = None
     tune_request: Mapping[str, Any] | None = None
     microbatches: int = 1
+    tune_seq: tuple[int, ...] | None = None
     clock_controller: "FrequencyController | None" = None
 
     @classmethod
@@ -99,7 +102,7 @@ def _int_option(options: Mapping[str, Any], key: str, low: int, what: str) -> in
 
 
 def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """plan, target, stage, tune, plan_out, tune_request, microbatches, clock_controller (see deploy/deployment.py)."""
+    """plan, target, stage, tune, plan_out, tune_request, microbatches, tune_seq, clock_controller (see deploy/deployment.py)."""
     values: dict[str, Any] = {}
     for key in ("plan", "plan_out"):
         if options.get(key) is not None:
@@ -122,6 +125,13 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
         values["tune_request"] = dict(options["tune_request"])
     if "microbatches" in options:
         values["microbatches"] = _int_option(options, "microbatches", 1, "a number of microbatches")
+    if options.get("tune_seq") is not None:
+        seqs = options["tune_seq"]
+        if (not isinstance(seqs, (list, tuple)) or not seqs
+                or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in seqs)):
+            raise OptionsError(f"option 'tune_seq' must be a non-empty list of sequence lengths (ints >= 1), "
+                               f"got {seqs!r}")
+        values["tune_seq"] = tuple(sorted(set(seqs)))
     if options.get("clock_controller") is not None:
         from kareus_fx.runtime.frequency import FrequencyController
 

@@ -18,14 +18,19 @@ Assumptions:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
+import sympy
 import torch
 import torch.fx
 from kareus_fx.cost_models.hardware import GPUSpec
+from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from kareus_fx.models.attention_op import attention_backward_flops, attention_flops
@@ -117,6 +122,43 @@ def tensor_meta(node: torch.fx.Node) -> tuple[list[int] | None, str | None]:
     return [_concrete(s) for s in val.shape], str(val.dtype).removeprefix("torch.")
 
 
+def symbolic_shape(node: torch.fx.Node) -> list[str] | None:
+    """The (first) tensor output's shape with symbolic sizes as their expressions
+    (``["4", "s38", "64"]``); None when every size is concrete or the node has no tensor."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    if not isinstance(val, torch.Tensor):
+        return None
+    sizes = [str(s.node.expr) if isinstance(s, torch.SymInt) else str(int(s)) for s in val.shape]
+    return sizes if any(not size.isdigit() for size in sizes) else None
+
+
+def shape_symbols(gm: torch.fx.GraphModule) -> dict[str, dict[str, int | None]]:
+    """The shape symbols a graph's tensors use: name -> {"hint", "min", "max"} (max None when
+    unbounded), from the graph's ShapeEnv. Empty for a graph with static shapes."""
+    symbols: dict[str, dict[str, int | None]] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        for tensor in val if isinstance(val, (tuple, list)) else (val,):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            for size in tensor.shape:
+                if not isinstance(size, torch.SymInt) or size.node.maybe_as_int() is not None:
+                    continue
+                shape_env = size.node.shape_env
+                for symbol in size.node.expr.free_symbols:
+                    if str(symbol) in symbols:
+                        continue
+                    bounds = shape_env.var_to_range.get(symbol)
+                    hint = shape_env.var_to_val.get(symbol)
+                    upper = None if bounds is None or bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
+                    symbols[str(symbol)] = {"hint": None if hint is None else int(hint),
+                                            "min": 0 if bounds is None else int(bounds.lower),
+                                            "max": upper}
+    return symbols
+
+
 def module_path(node: torch.fx.Node) -> str | None:
     """Innermost ``nn.Module`` path Dynamo recorded for a node (``layers.3.mlp.down_proj``).
 
@@ -181,10 +223,10 @@ def _flops(node: torch.fx.Node) -> float:
         return float(_concrete(flop_registry[packet](*args, **kwargs, out_val=out)))
     if target is _KAREUS_ATTENTION:
         q, k, v = args[:3]
-        return attention_flops(q.shape, k.shape, v.shape)
+        return attention_flops(hinted(q.shape), hinted(k.shape), hinted(v.shape))
     if target is _KAREUS_ATTENTION_BACKWARD:
         q, k, v = args[1:4]
-        return attention_backward_flops(q.shape, k.shape, v.shape)
+        return attention_backward_flops(hinted(q.shape), hinted(k.shape), hinted(v.shape))
     if target in _CPU_SDPA_FORWARD:
         q, k, v = args[:3]
         return float(_concrete(sdpa_flop_count(q.shape, k.shape, v.shape)))
@@ -230,11 +272,37 @@ def _is_view(target: Any) -> bool:
     return bool(getattr(target, "is_view", False))
 
 
+def hinted(shape: Any) -> tuple[int, ...]:
+    """A shape with each symbolic size evaluated (:func:`_concrete`: at :func:`sizes_at`'s sizes,
+    else at its hint, the size of the call being compiled)."""
+    return tuple(_concrete(s) for s in shape)
+
+
+_SIZES: contextvars.ContextVar[Mapping[Any, int] | None] = contextvars.ContextVar("kareus_sizes", default=None)
+
+
+@contextlib.contextmanager
+def sizes_at(sizes: Mapping[Any, int] | None) -> Iterator[None]:
+    """Evaluate symbolic sizes at ``sizes`` (shape symbol -> value: a plan bucket's sequence
+    length) instead of their hints, for the analysis and records made inside the block."""
+    token = _SIZES.set(dict(sizes) if sizes else None)
+    try:
+        yield
+    finally:
+        _SIZES.reset(token)
+
+
 def _concrete(value: Any) -> int:
-    """An int from a possibly symbolic size (its hint when the graph is dynamic)."""
-    if isinstance(value, torch.SymInt):
-        return int(value.node.hint) if value.node.hint is not None else int(value.node.size_hint())
-    return int(value)
+    """An int from a possibly symbolic size: at :func:`sizes_at`'s sizes where given, otherwise
+    at its hint (the size of the call being compiled). Installs no guard."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    sizes = _SIZES.get()
+    node = value.node
+    if sizes and node.maybe_as_int() is None:
+        hints = {sym: int(val) for sym, val in node.shape_env.var_to_val.items()}
+        return int(node.expr.xreplace({**hints, **sizes}))
+    return int(node.hint) if node.hint is not None else int(node.size_hint())
 
 
 def count_kinds(costs: Iterable[NodeCost]) -> dict[str, int]:

@@ -53,7 +53,9 @@ __all__ = [
     "Info",
     "SliceOf",
     "Step",
+    "Size",
     "Unsupported",
+    "is_symbolic",
     "op_name",
 ]
 
@@ -209,15 +211,28 @@ def _same_call(node: fx.Node) -> Call:
     return Call(node.op, node.target, tuple(node.args), dict(node.kwargs))
 
 
-def _shape(v: Any) -> tuple[int, ...]:
-    shape = []
-    for s in v.shape:
-        if isinstance(s, torch.SymInt):
-            s = s.node.maybe_as_int()
-            if s is None:
-                raise Unsupported("dynamic (symbolic) shapes are not supported by the nanobatch split")
-        shape.append(int(s))
-    return tuple(shape)
+Size = Any  # int, or a sympy expression over Dynamo's shape symbols (a symbolic size)
+
+
+def _size(s: Any) -> Size:
+    """A size as an int, or as its sympy expression when it is symbolic (``s38``, ``4*s38``).
+
+    Reading the expression installs no guard: the rules compare sizes structurally (sympy
+    canonical forms), so an equality they cannot prove is refused, never assumed."""
+    if isinstance(s, torch.SymInt):
+        as_int = s.node.maybe_as_int()
+        return s.node.expr if as_int is None else as_int
+    return int(s)
+
+
+def _shape(v: Any) -> tuple[Size, ...]:
+    """A tensor's shape with symbolic sizes as sympy expressions (see :func:`_size`)."""
+    return tuple(_size(s) for s in v.shape)
+
+
+def is_symbolic(size: Size) -> bool:
+    """Whether a size from :func:`_shape` is symbolic."""
+    return not isinstance(size, int)
 
 
 def _norm_dim(d: int, ndim: int) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import networkx as nx
 import torch.fx
 
-
 # Offset that places a node just before its first user (smaller than any gap between anchors,
 # also after a chain of a few thousand sunk nodes).
 _JUST_BEFORE = 1e-4

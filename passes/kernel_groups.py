@@ -44,6 +44,7 @@ node is priced once, in its first consumer's kernel, although each consumer reco
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -242,7 +243,7 @@ def _fusible(node: torch.fx.Node) -> bool:
 
 def _numel(val: object) -> int:
     if isinstance(val, torch.Tensor):
-        return int(val.numel())
+        return math.prod(hinted(val.shape))
     if isinstance(val, (tuple, list)):
         return max((_numel(v) for v in val), default=0)
     return 0
@@ -265,7 +266,7 @@ def _reduction_output(node: torch.fx.Node) -> frozenset[int]:
 
 def _tensor_bytes(val: object) -> float:
     if isinstance(val, torch.Tensor):
-        return float(val.numel() * val.element_size())
+        return float(math.prod(hinted(val.shape)) * val.element_size())
     if isinstance(val, (tuple, list)):
         return sum(_tensor_bytes(v) for v in val)
     return 0.0

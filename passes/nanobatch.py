@@ -31,8 +31,13 @@ Assumptions (torch 2.13 Dynamo graphs):
   non-parameter tensor input whose dim 0 equals it carries the batch on dim 0 (activations, ids,
   attention masks, position ids, labels). A wrong guess cannot give wrong numbers: the rules prove
   the graph separable along the chosen dims or the split is refused.
-* Shapes are static. A graph with symbolic sizes (``dynamic=True``, or Dynamo's automatic dynamic
-  recompile after the batch size changed) falls back; compile with ``dynamic=False`` to split it.
+* Only the batch size must be a number. Other sizes may be symbolic (Dynamo's automatic dynamic
+  recompile after the sequence length changed, ``mark_dynamic``, ``dynamic=True``): the rules
+  compare them as sympy expressions (``s38``, ``4*s38``) without installing guards, and sizes of
+  the split graph along symbolic dims (``view(2, s38, 2, 16)``, the narrow of a flattened
+  ``(B*T, V)``) are rebuilt as graph nodes from the SymInt inputs or input sizes. A symbolic batch
+  size (``dynamic=True``) is specialised with a guard on its value, so another batch size
+  recompiles.
 * Random ops on batch-carrying data fall back unless ``allow_rng=True``: each nanobatch then draws
   its own numbers (a valid draw, but not the unsplit graph's). Random ops on shared values (a mask
   from ``torch.rand(b, s)``) are drawn once, as before, and sliced.
@@ -60,12 +65,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch.fx._lazy_graph_module import _make_graph_module
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
 from kareus_fx.passes.batch_dims import (
     BatchAnalysis,
     BatchDim,
@@ -75,10 +77,17 @@ from kareus_fx.passes.batch_dims import (
     Step,
     Unsupported,
     _shape,
+    _size,
     is_barrier,
+    is_symbolic,
     op_name,
 )
 from kareus_fx.passes.nanobatch_verify import FakeRun, verify_split
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._lazy_graph_module import _make_graph_module
+from torch.fx.experimental.symbolic_shapes import guard_int
+from torch.utils._sympy.functions import FloorDiv
 
 __all__ = [
     "NANOBATCH_META",
@@ -190,17 +199,32 @@ def _batch_inputs(placeholders, example_inputs, hint):
     data = []
     for node, ex in zip(placeholders, example_inputs):
         v = node.meta.get("example_value", ex)
-        if isinstance(v, torch.SymInt) or isinstance(ex, torch.SymInt):
-            raise Unsupported(f"symbolic input {node.name} (dynamic shapes)")
         if isinstance(v, torch.Tensor) and v.dim() >= 1 and not _is_param(node, ex):
-            data.append((node, _shape(v)))
+            data.append((node, v))
     if not data:
         raise Unsupported("no non-parameter tensor input to take the batch from")
-    batch = hint if hint is not None else data[0][1][0]
-    phs = [n for n, s in data if s[0] == batch]
+    if hint is None:
+        _specialize_batch(data[0][0], data[0][1])
+    shapes = [(n, _shape(v)) for n, v in data]
+    batch = hint if hint is not None else shapes[0][1][0]
+    phs = [n for n, s in shapes if s[0] == batch]
     if not phs:
         raise Unsupported(f"no input has batch size {batch} on dim 0")
     return batch, phs
+
+
+def _specialize_batch(node: fx.Node, value: torch.Tensor) -> None:
+    """Make a symbolic batch size concrete (``dynamic=True`` makes every size symbolic).
+
+    The split needs the batch as a number: this guards on its current value through the graph's
+    ShapeEnv, so Dynamo recompiles for another batch size while other dims stay symbolic."""
+    size = value.shape[0]
+    if not is_symbolic(_size(size)):
+        return
+    if size.node.hint is None:
+        raise Unsupported(f"the batch dim of {node.name} is symbolic ({size}) with no value to "
+                          f"specialize it to")
+    guard_int(size)
 
 
 def _fake_inputs(placeholders, example_inputs):
@@ -245,6 +269,10 @@ class _Emitter:
         self.expected: dict[fx.Node, tuple[Any, Any, int | None]] = {}
         self.body_of: dict[fx.Node, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self.outputs: list[str] = []  # how each output was recombined
+        # Where each shape symbol can be read in the new graph: a SymInt placeholder, or a
+        # (tensor placeholder, dim) whose size it is; and the nodes already built for expressions.
+        self.symbol_sources: dict[sympy.Symbol, fx.Node | tuple[fx.Node, int]] = {}
+        self.sym_nodes: dict[sympy.Expr, fx.Node] = {}
 
     # ---- node creation -------------------------------------------------------------------
 
@@ -269,6 +297,8 @@ class _Emitter:
             if a not in self.shared:
                 raise Unsupported(f"internal: {a.name} has no shared value")
             return self.shared[a]
+        if isinstance(a, sympy.Basic):
+            return self._sym(a)
         if isinstance(a, SliceOf):
             return self._slice(a, h)
         if isinstance(a, Body):
@@ -284,9 +314,46 @@ class _Emitter:
             b = s.batch
             start = 0 if h == 0 else self.an.halves[0] * b.k
             length = self.an.halves[h] * b.k
-            self.slices[key] = self._fn(torch.narrow, self.lookup(s.node, None), b.dim, start,
-                                        length, h=h)
+            self.slices[key] = self._fn(torch.narrow, self.lookup(s.node, None), b.dim,
+                                        self.lookup(start, None), self.lookup(length, None), h=h)
         return self.slices[key]
+
+    def _sym(self, expr: sympy.Basic) -> int | fx.Node:
+        """A symbolic size as an int or as graph nodes computing it from the graph's inputs
+        (a size of the split graph along a symbolic dim, ``2*s38`` for a nanobatch)."""
+        if expr.is_Integer:
+            return int(expr)
+        if expr in self.sym_nodes:
+            return self.sym_nodes[expr]
+        if expr.is_Symbol:
+            source = self.symbol_sources.get(expr)
+            if source is None:
+                raise Unsupported(f"symbolic size {expr} is not readable from any graph input")
+            node = source if isinstance(source, fx.Node) else self._new(
+                "call_method", "size", source, {}, None)
+        elif expr.is_Add or expr.is_Mul:
+            fold = operator.add if expr.is_Add else operator.mul
+            parts = [self._sym(a) for a in expr.args]
+            node = parts[0]
+            for part in parts[1:]:
+                node = self._fn(fold, node, part)
+        elif isinstance(expr, FloorDiv):
+            node = self._fn(operator.floordiv, self._sym(expr.args[0]), self._sym(expr.args[1]))
+        else:
+            raise Unsupported(f"symbolic size {expr} has a form the split does not rebuild")
+        self.sym_nodes[expr] = node
+        return node
+
+    def _note_symbols(self, placeholder: fx.Node, value: Any) -> None:
+        """Record which shape symbols a new placeholder gives access to (first one wins)."""
+        if isinstance(value, torch.SymInt):
+            expr = value.node.expr
+            if expr.is_Symbol:
+                self.symbol_sources.setdefault(expr, placeholder)
+        elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            for d, size in enumerate(_shape(value)):
+                if is_symbolic(size) and size.is_Symbol:
+                    self.symbol_sources.setdefault(size, (placeholder, d))
 
     def _body(self, body: Body, h: int) -> fx.Node:
         key = (body.target, h)
@@ -326,6 +393,7 @@ class _Emitter:
                 if hasattr(node, "_dynamo_source"):  # aot_autograd maps inputs to sources by it
                     new._dynamo_source = node._dynamo_source
                 self.shared[node] = new
+                self._note_symbols(new, self.an.vals.get(node))
                 if self.only is not None:  # a body's inputs are already one nanobatch's values
                     self.half[self.only][node] = new
                     self.expected[new] = (self.an.vals.get(node), step.info, self.only)

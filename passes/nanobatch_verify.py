@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from kareus_fx.passes.batch_dims import BatchDim, Unsupported, _shape, is_barrier, is_inplace, op_name
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 from torch.fx.immutable_collections import immutable_dict, immutable_list
-
-from kareus_fx.passes.batch_dims import BatchDim, Unsupported, _shape, is_barrier, is_inplace, op_name
 
 __all__ = ["FakeRun", "verify_split"]
 
@@ -354,7 +353,7 @@ def _shapes(out):
         return tuple(_shapes(o) for o in out)
     if not isinstance(out, torch.Tensor):
         return None
-    return tuple(int(s) for s in out.shape)
+    return _shape(out)  # symbolic sizes as expressions: comparing them installs no guard
 
 
 def verify_split(gm: fx.GraphModule, mode: FakeTensorMode, fake_inputs: list, halves: tuple[int, int],

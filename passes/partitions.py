@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import torch.fx
-
 from kareus_fx.cost_models.hardware import GPUSpec
-from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path
+from kareus_fx.passes.analysis import META_KEY, NodeCost, hinted, module_path
 from kareus_fx.passes.kernel_groups import KERNEL_META
+
 from kareus_fx.workload import CollectiveSpec, GraphName, OpCost, PartitionType, SlotSpec
 
 PARTITION_META_KEY = "kareus_partition"
@@ -328,8 +328,8 @@ def _comm_signature(comm: Communication) -> tuple:
 
 def _node_signature(node: torch.fx.Node) -> tuple:
     val = node.meta.get("val")
-    shape = tuple(getattr(val, "shape", ())) if not isinstance(val, (tuple, list)) else tuple(
-        tuple(getattr(v, "shape", ())) for v in val)
+    shape = hinted(getattr(val, "shape", ())) if not isinstance(val, (tuple, list)) else tuple(
+        hinted(getattr(v, "shape", ())) for v in val)
     return (str(node.target), shape, str(getattr(val, "dtype", "")))
 
 

@@ -27,7 +27,7 @@ from kareus_fx.capture.compile_step import compile_graph
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.deploy.deployment import Deployment
+from kareus_fx.deploy.buckets import deployment_from_options
 from kareus_fx.plan.live_tuning import LiveTuning
 
 _graph_counter = itertools.count()
@@ -42,7 +42,7 @@ def kareus_backend(
     dump = _dump_file(opts, next(_graph_counter))
     if opts.tune is not None and opts.tune_request is None:
         return LiveTuning(gm, example_inputs, opts, gpu, dump)
-    return compile_graph(gm, example_inputs, gpu, dump, Deployment.from_options(opts), nanobatch=opts.nanobatch,
+    return compile_graph(gm, example_inputs, gpu, dump, deployment_from_options(opts), nanobatch=opts.nanobatch,
                          inductor=opts.inductor)
 
 

@@ -33,8 +33,9 @@ from torch._inductor.decomposition import select_decomp_table
 from kareus_fx.capture.codegen import GraphCodegen
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.deploy.buckets import BucketedDeployment, sequence_input
 from kareus_fx.deploy.deployment import Deployment
-from kareus_fx.passes.analysis import analyse_graph
+from kareus_fx.passes.analysis import analyse_graph, sizes_at
 from kareus_fx.passes.issue_order import apply_issue_order
 from kareus_fx.passes.kernel_groups import group_kernels
 from kareus_fx.passes.nanobatch import NANOBATCH_META, NanobatchResult, graph_communicates, split_nanobatches
@@ -46,15 +47,29 @@ __all__ = ["compile_autograd", "compile_graph"]
 
 def compile_graph(
     gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
-    deployment: Deployment | None, *, nanobatch: bool = True, split: NanobatchResult | None = None,
-    inductor: bool = True,
+    deployment: Deployment | BucketedDeployment | None, *, nanobatch: bool = True,
+    split: NanobatchResult | None = None, inductor: bool = True,
 ) -> Callable[..., Any]:
     """Steps 1-5 of the module docstring (``split``: the nanobatch split, when already made;
     ``inductor``: Inductor generates the code, else the graphs run op by op)."""
-    if split is None:
-        if not (nanobatch and graph_communicates(gm, example_inputs)):
-            return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False, inductor=inductor)
+    if split is None and nanobatch and graph_communicates(gm, example_inputs):
         split = split_nanobatches(gm, example_inputs)
+    split_made = split is not None and split.split
+    sequence = sequence_input(gm, split.batch_inputs) if split_made else None
+    if (isinstance(deployment, Deployment) and deployment.sizes is None and sequence is not None
+            and sequence.symbol is not None):
+        deployment = BucketedDeployment.of_one_length(deployment)  # a symbolic length: per call
+    if isinstance(deployment, BucketedDeployment):  # one compile per sequence-length bucket
+        dumps = iter([dump])  # the first compile dumps
+
+        def compile_bucket(bucket: Deployment | None) -> Callable[..., Any]:
+            if bucket is None:
+                return compile_autograd(gm, example_inputs, gpu, None, None, nanobatched=False, inductor=inductor)
+            return compile_graph(gm, example_inputs, gpu, next(dumps, None), bucket, split=split, inductor=inductor)
+
+        return deployment.compile(sequence, compile_bucket)
+    if split is None:
+        return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False, inductor=inductor)
     if not split.split:  # fell back: the only graph
         return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False, inductor=inductor)
     compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=True, unsplit=False,
@@ -79,6 +94,10 @@ def compile_autograd(
 
     def compile_aten(name: str, inference: bool = False) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
         def compiler(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable[..., Any]:
+            with sizes_at(deployment.sizes if deployment is not None else None):
+                return compile_at_sizes(aten_gm, aten_inputs)
+
+        def compile_at_sizes(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable[..., Any]:
             analyse_graph(aten_gm, gpu)
             partitioning = None
             if nanobatched:

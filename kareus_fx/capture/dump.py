@@ -6,9 +6,14 @@ Schema (``schema_version`` 1; documented in README.md, "Graph dump format")::
      "graph_id": str,
      "graphs": [{"name": "forward" | "backward", "nodes": [NODE, ...]}]}
 
-    NODE = {"name", "op", "fx_op", "kind", "shape", "dtype", "flops", "bytes", "intensity",
-            "bound", "collective", "inputs", "module", "nanobatch", "partition", "slot", "kernel",
-            "arguments"}
+    NODE = {"name", "op", "fx_op", "kind", "shape", "symbolic_shape", "dtype", "flops", "bytes",
+            "intensity", "bound", "collective", "inputs", "module", "nanobatch", "partition", "slot",
+            "kernel", "arguments"}
+
+A graph compiled with symbolic sizes (dynamic shapes) has ``"symbols": {"s38": {"hint", "min",
+"max"}}`` (max null when unbounded); its nodes' ``shape``, ``flops`` and ``bytes`` are evaluated
+at the hints (or at a plan bucket's length) and ``symbolic_shape`` keeps the expressions
+(``["4", "s38", "64"]``; null for a static shape).
 
 ``kind`` is "collective" | "wait" | "compute" | "other"; ``collective`` is null or
 ``{"kind", "bytes", "group_name", "group_size"}``; ``bound`` is "compute" | "memory" for
@@ -44,7 +49,7 @@ from kareus_fx.capture.dump_schema import DumpFile, cross_check
 from kareus_fx.capture.node_arguments import encode_arguments
 from kareus_fx.capture.validated_input import parse_json, read_bounded_text, validated_document
 from kareus_fx.errors import KareusError
-from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path, tensor_meta
+from kareus_fx.passes.analysis import META_KEY, NodeCost, module_path, shape_symbols, symbolic_shape, tensor_meta
 from kareus_fx.passes.kernel_groups import KERNEL_META
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionType, SlotSpec
@@ -66,6 +71,7 @@ def node_record(node: torch.fx.Node) -> dict[str, Any]:
         "fx_op": node.op,
         "kind": cost.kind,
         "shape": shape,
+        "symbolic_shape": symbolic_shape(node),
         "dtype": dtype,
         "flops": cost.flops,
         "bytes": cost.bytes,
@@ -87,6 +93,9 @@ def graph_record(name: str, gm: torch.fx.GraphModule, partitioning: GraphPartiti
     if name not in GRAPH_NAMES:
         raise ValueError(f"graph name must be one of {GRAPH_NAMES}, got {name!r}")
     record: dict[str, Any] = {"name": name, "nodes": [node_record(node) for node in gm.graph.nodes]}
+    symbols = shape_symbols(gm)
+    if symbols:
+        record["symbols"] = symbols
     if partitioning is not None:
         record.update(partitioning_record(partitioning))
     return record

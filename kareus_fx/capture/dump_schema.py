@@ -41,6 +41,8 @@ class Node(SchemaModel):
     fx_op: StrictStr
     kind: Literal["collective", "wait", "compute", "other"]
     shape: list[count(0)] | None
+    symbolic_shape: list[StrictStr] | None = None
+    """The shape's sizes as expressions of the graph's ``symbols`` (None: a static shape)."""
     dtype: StrictStr | None
     flops: number()
     bytes: number()
@@ -102,9 +104,19 @@ class Leftover(SchemaModel):
     collectives: list[StrictStr]
 
 
+class SymbolRange(SchemaModel):
+    """A shape symbol of a dynamic-shape graph: the size it was dumped at and its range."""
+
+    hint: count(0) | None
+    min: count(0)
+    max: count(0) | None
+    """None: unbounded."""
+
+
 class Graph(SchemaModel):
     name: GraphName
     nodes: list[Node]
+    symbols: dict[StrictStr, SymbolRange] | None = None
     partitions: list[Partition] | None = None
     partition_types: list[PartitionTypeRecord] | None = None
     leftover: Leftover | None = None

@@ -28,7 +28,6 @@ from typing import IO, Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
 
 from kareus_fx.capture.validated_input import MAX_MAGNITUDE, error_text, read_bounded_text
-
 from kareus_fx.compose.iteration import InstructionOption, IterationFrontier, IterationPoint
 from kareus_fx.compose.pipeline import (
     INSTRUCTIONS,

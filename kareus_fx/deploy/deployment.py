@@ -205,6 +205,9 @@ class Deployment:
     stage: int
     clock: ClockBinding | None
     dump_dir: Path | None = None
+    sizes: Mapping[Any, int] | None = None
+    """Shape symbol -> value at which a symbolic graph is analysed and checked (a bucket's
+    sequence length, ``deploy/buckets.py``); None: at the hints of the compiled call."""
     cursor: MicrobatchCursor = field(init=False)
     unsplit: frozenset[int] = field(init=False)
     """Microbatches whose forward option is sequential: they run the un-split graph."""

@@ -14,6 +14,13 @@ Dynamo's compile, because aot_autograd compiles a backward only when one runs):
 3. Deploy: the plan is deployed on the same graph like ``options["plan"]`` (``target`` picks the
    point) and the call runs it. Later calls run the deployed graph directly.
 
+Dynamic shapes: when the graph's sequence length is symbolic, steps 1-2 run once per bucket
+(``options["tune_seq"]``, or else the lengths seen: the compiled example's and the first call's),
+each traced on fake inputs of that length, and the plan is a bucketed plan (``plan/buckets.py``)
+deployed per call like one made by ``kareus plan --seq`` (``deploy/buckets.py``). The deployment
+is compiled on Dynamo's symbolic example values inside the compile's tracing context, so it stays
+symbolic.
+
 Workload of the plan (``workload.model`` is ``"live-graph"``; the layer count is unknown, null):
 one pipeline stage (``pp=1``) whose collectives all run over one group spanning the job (its
 size is ``tp``; ``cp=1``); ``mbs`` is the split's batch size, ``seq`` dim 1 of the first batch
@@ -25,22 +32,24 @@ error naming ``tune_request`` (a reference model traced at full size) or ``kareu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kareus_fx.capture.compile_step import compile_autograd, compile_graph
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import GPUSpec
-from kareus_fx.deploy.deployment import Deployment
+from kareus_fx.deploy.buckets import deployment_from_options, sequence_input
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.passes.nanobatch import NanobatchResult, graph_communicates, split_nanobatches
-from kareus_fx.plan.plan_format import write_plan
+from kareus_fx.plan.plan_format import bucketed_plan_data, write_plan
 
 if TYPE_CHECKING:
     from kareus_fx.plan.planner import PlanRequest, StageGraphs
@@ -66,18 +75,34 @@ class LiveTuning:
         if opts.nanobatch and graph_communicates(gm, example_inputs):
             self.split = split_nanobatches(gm, example_inputs)
         self._deployed: Callable[..., Any] | None = None
+        self.sequence = (sequence_input(gm, self.split.batch_inputs)
+                         if self.split is not None and self.split.split else None)
+        self.tracing = TracingContext.try_get()  # Dynamo's, for a symbolic graph's deployment
+        shape_env = self.tracing.fake_mode.shape_env if self.tracing is not None else None
+        self.hints = {sym: int(v) for sym, v in shape_env.var_to_val.items()} if shape_env is not None else {}
 
     def __call__(self, *args: Any) -> Any:
         if self._deployed is None:
-            self._deployed = self._tune_and_deploy()
+            self._deployed = self._tune_and_deploy(args)
         return self._deployed(*args)
 
-    def _tune_and_deploy(self) -> Callable[..., Any]:
+    def _buckets(self, args: tuple[Any, ...]) -> tuple[int, ...] | None:
+        """The sequence lengths to plan when the graph's is symbolic (module docstring); None
+        when it is not."""
+        if self.sequence is None or self.sequence.symbol is None:
+            return None
+        if self.opts.tune_seq is not None:
+            return self.opts.tune_seq
+        seen = {int(args[self.sequence.index].shape[1]), _evaluate(self.sequence.symbol, {}, self.hints)}
+        return tuple(sorted(seen))
+
+    def _tune_and_deploy(self, args: tuple[Any, ...]) -> Callable[..., Any]:
         plan_out = Path(self.opts.plan_out)  # type: ignore[arg-type]
+        buckets = self._buckets(args)
         error = None
         if _rank() == 0:
             try:
-                self._plan(plan_out, plan_out.parent / f"{plan_out.stem}-work")
+                self._plan(plan_out, plan_out.parent / f"{plan_out.stem}-work", buckets)
             except Exception as err:  # noqa: BLE001 - reported on every rank below
                 error = f"{type(err).__name__}: {err}"
         if dist.is_available() and dist.is_initialized():
@@ -87,25 +112,39 @@ class LiveTuning:
         if error is not None:
             raise KareusError(f"compile-time tuning of the live graph failed on rank 0: {error}")
         opts = dataclasses.replace(self.opts, tune=None, plan=plan_out)
-        return compile_graph(self.gm, self.example_inputs, self.gpu, self.dump, Deployment.from_options(opts),
-                             nanobatch=self.opts.nanobatch, split=self.split, inductor=self.opts.inductor)
+        deployment = deployment_from_options(opts)
+        if buckets is None:
+            return compile_graph(self.gm, self.example_inputs, self.gpu, self.dump, deployment,
+                                 nanobatch=self.opts.nanobatch, split=self.split, inductor=self.opts.inductor)
+        symbolic_inputs = [n.meta["example_value"] for n in self.gm.graph.nodes if n.op == "placeholder"]
+        with tracing(self.tracing):
+            return compile_graph(self.gm, symbolic_inputs, self.gpu, self.dump, deployment,
+                                 nanobatch=self.opts.nanobatch, split=self.split, inductor=self.opts.inductor)
 
-    def _plan(self, plan_out: Path, work_dir: Path) -> None:
+    def _plan(self, plan_out: Path, work_dir: Path, buckets: tuple[int, ...] | None) -> None:
         from kareus_fx.plan.planner import plan_traced, stage_graphs_from_dumps
 
-        dumps = {split: self._trace(work_dir / "dumps", split) for split in (True, False)}
-        stage = stage_graphs_from_dumps((0,), dumps[True], dumps[False])
-        request = live_plan_request(self.opts, stage, self.split, self.example_inputs, self.gm)
-        write_plan(plan_out, plan_traced(request, [stage], work_dir, progress=False).data)
+        plans = {}
+        for seq in buckets or (None,):
+            sizes = None if seq is None else {self.sequence.symbol: seq}  # type: ignore[union-attr]
+            work = work_dir if seq is None else work_dir / f"seq{seq}"
+            dumps = {split: self._trace(work / "dumps", split, sizes) for split in (True, False)}
+            stage = stage_graphs_from_dumps((0,), dumps[True], dumps[False])
+            request = live_plan_request(self.opts, stage, self.split, self.example_inputs, self.gm)
+            if seq is not None:
+                request = dataclasses.replace(request, seq=seq)
+            plans[seq] = plan_traced(request, [stage], work, progress=False).data
+        write_plan(plan_out, plans[None] if buckets is None else bucketed_plan_data(plans))
 
-    def _trace(self, dump_root: Path, split: bool) -> Path:
-        """Dump the aten forward and backward of the graph (step 1 of the module docstring)."""
+    def _trace(self, dump_root: Path, split: bool, sizes: Mapping[Any, int] | None) -> Path:
+        """Dump the aten forward and backward of the graph (step 1 of the module docstring), on
+        fake inputs of the example's shapes, or with its symbolic sizes at ``sizes``."""
         nanobatched = split and self.split is not None and self.split.split
         source = self.split.gm if nanobatched else self.gm  # type: ignore[union-attr]
         path = dump_root / f"{'nanobatched' if split else 'sequential'}.json"
         dump = GraphDumpFile(path, gpu=self.gpu.name, rank=0, world_size=_world_size(), graph_id="live")
         fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-        fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
+        fakes = self._fake_inputs(fake_mode, sizes)
         # Fake tensors trace the graphs; nothing runs, so no code is generated.
         compiled = compile_autograd(source, fakes, self.gpu, dump, None, nanobatched=nanobatched, inductor=False)
         with fake_mode:
@@ -121,6 +160,37 @@ class LiveTuning:
             torch.autograd.grad(differentiable, leaves, [torch.ones_like(o) for o in differentiable],
                                 allow_unused=True)
         return path
+
+    def _fake_inputs(self, fake_mode: FakeTensorMode, sizes: Mapping[Any, int] | None) -> list[Any]:
+        """Fake copies of the example inputs; with ``sizes``, at those values of the graph's shape
+        symbols (the others at their hints)."""
+        if sizes is None:
+            return [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
+        fakes = []
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        for node, example in zip(placeholders, self.example_inputs):
+            value = node.meta.get("example_value", example)
+            if isinstance(value, torch.SymInt):
+                fakes.append(_evaluate(value.node.expr, sizes, self.hints))
+            elif isinstance(example, torch.Tensor):
+                shape = [_evaluate(s.node.expr, sizes, self.hints) if isinstance(s, torch.SymInt) else int(s)
+                         for s in value.shape]
+                if shape == list(example.shape):
+                    fakes.append(fake_mode.from_tensor(example))
+                    continue
+                with fake_mode:
+                    fake = torch.zeros(shape, dtype=example.dtype, device=example.device)
+                fakes.append(fake.requires_grad_(example.requires_grad))
+            else:
+                fakes.append(example)
+        return fakes
+
+
+def _evaluate(expr: Any, sizes: Mapping[Any, int], hints: Mapping[Any, int]) -> int:
+    """A symbolic size at ``sizes``, its other symbols at ``hints`` (the compiled example's)."""
+    if isinstance(expr, int) or expr.is_number:
+        return int(expr)
+    return int(expr.xreplace({**hints, **sizes}))
 
 
 def live_plan_request(

@@ -23,6 +23,10 @@ Layout (schema version 1)::
     iteration_frontier: [{time_s, energy_j, choices: {"<stage>/<instruction>": [option index
                                                        per microbatch]}}], fastest first
     methods: {method: {frontier: [[time_s, energy_j], ...], metrics: {...}}}
+    buckets (optional; ``kareus plan --seq 2048,4096,8192``): [{seq, stages, partition_types,
+        microbatch_options, iteration_frontier, methods}] in increasing seq, one plan per
+        sequence-length bucket; the top-level fields and ``workload.seq`` are the largest
+        bucket's, so readers of one-length plans read a bucketed plan as that bucket.
 
 Times are seconds and energies joules of one iteration of one pipeline (``energy_scope``).
 """
@@ -38,7 +42,7 @@ from typing import Any
 
 from kareus_fx.capture.validated_input import parse_json, read_bounded_text, validated_document
 from kareus_fx.errors import KareusError
-from kareus_fx.plan.plan_schema import INSTRUCTIONS, PlanFile, cross_check, instruction_key
+from kareus_fx.plan.plan_schema import BUCKET_FIELDS, INSTRUCTIONS, PlanFile, cross_check, instruction_key
 
 __all__ = [
     "INSTRUCTIONS",
@@ -48,6 +52,7 @@ __all__ = [
     "Plan",
     "PlanFormatError",
     "Target",
+    "bucketed_plan_data",
     "instruction_key",
     "load_plan",
     "validate_plan",
@@ -89,6 +94,22 @@ class Plan:
     @property
     def frontier(self) -> list[Mapping[str, Any]]:
         return self.data["iteration_frontier"]
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The sequence lengths of a bucketed plan, increasing; empty for a one-length plan."""
+        return tuple(b["seq"] for b in self.data.get("buckets") or ())
+
+    def bucket(self, seq: int) -> Plan:
+        """Bucket ``seq`` of a bucketed plan as a one-length plan (``workload.seq`` = ``seq``)."""
+        (chosen,) = [b for b in self.data["buckets"] if b["seq"] == seq]
+        data = {**self.data, **{name: chosen[name] for name in BUCKET_FIELDS},
+                "workload": {**self.workload, "seq": seq}, "buckets": None}
+        return Plan(data=data, source=f"{self.source} (bucket seq={seq})")
+
+    def bucket_for(self, seq: int) -> int | None:
+        """The smallest bucket holding a call of ``seq`` tokens; None when it is longer than all."""
+        return next((b for b in self.buckets if seq <= b), None)
 
     def point_index(self, target: Target = "max-throughput") -> int:
         """The frontier point ``target`` selects (see :data:`Target`).
@@ -133,6 +154,14 @@ class Plan:
             for index in indices
             for config in (options[key][index]["configs"] or {}).values()
         )
+
+
+def bucketed_plan_data(plans: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """One bucketed plan from one-length plans of the same workload, keyed by sequence length."""
+    seqs = sorted(plans)
+    largest = plans[seqs[-1]]
+    buckets = [{"seq": seq, **{name: plans[seq][name] for name in BUCKET_FIELDS}} for seq in seqs]
+    return {**largest, "buckets": buckets}
 
 
 def write_plan(path: str | Path, data: Mapping[str, Any]) -> Path:

@@ -25,7 +25,7 @@ from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.errors import UnknownGPUError
 from kareus_fx.workload import GraphName
 
-__all__ = ["INSTRUCTIONS", "PlanFile", "cross_check", "instruction_key"]
+__all__ = ["BUCKET_FIELDS", "INSTRUCTIONS", "Bucket", "PlanFile", "cross_check", "instruction_key"]
 
 INSTRUCTIONS: tuple[GraphName, ...] = ("forward", "backward")
 Clock = count(1, 100_000)
@@ -162,6 +162,22 @@ class Method(SchemaModel):
         return frontier
 
 
+class Bucket(SchemaModel):
+    """One sequence-length bucket of a bucketed plan (``kareus plan --seq 2048,4096,8192``):
+    the plan of ``seq`` tokens, for calls of at most ``seq`` tokens longer than the bucket below."""
+
+    seq: count(1)
+    stages: list[Stage]
+    partition_types: dict[StrictStr, PartitionTypeRecord]
+    microbatch_options: dict[StrictStr, list[MicrobatchOption]]
+    iteration_frontier: list[IterationPoint]
+    methods: dict[StrictStr, Method]
+
+
+BUCKET_FIELDS = ("stages", "partition_types", "microbatch_options", "iteration_frontier", "methods")
+"""The fields a bucket holds; the plan's own are those of its largest bucket."""
+
+
 class PlanFile(SchemaModel):
     """A schema-1 plan. ``format`` and ``schema_version`` are checked before this model runs."""
 
@@ -181,6 +197,8 @@ class PlanFile(SchemaModel):
     microbatch_options: dict[StrictStr, list[MicrobatchOption]]
     iteration_frontier: list[IterationPoint]
     methods: dict[StrictStr, Method]
+    buckets: list[Bucket] | None = None
+    """None: a plan of one sequence length (``workload.seq``)."""
 
     @field_validator("gpu")
     @classmethod
@@ -202,7 +220,22 @@ class PlanFile(SchemaModel):
 
 
 def cross_check(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
-    """Call ``fail(field, what is wrong)`` (which raises) unless the plan's parts agree."""
+    """Call ``fail(field, what is wrong)`` (which raises) unless the plan's parts agree (each
+    bucket of a bucketed plan as a plan of its own)."""
+    _cross_check_one(plan, fail)
+    if plan.buckets is None:
+        return
+    seqs = [bucket.seq for bucket in plan.buckets]
+    if not seqs or seqs != sorted(set(seqs)):
+        fail("buckets", f"expected at least one bucket, in increasing distinct seq, got {seqs}")
+    if seqs[-1] != plan.workload.seq:
+        fail("buckets", f"the largest bucket ({seqs[-1]}) must be workload.seq ({plan.workload.seq})")
+    for i, bucket in enumerate(plan.buckets):
+        view = plan.model_copy(update={name: getattr(bucket, name) for name in BUCKET_FIELDS})
+        _cross_check_one(view, lambda where, what, i=i: fail(f"buckets[{i}].{where}", what))
+
+
+def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
     workload, types = plan.workload, plan.partition_types
     gpu = gpu_spec(plan.gpu)
 

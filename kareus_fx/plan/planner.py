@@ -72,7 +72,7 @@ from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import clock_grid_mhz
-from kareus_fx.workload import GraphName, PartitionConfig, PartitionType
+from kareus_fx.workload import GraphName, PartitionType
 
 __all__ = ["LIVE_GRAPH_MODEL", "PlanOutcome", "PlanRequest", "StageGraphs", "make_plan", "plan_request_from_preset",
            "plan_traced", "stage_graphs_from_dumps", "validate_plan_request", "validate_tuning_request"]

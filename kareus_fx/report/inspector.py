@@ -56,10 +56,21 @@ def partition_types_table(graph: dict[str, Any]) -> Table | None:
     return table
 
 
+def symbols_text(symbols: dict[str, dict[str, Any]]) -> str:
+    """``s38[2, inf] = 100`` per shape symbol: its range, and the size the graph was dumped at."""
+    return ", ".join(
+        f"{name}[{r['min']}, {'inf' if r['max'] is None else r['max']}]"
+        + ("" if r["hint"] is None else f" = {r['hint']}")
+        for name, r in sorted(symbols.items()))
+
+
 def print_dump(dump: dict[str, Any], console: Console, title: str) -> None:
     """Graph totals, then each graph's partition types and leftovers."""
     console.print(summary_table(dump, title=title))
     for graph in dump["graphs"]:
+        if graph.get("symbols"):
+            console.print(f"{graph['name']}: symbolic sizes {symbols_text(graph['symbols'])}; "
+                          f"shapes and costs below at the hints")
         table = partition_types_table(graph)
         if table is None:
             console.print(f"{graph['name']}: not partitioned (no nanobatch split or no collectives)")

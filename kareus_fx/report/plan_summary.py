@@ -237,6 +237,10 @@ def print_plan(plan: Plan, console: Console, title: str) -> None:
     console.print(f"[bold]{escape(title)}[/bold]: kareus plan (schema {plan.data['schema_version']})")
     for line in provenance_lines(plan):
         console.print(escape(line))
+    if plan.buckets:
+        console.print(f"sequence-length buckets {', '.join(map(str, plan.buckets))} (tables: the largest)")
+        for seq in plan.buckets:
+            console.print(escape(f"  seq {seq}: {frontier_text(plan.bucket(seq))}"))
     console.print(partition_types_table(plan).to_rich())
     fastest = plan.point_index("max-throughput")
     console.print(chosen_options_table(plan, fastest).to_rich())

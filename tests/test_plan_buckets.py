@@ -1,0 +1,179 @@
+"""Bucketed plans (issue 21): one plan holding a frontier per sequence-length bucket, deployed
+per call on a graph whose sequence length is symbolic.
+
+The plan is made once per module by the real planner for tiny-llama, TP=2, 2 layers, fp32, with
+buckets of 128 and 256 tokens. Each bucket's options are then replaced by one option with a clock
+of its own (bucket 128: 1200 MHz, bucket 256: 990 MHz) and every partition type sequential, so
+the dry-run clock controller's requests tell which bucket ran each call.
+
+Parity tolerance: rtol=1e-5, atol=1e-6 (fp32), as tests/test_parity.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from dist_harness import run_distributed
+
+from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, load_plan, validate_plan, write_plan
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=1, mbs=2, layers=2)
+BUCKET_CLOCKS_MHZ = {128: 1200, 256: 990}
+
+
+@pytest.fixture(scope="module")
+def bucketed_plan(tmp_path_factory):
+    from kareus_fx.plan.buckets import make_bucketed_plan
+    from kareus_fx.plan.planner import PlanRequest
+
+    request = PlanRequest(**WORKLOAD, seq=256, clock_stride_mhz=120, dtype="float32")
+    outcome = make_bucketed_plan(request, (256, 128), tmp_path_factory.mktemp("plan-work"), progress=False)
+    return outcome.data
+
+
+def _with_bucket_clocks(data):
+    """Each bucket on one option at its own clock, every partition type sequential."""
+    data = copy.deepcopy(data)
+    for bucket in data["buckets"]:
+        for name in ("forward", "backward"):
+            key = instruction_key(0, name)
+            types = sorted(set(bucket["stages"][0]["graphs"][name]["partition_types"].values()))
+            option = {**bucket["microbatch_options"][key][0], "clock_mhz": BUCKET_CLOCKS_MHZ[bucket["seq"]],
+                      "sequential": False,
+                      "configs": {tid: {"comm_sms": 4, "launch_slot": None} for tid in types}}
+            bucket["microbatch_options"][key] = [option]
+            for point in bucket["iteration_frontier"]:
+                point["choices"][key] = [0]
+    largest = data["buckets"][-1]
+    data.update({name: largest[name] for name in ("microbatch_options", "iteration_frontier")})
+    return data
+
+
+def test_bucketed_plan_holds_a_frontier_per_bucket_and_old_plans_still_load(bucketed_plan, tmp_path, capsys):
+    from kareus_fx.cli import main
+
+    plan = load_plan(write_plan(tmp_path / "plan.json", bucketed_plan))
+    assert plan.buckets == (128, 256) and plan.workload["seq"] == 256
+    assert plan.bucket_for(1) == 128 and plan.bucket_for(129) == 256 and plan.bucket_for(257) is None
+    small = plan.bucket(128)
+    assert small.workload["seq"] == 128 and small.frontier
+    assert small.data["stages"][0]["graphs"]["forward"]["fingerprint"] != \
+        plan.data["stages"][0]["graphs"]["forward"]["fingerprint"]
+    capsys.readouterr()
+    main(["inspect", str(tmp_path / "plan.json")])
+    out = capsys.readouterr().out
+    assert "sequence-length buckets 128, 256 (tables: the largest)" in out
+    assert "seq 128: Kareus iteration frontier" in out and "seq 256: Kareus iteration frontier" in out
+    one_length = {k: v for k, v in bucketed_plan.items() if k != "buckets"}
+    assert load_plan(write_plan(tmp_path / "old.json", one_length)).buckets == ()
+
+
+def test_bucketed_plan_with_unordered_or_wrong_buckets_is_refused(bucketed_plan):
+    swapped = copy.deepcopy(bucketed_plan)
+    swapped["buckets"].reverse()
+    with pytest.raises(PlanFormatError, match="buckets: expected at least one bucket, in increasing distinct seq"):
+        validate_plan(swapped)
+    broken = copy.deepcopy(bucketed_plan)
+    broken["buckets"][0]["microbatch_options"] = {}
+    with pytest.raises(PlanFormatError, match=r"buckets\[0\]\.microbatch_options"):
+        validate_plan(broken)
+
+
+def _bucket_worker(rank, world_size, plan_path):
+    import warnings
+
+    from kareus_fx.models import ParallelLayout, build_model
+    from kareus_fx.runtime.frequency import FrequencyController
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = build_model(WORKLOAD["model"], ParallelLayout.from_default_group(tp=2, cp=1),
+                        num_layers=WORKLOAD["layers"], dtype=torch.float32)
+    model.init_weights(seed=0)
+    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    compiled = torch.compile(model, backend="kareus", fullgraph=True,
+                             options={"plan": plan_path, "clock_controller": controller})
+    requests, caught_all = [], []
+    for seq in (100, 200, 128, 300, 310):
+        batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
+        for value in batch.values():
+            torch._dynamo.mark_dynamic(value, 1)
+        model.zero_grad(set_to_none=True)
+        eager_loss = model(**batch)
+        eager_loss.backward()
+        eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        before = len(controller.requests)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = compiled(**batch)
+            loss.backward()
+        caught_all += [str(w.message) for w in caught if "bucket" in str(w.message)]
+        requests.append([r.clock_mhz for r in controller.requests[before:]])
+        torch.testing.assert_close(loss, eager_loss, **TOL)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.grad, eager[name], **TOL, msg=lambda m: f"seq {seq}, {name}: {m}")
+    controller.close()
+    return requests, caught_all
+
+
+def test_bucketed_plan_deploys_each_bucket_clocks_per_call(bucketed_plan, tmp_path):
+    plan_path = write_plan(tmp_path / "plan.json", _with_bucket_clocks(bucketed_plan))
+    for requests, caught in run_distributed(_bucket_worker, 2, str(plan_path), timeout_s=600):
+        low, high = BUCKET_CLOCKS_MHZ[128], BUCKET_CLOCKS_MHZ[256]
+        # forward and backward of each call at its bucket's clock; 300 and 310 fit no bucket.
+        assert requests == [[low, low], [high, high], [low, low], [], []]
+        assert len(caught) == 2, caught  # one warning per length
+        assert "sequence length 300 is in no bucket" in caught[0] and "--seq 128,256,300" in caught[0]
+        assert json.loads(plan_path.read_text())["buckets"][0]["seq"] == 128
+
+
+def _one_length_worker(rank, world_size, plan_path):
+    import warnings
+
+    from kareus_fx.models import ParallelLayout, build_model
+    from kareus_fx.runtime.frequency import FrequencyController
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = build_model(WORKLOAD["model"], ParallelLayout.from_default_group(tp=2, cp=1),
+                        num_layers=WORKLOAD["layers"], dtype=torch.float32)
+    model.init_weights(seed=0)
+    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    compiled = torch.compile(model, backend="kareus", fullgraph=True,
+                             options={"plan": plan_path, "clock_controller": controller})
+    requests, caught_all = [], []
+    for seq in (100, 200):
+        batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
+        for value in batch.values():
+            torch._dynamo.mark_dynamic(value, 1)
+        model.zero_grad(set_to_none=True)
+        eager_loss = model(**batch)
+        model.zero_grad(set_to_none=True)
+        before = len(controller.requests)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = compiled(**batch)
+            loss.backward()
+        caught_all += [str(w.message) for w in caught if "bucket" in str(w.message)]
+        requests.append([r.clock_mhz for r in controller.requests[before:]])
+        torch.testing.assert_close(loss, eager_loss, **TOL)
+    controller.close()
+    return requests, caught_all
+
+
+@pytest.mark.slow
+def test_one_length_plan_on_a_symbolic_graph_is_its_one_bucket(bucketed_plan, tmp_path):
+    from kareus_fx.plan.plan_format import Plan
+
+    data = _with_bucket_clocks(bucketed_plan)
+    one_length = dict(Plan(data=validate_plan(data)).bucket(128).data)
+    one_length.pop("buckets")
+    plan_path = write_plan(tmp_path / "plan.json", one_length)
+    for requests, caught in run_distributed(_one_length_worker, 2, str(plan_path), timeout_s=600):
+        assert requests == [[BUCKET_CLOCKS_MHZ[128]] * 2, []]
+        assert len(caught) == 1 and "sequence length 200 is in no bucket" in caught[0], caught
