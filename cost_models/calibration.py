@@ -43,13 +43,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy.optimize import least_squares, minimize, nnls
-
 from kareus_fx.cost_models.analytic_workloads import GPT3_175B, kareus_attention_tp2, transformer_stage_ops
 from kareus_fx.cost_models.hardware import GPUSpec, gpu_spec
 from kareus_fx.cost_models.kernel_model import smooth_min
 from kareus_fx.cost_models.sim_params import PARAMS_RESOURCE, SimParams, derive_params
 from kareus_fx.cost_models.simulator import Prediction, Simulator
+from scipy.optimize import least_squares, minimize, nnls
+
 from kareus_fx.workload import OpCost, PartitionConfig
 
 DATA = "data/calibration"

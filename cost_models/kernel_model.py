@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.cost_models.sim_params import SimParams
+
 from kareus_fx.workload import CollectiveSpec
 
 

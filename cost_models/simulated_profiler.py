@@ -13,11 +13,11 @@ import json
 from collections.abc import Sequence
 
 import numpy as np
-
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.cost_models.profile_db import FingerprintCache
 from kareus_fx.cost_models.sim_params import SimParams, gpu_params
 from kareus_fx.cost_models.simulator import Simulator
+
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
 
 

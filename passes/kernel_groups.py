@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from kareus_fx.passes.analysis import META_KEY
+from kareus_fx.passes.analysis import META_KEY, hinted
 from kareus_fx.passes.nanobatch import NANOBATCH_META
 
 aten = torch.ops.aten

@@ -47,7 +47,6 @@ import torch.distributed as dist
 
 from kareus_fx.errors import KareusError
 
-
 DEFAULT_TIMEOUT_S = 600.0
 """Process-group timeout of the SM-limited communicators when the deployment names none (NCCL's default)."""
 

@@ -29,9 +29,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 
+from kareus_fx.runtime.frequency import FrequencyController
+
 from kareus_fx.compose.pipeline import INSTRUCTIONS, Instruction, PipelineNode
 from kareus_fx.errors import KareusError
-from kareus_fx.runtime.frequency import FrequencyController
 
 
 class ClockScheduleError(KareusError, ValueError):
