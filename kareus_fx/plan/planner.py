@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import tempfile
 import time
 import warnings
@@ -46,9 +47,9 @@ from kareus_fx.compose.iteration import (
     DEFAULT_UNIT_TIME_S,
     IterationFrontier,
     choose_unit_time_s,
-    compose_iteration,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
+from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
 from kareus_fx.cost_models.sim_params import gpu_params
@@ -93,6 +94,10 @@ MAX_SOLVER_STEPS = 500
 """Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
 from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
 solve fits (see compose.iteration)."""
+PARALLEL_COMPOSE_MIN_NODES = 1000
+"""Pipelines of at least this many (stage, instruction, microbatch) nodes compose the methods'
+frontiers in parallel processes (``compose.solve_pool``; PP10 x 128 microbatches has 2560): a
+solve there takes seconds to minutes per method, against about a second to start a process."""
 
 
 @dataclass(frozen=True)
@@ -461,11 +466,11 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     # One time quantum for every method, so their frontiers differ by their options, not by rounding.
     unit_s = max(choose_unit_time_s(options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s)
                  for options in by_method.values())
-    iteration = {
-        method: compose_iteration(options, req.microbatches, blocking_power_w=spec.blocking_power_w,
-                                  unit_time_s=unit_s, max_solver_steps=MAX_SOLVER_STEPS, progress=progress)
-        for method, options in by_method.items()
-    }
+    nodes = 2 * req.pp * req.microbatches
+    processes = min(os.cpu_count() or 1, len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
+    iteration = compose_iterations(by_method, req.microbatches, processes=processes, progress=progress,
+                                   blocking_power_w=spec.blocking_power_w, unit_time_s=unit_s,
+                                   max_solver_steps=MAX_SOLVER_STEPS)
     iteration["kareus"] = _with_baseline_plans(
         iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]})
     scale = float(req.tp * req.cp)
