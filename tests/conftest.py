@@ -14,7 +14,7 @@ def no_tracing(monkeypatch):
     def trace(*args, **kwargs):
         raise AssertionError("traced before validating the input")
 
-    monkeypatch.setattr(planner, "trace_full_size", trace)
+    monkeypatch.setattr(planner, "trace_both_splits", trace)
 
 
 @pytest.fixture

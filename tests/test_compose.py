@@ -725,3 +725,19 @@ def test_perseus_files_larger_than_any_real_one_are_refused_unread(tmp_path, mon
         read_perseus_profile(path)
     with pytest.raises(CompositionError, match="more than any real Perseus frequency plan"):
         read_perseus_plan(path)
+
+
+def test_solve_pool_gives_each_methods_frontier_as_in_this_process():
+    from kareus_fx.compose.solve_pool import compose_iterations
+
+    by_name = {"three clocks": _clock_sweep_options(3), "two clocks": _clock_sweep_options(2)}
+    by_name["one clock"] = {key: opts[:1] for key, opts in by_name["two clocks"].items()}
+    kwargs = {"blocking_power_w": 80.0, "max_solver_steps": 40}
+    here = compose_iterations(by_name, 4, processes=1, **kwargs)
+    pooled = compose_iterations(by_name, 4, processes=2, **kwargs)
+    assert list(pooled) == list(by_name)
+    for name in by_name:
+        assert len(pooled[name].trace) == len(here[name].trace)
+        for a, b in zip(pooled[name].trace, here[name].trace):
+            assert (a.time_s, a.energy_j, a.choices.tolist()) == (b.time_s, b.energy_j, b.choices.tolist())
+    assert len(here["three clocks"].trace) > 10

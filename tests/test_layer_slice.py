@@ -67,8 +67,8 @@ def test_six_layer_slice_gives_the_full_traces_graphs(tmp_path):
             assert _op_multiset(sp.outside) == _op_multiset(fp.outside)
 
     short, long = (load_dump(next((tmp_path / "slice").glob(f"stage0-nanobatched-slice{k}/*.json")))
-                   for k in SLICE_LAYERS["nanobatched"])
-    seven = partitioned_graphs(extend_dump(short, long, SLICE_LAYERS["nanobatched"][1], 7, "stage 0"))
+                   for k in SLICE_LAYERS)
+    seven = partitioned_graphs(extend_dump(short, long, SLICE_LAYERS[1], 7, "stage 0"))
     assert seven["forward"].fingerprint != sliced[0].partitioned["forward"].fingerprint
 
 

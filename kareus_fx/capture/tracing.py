@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from kareus_fx.errors import ParallelConfigError
+from kareus_fx.errors import ParallelConfigError, UnsupportedGraphError
 from kareus_fx.models.pipeline import StageGroup, check_stage_layers, group_stages
 
 
@@ -145,18 +145,7 @@ def trace_full_size(
     ``options`` go to ``torch.compile`` (for backend "kareus": ``dump_dir``, ``gpu``, ...).
     ``fullgraph=True``: a graph break in a reference model is an error, not a silent split.
     """
-    from kareus_fx.models import ParallelLayout, PipelineStage, build_model
-
-    validate_trace_spec(spec)
-    torch._dynamo.reset()
-    with fake_process_group(spec.world_size):
-        layout = ParallelLayout.from_default_group(tp=spec.tp, cp=spec.cp)
-        with torch.device("meta"):
-            model = build_model(
-                spec.model, layout, num_layers=spec.layers, dtype=spec.dtype,
-                stage=PipelineStage(spec.stage, spec.pp),
-            )
-        batch = model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")
+    with _stage_model(spec) as (model, batch):
         if backend == "kareus":  # meta tensors: the graphs and their analysis, no generated code
             options = {"inductor": False, **(options or {})}
         compiled = torch.compile(model, backend=backend, options=options or None, fullgraph=True)
@@ -165,7 +154,63 @@ def trace_full_size(
         output_grad = None if model.stage.is_last else torch.empty_like(out)
         torch.autograd.backward(out, grad_tensors=output_grad)
         wall_s = time.perf_counter() - start_s
-    torch._dynamo.reset()
     dump_dir = (options or {}).get("dump_dir")
     paths = tuple(sorted(Path(dump_dir).glob("kareus_graph_*.json"))) if dump_dir else ()
     return TraceResult(wall_s=wall_s, dump_paths=paths)
+
+
+def trace_both_splits(spec: TraceSpec, gpu: str, nanobatched_dir: Path, sequential_dir: Path) -> tuple[Path, Path]:
+    """The dumps of :func:`trace_full_size` with backend "kareus", ``options={"gpu": gpu}`` and
+    ``"nanobatch"`` True (under ``nanobatched_dir``) and False (``sequential_dir``), from one
+    Dynamo trace: the captured graph goes to the backend twice (nanobatch split or not,
+    aot_autograd, passes, dump), each compiled graph run forward and backward once on meta.
+
+    Dynamo's graph does not depend on the backend, so each dump is the one its own trace would
+    write (``tests/test_tracing.py`` compares them). The model must compile as one graph
+    (``fullgraph=True``)."""
+    captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    kareus = torch._dynamo.lookup_backend("kareus")  # by name, as torch.compile finds it
+    paths = []
+    with _stage_model(spec) as (model, batch):
+        torch.compile(model, backend=capture, fullgraph=True)(**batch)
+        if len(captured) != 1:
+            raise UnsupportedGraphError(
+                f"stage {spec.stage} of {spec.model} traced into {len(captured)} graphs; the planner needs one "
+                "graph per stage (a model that compiles with fullgraph=True)"
+            )
+        gm, example_inputs = captured[0]
+        for split, out in ((True, nanobatched_dir), (False, sequential_dir)):
+            options = {"dump_dir": str(out), "gpu": gpu, "nanobatch": split, "inductor": False}
+            outputs = kareus(gm, example_inputs, options=options)(*example_inputs)
+            outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+            differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
+            torch.autograd.backward(differentiable, grad_tensors=[torch.empty_like(o) for o in differentiable])
+            (path,) = Path(out).glob("kareus_graph_*.json")
+            paths.append(path)
+    return paths[0], paths[1]
+
+
+@contextmanager
+def _stage_model(spec: TraceSpec) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
+    """Stage ``spec.stage`` of ``spec.model`` on meta and its example batch, under a fresh Dynamo
+    and the ``fake`` process group of the stage's ranks."""
+    from kareus_fx.models import ParallelLayout, PipelineStage, build_model
+
+    validate_trace_spec(spec)
+    torch._dynamo.reset()
+    try:
+        with fake_process_group(spec.world_size):
+            layout = ParallelLayout.from_default_group(tp=spec.tp, cp=spec.cp)
+            with torch.device("meta"):
+                model = build_model(
+                    spec.model, layout, num_layers=spec.layers, dtype=spec.dtype,
+                    stage=PipelineStage(spec.stage, spec.pp),
+                )
+            yield model, model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")
+    finally:
+        torch._dynamo.reset()

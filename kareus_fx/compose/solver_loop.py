@@ -1,19 +1,25 @@
-"""lowtime's Phillips-Dessouky iteration with the critical-path bookkeeping on index lists.
+"""lowtime's Phillips-Dessouky iteration with its Python bookkeeping on index lists.
 
 ``lowtime.solver.PhillipsDessouky.run`` spends most of each step outside the max-flow: every
 step it rebuilds the critical DAG with networkx (a DAG check, two topological sorts, attribute
-writes through attrs setters on every operation, a full graph copy). On the 1F1B DAG that is
-60-80% of a step. This module drives the same iteration with that one part replaced:
+writes through attrs setters on every operation, a full graph copy), annotates its edges and
+converts it to the Rust solver's input; on a 10-stage x 128-microbatch 1F1B DAG that is more
+than half of a step, and the graphs it allocates every step set off the garbage collector over
+the caller's whole heap. This module drives the same iteration with no graph built per step:
 
-- lowtime builds the activity-on-arc DAG (``aon_dag_to_aoa_dag``), annotates the flow bounds
-  (``PhillipsDessouky.annotate_capacities``), finds the minimum cut (its Rust
-  ``find_min_cut``, fed by ``format_rust_inputs``) and changes the durations
-  (``PhillipsDessouky.reduce_durations``), exactly as in its own loop;
-- here: the earliest and latest event times of the AOA DAG, computed once per step over a
-  topological order fixed up front (integer durations, so exact), and the critical DAG built
-  from the zero-float edges in lowtime's own node and edge order (the max-flow sees the same
-  input, so it returns the same cut).
+- lowtime builds the activity-on-arc DAG once (``aon_dag_to_aoa_dag``) and finds each step's
+  minimum cut (its Rust ``PhillipsDessouky.find_min_cut``);
+- here, over the AOA edges in lowtime's order, fixed up front: the earliest and latest event
+  times (integer durations, so exact) and the critical edges (zero total float); each critical
+  edge's flow bounds by lowtime's rule (``PhillipsDessouky.annotate_capacities``: the cost of
+  one unit faster and of one unit slower from the operation's own cost model, rounded down to
+  ``FP_ERROR``); the Rust input as ``format_rust_inputs`` writes it (every AOA node in order,
+  the critical edges in order, no capacity or flow); and the duration changes across the cut
+  as ``PhillipsDessouky.reduce_durations`` makes them (the operations' ``duration`` set in
+  place, cut nodes visited in the order the min-cut returns them, edges in graph order), with
+  its stopping rule.
 
+The min-cut sees the input lowtime's loop would give it, so it returns the same cut.
 Assumption: an AOA edge is critical exactly when it has zero total float, i.e. when
 ``earliest(tail) + duration == latest(head)`` (the critical-path-method definition lowtime uses).
 ``tests/test_compose.py`` checks that both loops walk the same plans step by step.
@@ -35,6 +41,9 @@ from lowtime.solver import FP_ERROR, PhillipsDessouky
 
 __all__ = ["SolverStep", "run_phillips_dessouky"]
 
+_UNBOUNDED_FLOW = 10000.0
+"""lowtime's flow bound for an edge that does not constrain the flow (``annotate_capacities``)."""
+
 
 @dataclass(frozen=True)
 class SolverStep:
@@ -46,63 +55,107 @@ class SolverStep:
     """Sum of the cost model over all operations at their current durations."""
 
 
-class _CriticalPath:
-    """Earliest/latest event times and zero-float edges of a fixed AOA DAG."""
+class _AOASchedule:
+    """The AOA DAG's edges as index lists, with each operation's current duration and cost."""
 
     def __init__(self, aoa: nx.DiGraph, attr_name: str) -> None:
-        self.nodes = list(aoa.nodes)
-        position = {node: i for i, node in enumerate(self.nodes)}
+        self.node_ids = list(aoa.nodes)
+        position = {node: i for i, node in enumerate(self.node_ids)}
         edges = list(aoa.edges(data=attr_name))
         self.edge_ends = [(position[u], position[v]) for u, v, _ in edges]
-        self.edge_nodes = [(u, v) for u, v, _ in edges]
-        self.edge_ops: list[Operation] = [op for _, _, op in edges]
-        self.real_ops = [op for op in self.edge_ops if not op.is_dummy]
+        self.edge_ids = [(u, v) for u, v, _ in edges]
+        self.ops: list[Operation] = [op for _, _, op in edges]
+        self.real = [e for e, op in enumerate(self.ops) if not op.is_dummy]
         order = {position[node]: rank for rank, node in enumerate(nx.topological_sort(aoa))}
         indices = range(len(edges))
         self.forward_order = sorted(indices, key=lambda e: order[self.edge_ends[e][0]])
         self.backward_order = sorted(indices, key=lambda e: -order[self.edge_ends[e][1]])
-        self.sink = position[aoa.graph["sink_node"]]
-        self.graph_attrs = dict(aoa.graph)
-        self.attr_name = attr_name
-
-    def durations(self) -> list[int]:
-        return [0 if op.is_dummy else op.duration for op in self.edge_ops]
+        self.source, self.sink = aoa.graph["source_node"], aoa.graph["sink_node"]
+        self.sink_position = position[self.sink]
+        for e in self.real:
+            self.ops[e].duration = self.ops[e].max_duration  # lowtime's start: every operation slowest
+        self.durations = [0 if op.is_dummy else op.duration for op in self.ops]
+        self.costs = {e: self.ops[e].get_cost() for e in self.real}
 
     def total_cost(self) -> float:
-        return sum(op.get_cost() for op in self.real_ops)
+        return sum(self.costs[e] for e in self.real)
 
-    def _earliest(self, durations: list[int]) -> list[int]:
-        earliest = [0] * len(self.nodes)
-        ends = self.edge_ends
+    def critical_edges(self) -> tuple[list[int], int]:
+        """The zero-float edges (in graph order) and the critical path length."""
+        durations, ends = self.durations, self.edge_ends
+        earliest = [0] * len(self.node_ids)
         for e in self.forward_order:
             u, v = ends[e]
             finish = earliest[u] + durations[e]
             if finish > earliest[v]:
                 earliest[v] = finish
-        return earliest
-
-    def critical_dag(self) -> tuple[nx.DiGraph, int]:
-        """The DAG of zero-float edges (all nodes kept, lowtime's order) and the total time."""
-        durations = self.durations()
-        earliest = self._earliest(durations)
-        total = earliest[self.sink]
-        latest = [total] * len(self.nodes)
-        ends = self.edge_ends
+        total = earliest[self.sink_position]
+        latest = [total] * len(self.node_ids)
         for e in self.backward_order:
             u, v = ends[e]
             start = latest[v] - durations[e]
             if start < latest[u]:
                 latest[u] = start
-        dag = nx.DiGraph()
-        dag.graph.update(self.graph_attrs)
-        dag.add_nodes_from(self.nodes)
-        name = self.attr_name
-        dag.add_edges_from(
-            (u, v, {name: op})
-            for (u, v), (iu, iv), d, op in zip(self.edge_nodes, ends, durations, self.edge_ops)
-            if earliest[iu] + d == latest[iv]
-        )
-        return dag, total
+        return [e for e, ((u, v), d) in enumerate(zip(ends, durations)) if earliest[u] + d == latest[v]], total
+
+    def flow_bounds(self, e: int) -> tuple[float, float]:
+        """(lower, upper) flow bound of edge ``e`` (``annotate_capacities``'s rule)."""
+        op = self.ops[e]
+        if op.is_dummy:
+            lb, ub = 0.0, _UNBOUNDED_FLOW
+        else:
+            duration = self.durations[e]
+            if duration == op.min_duration == op.max_duration:
+                lb, ub = 0.0, _UNBOUNDED_FLOW
+            elif duration - 1 < op.min_duration:
+                lb, ub = abs(op.get_cost(duration) - op.get_cost(duration + 1)), _UNBOUNDED_FLOW
+            elif duration + 1 > op.max_duration:
+                lb, ub = 0.0, abs(op.get_cost(duration - 1) - op.get_cost(duration))
+            else:
+                lb = abs(op.get_cost(duration) - op.get_cost(duration + 1))
+                ub = abs(op.get_cost(duration - 1) - op.get_cost(duration)) + FP_ERROR
+        return lb // FP_ERROR * FP_ERROR, ub // FP_ERROR * FP_ERROR
+
+    def min_cut(self, critical: list[int]) -> tuple[set[int], set[int]]:
+        """lowtime's Rust min-cut of the critical edges (raises ``LowtimeFlowError``)."""
+        edges = []
+        for e in critical:
+            lb, ub = self.flow_bounds(e)
+            edges.append((self.edge_ids[e], (0.0, 0.0, ub, lb)))
+        return _lowtime_rs.PhillipsDessouky(FP_ERROR, self.node_ids, self.source, self.sink, edges).find_min_cut()
+
+    def reduce_durations(self, critical: list[int], s_set: set[int], t_set: set[int]) -> float:
+        """Speed up the critical edges from ``s_set`` to ``t_set`` and slow down those back by one
+        unit (``reduce_durations``); the cost change, inf where an operation is at its limit."""
+        out_edges: dict[int, list[int]] = {}
+        for e in critical:
+            out_edges.setdefault(self.edge_ids[e][0], []).append(e)
+        speed_up = [e for u in s_set for e in out_edges.get(u, ()) if self.edge_ids[e][1] in t_set]
+        slow_down = [e for u in t_set for e in out_edges.get(u, ()) if self.edge_ids[e][1] in s_set]
+        if not speed_up:
+            return 0.0
+        cost_change = 0.0
+        for e in speed_up:
+            op = self.ops[e]
+            if op.is_dummy or self.durations[e] - 1 < op.min_duration:
+                return float("inf")
+            cost_change += abs(op.get_cost(self.durations[e] - 1) - op.get_cost(self.durations[e]))
+            self._set_duration(e, self.durations[e] - 1)
+        for e in slow_down:
+            op = self.ops[e]
+            if op.is_dummy:
+                continue
+            if self.durations[e] + 1 > op.max_duration:
+                return float("inf")
+            cost_change -= abs(op.get_cost(self.durations[e]) - op.get_cost(self.durations[e] + 1))
+            self._set_duration(e, self.durations[e] + 1)
+        return cost_change
+
+    def _set_duration(self, e: int, duration: int) -> None:
+        op = self.ops[e]
+        op.duration = duration  # lowtime's setter also picks the knob (assigned_knob)
+        self.durations[e] = duration
+        self.costs[e] = op.get_cost()
 
 
 def run_phillips_dessouky(aon_dag: nx.DiGraph, attr_name: str = "op") -> Iterator[SolverStep]:
@@ -113,27 +166,16 @@ def run_phillips_dessouky(aon_dag: nx.DiGraph, attr_name: str = "op") -> Iterato
     operations' ``duration`` (hence ``assigned_knob``) in place. Stops when no further
     shortening is possible.
     """
-    solver = PhillipsDessouky(aon_dag, attr_name=attr_name)  # checks the input contract
-    aoa = aon_dag_to_aoa_dag(aon_dag, attr_name=attr_name)
-    path = _CriticalPath(aoa, attr_name)
-    for op in path.real_ops:
-        op.duration = op.max_duration  # lowtime's starting point: every operation slowest
-    critical, _ = path.critical_dag()
+    PhillipsDessouky(aon_dag, attr_name=attr_name)  # checks the input contract
+    schedule = _AOASchedule(aon_dag_to_aoa_dag(aon_dag, attr_name=attr_name), attr_name)
+    critical, _ = schedule.critical_edges()
     while True:
-        solver.annotate_capacities(critical)
-        nodes, edges = solver.format_rust_inputs(critical)
         try:
-            s_set, t_set = _lowtime_rs.PhillipsDessouky(
-                FP_ERROR,
-                nodes,
-                critical.graph["source_node"],
-                critical.graph["sink_node"],
-                edges,
-            ).find_min_cut()
+            s_set, t_set = schedule.min_cut(critical)
         except LowtimeFlowError:
             return
-        cost_change = solver.reduce_durations(critical, s_set, t_set)
+        cost_change = schedule.reduce_durations(critical, s_set, t_set)
         if cost_change == float("inf") or abs(cost_change) < FP_ERROR:
             return
-        critical, total = path.critical_dag()
-        yield SolverStep(quant_time=total, cost=path.total_cost())
+        critical, total = schedule.critical_edges()
+        yield SolverStep(quant_time=total, cost=schedule.total_cost())

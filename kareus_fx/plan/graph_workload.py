@@ -1,6 +1,6 @@
 """What one microbatch of one pipeline stage costs to run, read from graph dumps.
 
-A stage's forward and backward graphs are traced twice (``tracing.trace_full_size``): split into
+A stage's forward and backward graphs are dumped twice (``tracing.trace_both_splits``): split into
 nanobatches (partition types plus the work outside partitions) and un-split (the sequential
 Megatron-LM microbatch). This module turns those dumps into the inputs of the profilers and the
 composer: :class:`PartitionedGraph` and :class:`SequentialGraph`. No model code is needed.

@@ -46,10 +46,11 @@ from kareus_fx.errors import UnsupportedGraphError
 
 __all__ = ["SLICE_LAYERS", "SliceNotRepresentativeError", "added_layer", "extend_dump", "inserted_block", "slice_pays"]
 
-SLICE_LAYERS = {"nanobatched": (2, 3), "sequential": (2, 3)}
-"""Layer counts of the two slice traces per split: first + last, then first + one middle + last.
-(Un-split 1 and 2 layers give the same op multiset but not the full trace's backward order, whose
-float sums then differ in the last bit.)"""
+SLICE_LAYERS = (2, 3)
+"""Layer counts of the two slice traces, the same for both splits (each trace dumps both,
+``tracing.trace_both_splits``): first + last, then first + one middle + last. (Un-split 1 and 2
+layers give the same op multiset but not the full trace's backward order, whose float sums then
+differ in the last bit.)"""
 
 _PRICED_KINDS = ("compute", "collective")
 _NODE_FIELDS = ("op", "kind", "shape", "dtype", "flops", "bytes", "bound", "nanobatch")
@@ -57,7 +58,7 @@ _NODE_FIELDS = ("op", "kind", "shape", "dtype", "flops", "bytes", "bound", "nano
 
 def slice_pays(num_layers: int) -> bool:
     """Whether tracing the slices costs fewer layer traces than the ``num_layers``-layer stage."""
-    return all(sum(layers) < num_layers for layers in SLICE_LAYERS.values())
+    return sum(SLICE_LAYERS) < num_layers
 
 
 class SliceNotRepresentativeError(UnsupportedGraphError):

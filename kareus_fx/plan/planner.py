@@ -1,8 +1,9 @@
 """``kareus plan``: trace, partition, tune, compose and compare, end to end (DESIGN.md steps 1-6).
 
-1. Trace every distinct pipeline stage on the meta device under the ``fake`` process group,
-   twice: nanobatched (partition types, work outside partitions) and un-split (the sequential
-   microbatch of Megatron-LM and of execution-model switching). A stage of more than 5 layers is
+1. Trace every distinct pipeline stage on the meta device under the ``fake`` process group, once
+   with Dynamo, and compile the graph twice (``tracing.trace_both_splits``): nanobatched (partition
+   types, work outside partitions) and un-split (the sequential microbatch of Megatron-LM and of
+   execution-model switching). A stage of more than 5 layers is
    traced as two slices of its layers (2 and 3 layers, nanobatched and un-split) and extended to its
    layer count (``layer_slice.py``); ``full_trace`` traces every layer.
 2. Tune each distinct partition type once (types of different stages with the same structure
@@ -26,6 +27,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import tempfile
 import time
 import warnings
@@ -40,14 +42,14 @@ import torch
 
 from kareus_fx import __version__
 from kareus_fx.capture.dump import load_dump
-from kareus_fx.capture.tracing import TraceSpec, distinct_stages, trace_full_size, validate_trace_spec
+from kareus_fx.capture.tracing import TraceSpec, distinct_stages, trace_both_splits, validate_trace_spec
 from kareus_fx.compose.iteration import (
     DEFAULT_UNIT_TIME_S,
     IterationFrontier,
     choose_unit_time_s,
-    compose_iteration,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
+from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
 from kareus_fx.cost_models.sim_params import gpu_params
@@ -92,6 +94,10 @@ MAX_SOLVER_STEPS = 500
 """Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
 from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
 solve fits (see compose.iteration)."""
+PARALLEL_COMPOSE_MIN_NODES = 1000
+"""Pipelines of at least this many (stage, instruction, microbatch) nodes compose the methods'
+frontiers in parallel processes (``compose.solve_pool``; PP10 x 128 microbatches has 2560): a
+solve there takes seconds to minutes per method, against about a second to start a process."""
 
 
 @dataclass(frozen=True)
@@ -291,8 +297,7 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
             except SliceNotRepresentativeError as err:
                 warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
         if paths is None:
-            paths = {kind: _trace_dump(req, req.trace_spec(stage), kind == "nanobatched", dump_root / f"stage{stage}-{kind}")
-                     for kind in ("nanobatched", "sequential")}
+            paths = _trace_dumps(req, req.trace_spec(stage), dump_root, f"stage{stage}-{{kind}}")
         traced.append(stage_graphs_from_dumps(tuple(group.stages), paths["nanobatched"], paths["sequential"]))
     return traced
 
@@ -300,29 +305,25 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
 def _trace_slices(req: PlanRequest, stage: int, num_layers: int, dump_root: Path) -> dict[str, Path]:
     """Dumps of stage ``stage`` at ``num_layers`` layers, extended from traces of its
     ``SLICE_LAYERS`` slices (``layer_slice.py``), nanobatched and sequential."""
+    # Every stage of a pipeline of `layers * pp` layers has `layers`: stage `stage` keeps its role.
+    short, long = (_trace_dumps(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp), dump_root,
+                                f"stage{stage}-{{kind}}-slice{layers}")
+                   for layers in SLICE_LAYERS)
     paths = {}
     for kind in ("nanobatched", "sequential"):
-        # Every stage of a pipeline of `layers * pp` layers has `layers`: stage `stage` keeps its role.
-        short, long = (
-            load_dump(_trace_dump(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp),
-                                  kind == "nanobatched", dump_root / f"stage{stage}-{kind}-slice{layers}"))
-            for layers in SLICE_LAYERS[kind]
-        )
         paths[kind] = dump_root / f"stage{stage}-{kind}-extended.json"
-        paths[kind].write_text(json.dumps(extend_dump(short, long, SLICE_LAYERS[kind][1], num_layers, f"stage {stage} {kind}")))
+        extended = extend_dump(load_dump(short[kind]), load_dump(long[kind]), SLICE_LAYERS[1], num_layers,
+                               f"stage {stage} {kind}")
+        paths[kind].write_text(json.dumps(extended))
     return paths
 
 
-def _trace_dump(req: PlanRequest, spec: TraceSpec, split: bool, out: Path) -> Path:
-    """Trace ``spec`` (nanobatched if ``split``) into one dump under ``out``; its path."""
-    result = trace_full_size(spec, options={"dump_dir": str(out), "gpu": canonical_gpu_name(req.gpu),
-                                            "nanobatch": split})
-    if len(result.dump_paths) != 1:
-        raise UnsupportedGraphError(
-            f"stage {spec.stage} traced into {len(result.dump_paths)} graphs; the planner needs one "
-            f"graph per stage (a model that compiles with fullgraph=True)"
-        )
-    return result.dump_paths[0]
+def _trace_dumps(req: PlanRequest, spec: TraceSpec, dump_root: Path, name: str) -> dict[str, Path]:
+    """The nanobatched and the sequential dump of ``spec`` from one trace, by kind, under
+    ``dump_root / name.format(kind=kind)``."""
+    nanobatched, sequential = trace_both_splits(spec, canonical_gpu_name(req.gpu),
+                                                *(dump_root / name.format(kind=kind) for kind in ("nanobatched", "sequential")))
+    return {"nanobatched": nanobatched, "sequential": sequential}
 
 
 def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path) -> StageGraphs:
@@ -465,11 +466,11 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     # One time quantum for every method, so their frontiers differ by their options, not by rounding.
     unit_s = max(choose_unit_time_s(options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s)
                  for options in by_method.values())
-    iteration = {
-        method: compose_iteration(options, req.microbatches, blocking_power_w=spec.blocking_power_w,
-                                  unit_time_s=unit_s, max_solver_steps=MAX_SOLVER_STEPS, progress=progress)
-        for method, options in by_method.items()
-    }
+    nodes = 2 * req.pp * req.microbatches
+    processes = min(os.cpu_count() or 1, len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
+    iteration = compose_iterations(by_method, req.microbatches, processes=processes, progress=progress,
+                                   blocking_power_w=spec.blocking_power_w, unit_time_s=unit_s,
+                                   max_solver_steps=MAX_SOLVER_STEPS)
     iteration["kareus"] = _with_baseline_plans(
         iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]})
     scale = float(req.tp * req.cp)
