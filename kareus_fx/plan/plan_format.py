@@ -23,6 +23,8 @@ Layout (schema version 1)::
     iteration_frontier: [{time_s, energy_j, choices: {"<stage>/<instruction>": [option index
                                                        per microbatch]}}], fastest first
     methods: {method: {frontier: [[time_s, energy_j], ...], metrics: {...}}}
+    profiling (optional): {measurements, duplicates, groups, gpus_per_group, window_s, cooldown_s,
+                           wall_s_on_device, gpu_hours, device}: what profiling costs on the device
 
 Times are seconds and energies joules of one iteration of one pipeline (``energy_scope``).
 """

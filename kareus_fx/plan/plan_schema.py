@@ -162,6 +162,20 @@ class Method(SchemaModel):
         return frontier
 
 
+class Profiling(SchemaModel):
+    """What the plan's measurements cost or would cost on the device (``plan/profiling_cost.py``)."""
+
+    measurements: count(0)
+    duplicates: count(0)
+    groups: count(1)
+    gpus_per_group: count(1) | None = None
+    window_s: number() | None = None
+    cooldown_s: number() | None = None
+    wall_s_on_device: number()
+    gpu_hours: number()
+    device: StrictStr | None = None
+
+
 class PlanFile(SchemaModel):
     """A schema-1 plan. ``format`` and ``schema_version`` are checked before this model runs."""
 
@@ -181,6 +195,8 @@ class PlanFile(SchemaModel):
     microbatch_options: dict[StrictStr, list[MicrobatchOption]]
     iteration_frontier: list[IterationPoint]
     methods: dict[StrictStr, Method]
+    profiling: Profiling | None = None
+    """Absent in plans made before the profiling cost was recorded."""
 
     @field_validator("gpu")
     @classmethod
