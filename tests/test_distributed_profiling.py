@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dist_harness import DistributedTestError, run_distributed
@@ -214,3 +215,43 @@ def test_a_peer_dying_mid_measurement_raises_a_typed_error_within_the_timeout(tm
 def test_measurement_keys_are_the_profile_database_keys():
     assert measurement_key("cpu-replay", GPU, "abc", PartitionConfig(1410, 16, None)) == \
         f"cpu-replay|{GPU}|abc|1410|16|-1"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL group profiler needs a CUDA GPU")
+def test_the_group_measurer_runs_on_one_gpu_over_nccl_with_an_sm_limited_communicator():
+    """World of one GPU: the NCCL communicator limited to 8 CTAs, CUDA-event time, Zeus energy."""
+    import datetime
+
+    from kareus_fx.cost_models.hardware import gpu_spec
+    from kareus_fx.runtime.group_replay import EnergyModel, GroupComms, GroupMeasurer, GroupReplay
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        comms = GroupComms.create(tp=1, cp=1, timeout_s=60.0, sm_counts=[8])
+        assert (1, 8) in comms.by_sms
+        spec = CollectiveSpec("all_reduce", 2**20, 1)
+        device = torch.device("cuda", 0)
+        replay = GroupReplay([s.ops for s in PTYPE.slots], [spec], comms, device)
+        measurer = GroupMeasurer(comms, EnergyModel(gpu_spec(GPU).static_power_w, 0, min_window_s=1.0), device)
+        m = measurer.measure(replay, 1410, 0, 8)
+        assert m.time_s > 0 and m.energy_j > 0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_kareus_plan_cpu_replay_on_four_processes_profiles_in_two_groups(tmp_path):
+    """The issue's acceptance command (about 4-5 minutes on 2 cores)."""
+    import subprocess
+
+    from kareus_fx.plan.plan_format import load_plan
+
+    argv = [sys.executable, "-m", "kareus_fx.cli", "plan", "--model", "tiny-llama", "--tp", "2", "--mbs", "4",
+            "--seq", "64", "--profiler", "cpu-replay", "--nproc", "4", "--out", str(tmp_path), "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    profiling = json.loads(done.stdout.strip().splitlines()[-1])["profiling"]
+    assert profiling["groups"] == 2 and profiling["duplicates"] == 0 and profiling["measurements"] > 0
+    plan = load_plan(tmp_path / "plan.json")
+    assert plan.data["profiler"] == "cpu-replay" and "test device" in plan.data["measurement"]

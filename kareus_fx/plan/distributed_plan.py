@@ -447,20 +447,31 @@ def _measurer(req: PlanRequest, session: Session) -> Iterator[GroupMeasurer]:
     if req.profiler == "cpu-replay":
         yield GroupMeasurer(session.comms, EnergyModel(TEST_DEVICE_STATIC_W), torch.device("cpu"))
         return
+    from zeus.device import get_gpus
+
+    from kareus_fx.runtime.device_profiler import wait_for_cooldown
     from kareus_fx.runtime.frequency import FrequencyController
 
     spec = gpu_spec(canonical_gpu_name(req.gpu))
-    controller = FrequencyController.open(req.clock_mode or "real", gpu_index=session.local_rank)
-
-    def set_clock(clock_mhz: int) -> None:
-        controller.request(clock_mhz, instruction="group_profiler")
-        controller.flush(timeout_s=30.0)
-
+    index = session.local_rank
+    controller = FrequencyController.open(req.clock_mode or "real", gpu_index=index)
     try:
-        yield GroupMeasurer(session.comms, EnergyModel(spec.static_power_w, session.local_rank, req.device_window_s),
-                            torch.device("cuda", session.local_rank), warmup=3, repeats=10, set_clock=set_clock)
+        gpus = get_gpus()
+        idle_c = float(gpus.get_gpu_temperature(index))  # before the first measurement heats the GPU
+
+        def cool_down() -> None:
+            wait_for_cooldown(lambda: float(gpus.get_gpu_temperature(index)), idle_c, tolerance_c=3.0,
+                              timeout_s=120.0)
+
+        def set_clock(clock_mhz: int) -> None:
+            controller.request(clock_mhz, instruction="group_profiler")
+            controller.flush(timeout_s=30.0)
+
+        yield GroupMeasurer(session.comms, EnergyModel(spec.static_power_w, index, req.device_window_s),
+                            torch.device("cuda", index), warmup=3, repeats=10, set_clock=set_clock,
+                            before_measure=cool_down)
     finally:
-        controller.restore()
+        controller.restore()  # always: a failed or killed-peer run leaves no GPU at a locked clock
 
 
 @contextlib.contextmanager
