@@ -155,6 +155,9 @@ class ProfileQueue:
 
     def claim(self, run: str, group_index: int) -> WorkItem | None:
         """The oldest pending item of ``run``, now claimed by ``group_index``; None if none is pending."""
+        if self._conn.execute("SELECT 1 FROM items WHERE run=? AND status='pending' LIMIT 1", (run,)).fetchone() is None:
+            return None  # nothing to claim: no write transaction (idle workers poll often)
+
         def work(cur: sqlite3.Cursor) -> WorkItem | None:
             row = cur.execute("SELECT key, payload, seq FROM items WHERE run=? AND status='pending' "
                               "ORDER BY seq LIMIT 1", (run,)).fetchone()

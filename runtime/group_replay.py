@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kareus_fx.errors import KareusError
+from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.runtime.collectives import nccl_options_for
 from kareus_fx.runtime.device_profiler import NodeTable, build_kernels
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
@@ -48,6 +48,14 @@ from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
 _BF16_BYTES = 2
 TEST_DEVICE_POWER_W = 100.0
 """Power of one rank of the CPU test device (``cpu-replay``): a fixed model, not a measurement."""
+
+
+_BACKEND_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout")
+
+
+def is_backend_failure(err: BaseException) -> bool:
+    """Whether ``err`` comes from the communication backend (a peer died or hangs), not from a bug."""
+    return isinstance(err, dist.DistError) or any(m in str(err).lower() for m in _BACKEND_FAILURE_MARKERS)
 
 
 class PeerLostError(KareusError, RuntimeError):
@@ -76,7 +84,8 @@ class GroupComms:
         world, rank = dist.get_world_size(), dist.get_rank()
         size = tp * cp
         if world % size:
-            raise PeerLostError(f"world size {world} is not a multiple of the group size tp x cp = {size}")
+            raise ParallelConfigError(f"world size {world} is not a multiple of the group size tp x cp = {size}: "
+                                      f"launch a multiple of {size} processes")
         backend = str(dist.get_backend())
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[int, dist.ProcessGroup] = {}
@@ -131,7 +140,7 @@ class GroupComms:
         try:
             return run()
         except (RuntimeError, dist.DistError) as err:
-            if isinstance(err, KareusError):
+            if isinstance(err, KareusError) or not is_backend_failure(err):
                 raise
             cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise PeerLostError(

@@ -112,7 +112,8 @@ def _start_world(world_size: int, run: str, work: Path, result_dir: Path) -> lis
     from dist_harness import PRELOAD, _free_port
 
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    # The ranks fork from a server that has imported the profiler (when this test starts it first).
+    ctx.set_forkserver_preload([*PRELOAD, "kareus_fx.plan.distributed_plan"])
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, run, str(work), str(result_dir), list(sys.path)),
                          daemon=True) for r in range(world_size)]

@@ -23,7 +23,8 @@ profilers: ``cpu-replay`` (gloo, CPU: the test device) and ``cuda`` (NCCL, one G
    writes the plan.
 
 Failures: a collective that fails raises :class:`PeerLostError` on the ranks that see it; they mark
-their item failed, which stops the coordinator with that error. Workers stop with
+their item failed (so does any other error of a replay), which stops the coordinator with that
+reason. Workers stop with
 :class:`PeerLostError` when the coordinator's heartbeat is older than ``peer_timeout_s``, and the
 coordinator when an item stays claimed longer than ``peer_timeout_s`` plus the measurement's
 allowance. A killed job resumes from the profile database: nothing measured is measured again.
@@ -75,7 +76,7 @@ TRACE_TIMEOUT_S = 3600.0
 TEST_DEVICE_STATIC_W = 40.0
 """Static power of one rank of the CPU test device (of its fixed 100 W, ``group_replay``)."""
 T = TypeVar("T")
-_POLL_S = 0.01
+_POLL_S = 0.02
 _BEAT_S = 1.0
 
 
@@ -188,6 +189,7 @@ class QueueServer:
         self.worker = worker
         self.db = db
         self.queue = queue
+        self._started_s = time.monotonic()
 
     def serve_one(self) -> bool:
         """Leader: claim, measure with the group, store one item; False when none is pending."""
@@ -208,14 +210,15 @@ class QueueServer:
     def _measure(self, key: str, payload: Mapping[str, Any]) -> Measurement:
         try:
             return self.worker.measure(payload)
-        except PeerLostError as err:
-            self.queue.finish(self.session.run, key, "failed", str(err))
+        except Exception as err:  # the coordinator stops with the reason instead of waiting for a timeout
+            self.queue.finish(self.session.run, key, "failed", f"rank {self.session.rank}: {type(err).__name__}: {err}")
             raise
 
     def serve(self) -> None:
         """Leader or follower of a group other than the coordinator's (follower of its group too):
         work until the coordinator closes the queue."""
         done: set[str] = set()
+        self._started_s = time.monotonic()
         while True:
             if self.session.leader:
                 if self.serve_one():
@@ -233,7 +236,11 @@ class QueueServer:
 
     def _coordinator_closed(self) -> bool:
         beat = self.queue.heartbeat(self.session.run)
-        if beat is None:
+        if beat is None:  # the coordinator has not started the run yet
+            waited_s = time.monotonic() - self._started_s
+            if waited_s > self.session.peer_timeout_s:
+                raise PeerLostError(f"rank {self.session.rank}: the coordinator (rank 0) did not start the run within "
+                                    f"{self.session.peer_timeout_s:g} s: it died or hangs")
             return False
         age_s, closed = beat
         if closed:
@@ -307,7 +314,8 @@ class QueueProfiler:
             state = server.queue.items(run, keys)
             failed = [item for item in state.values() if item.status == "failed"]
             if failed:
-                raise PeerLostError(f"profiling group {failed[0].group_index} lost a peer: {failed[0].reason}")
+                raise PeerLostError(f"profiling group {failed[0].group_index} could not measure {failed[0].key}: "
+                                    f"{failed[0].reason}")
             if all(item.status == "done" for item in state.values()):
                 return
             self._check_stale(state.values())
@@ -406,7 +414,7 @@ def make_plan_distributed(req: PlanRequest, work_dir: str | Path, *, progress: b
         with _measurer(req, session) as measurer:
             worker = GroupWorker(catalog, session, measurer, _replay_tables(traced))
             outcome = serve_or_coordinate(session, worker, work, coordinate, _allowance_s(req))
-        dist.barrier()
+        comms.guard(dist.barrier, "waiting for every rank to finish")  # no rank tears down while a peer is busy
     return outcome
 
 

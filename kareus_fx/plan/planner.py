@@ -372,7 +372,7 @@ def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequenti
 # ----- profilers ------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: Path,
-                      queue_path: Path) -> Iterator[CachedProfilerFactory]:
+                      queue_path: Path | None = None) -> Iterator[CachedProfilerFactory]:
     """The factory of the request's profiler behind the profile database (keyed by the profiler's
     kind, "simulated" or "cuda", so measurements never mix and a rerun resumes).
 
@@ -380,10 +380,11 @@ def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: 
     in ``req.clock_mode``), which every factory call returns; it replays the ops of every traced
     graph from their own dump (:func:`_replay_tables`), and leaving the block closes it, restoring
     the clock. Each call of a ``cuda`` factory returns that same profiler, so the factory serves
-    this process only (``validate_plan_request`` allows one worker).
+    this process only (``validate_plan_request`` allows one worker). Every measurement made is logged
+    in ``queue_path`` (default: ``QUEUE_FILE`` beside the database) for the plan's duplicate count.
     """
     gpu = canonical_gpu_name(req.gpu)
-    logged = dict(log_path=str(queue_path), run=uuid.uuid4().hex)
+    logged = dict(log_path=str(queue_path or db_path.parent / QUEUE_FILE), run=uuid.uuid4().hex)
     if req.profiler == "simulated":
         yield CachedProfilerFactory(db_path=str(db_path), inner=functools.partial(SimulatedProfiler, gpu), **logged)
         return
