@@ -259,16 +259,24 @@ class ProfileDB:
         A measurement :class:`MeasurementRow` refuses (NaN, a negative time) raises
         :class:`ProfileDBError` and stores nothing."""
         fp = fp or fingerprint(ptype)
+        return self.insert(profiler, gpu, fp, ptype.type_id, structure_of(ptype), config, measurement)[0]
+
+    def insert(self, profiler: str, gpu: str, fp: str, type_id: str, structure: Any, config: PartitionConfig,
+               measurement: Measurement) -> tuple[Measurement, bool]:
+        """:meth:`put` by fingerprint: ``structure`` (JSON-able) describes what ``fp`` hashes (a
+        partition type, or a sequence of ops). Returns the stored measurement and whether this call
+        stored it (False: the key was there already, this measurement was a duplicate)."""
         key = self._key(profiler, gpu, fp, config)
         values = tuple(getattr(measurement, name) for name in MEASUREMENT_FIELDS)
         self._measurement(key, values)
 
-        def work(cur: sqlite3.Cursor) -> Measurement:
+        def work(cur: sqlite3.Cursor) -> tuple[Measurement, bool]:
             cur.execute("INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
-                        (fp, ptype.type_id, json.dumps(structure_of(ptype), separators=(",", ":"))))
+                        (fp, type_id, json.dumps(structure, separators=(",", ":"))))
             cur.execute(f"INSERT OR IGNORE INTO measurements ({', '.join(_TABLE_COLUMNS['measurements'])}) "
                         f"VALUES ({', '.join('?' * len(MEASUREMENT_COLUMNS))})", (*key, *values, time.time()))
-            return Measurement(*cur.execute(_SELECT_MEASUREMENT + _WHERE_KEY, key).fetchone())
+            inserted = cur.rowcount == 1
+            return Measurement(*cur.execute(_SELECT_MEASUREMENT + _WHERE_KEY, key).fetchone()), inserted
 
         with self._lock:
             return self._write(work)
@@ -354,6 +362,12 @@ def _check_header(path: Path) -> None:
                              f"away or use another file")
 
 
+def measurement_key(profiler: str, gpu: str, fp: str, config: PartitionConfig) -> str:
+    """One text for a measurement's database key (the queue's and the log's item key)."""
+    slot = _SEQUENTIAL if config.launch_slot is None else int(config.launch_slot)
+    return f"{profiler}|{gpu}|{fp}|{int(config.clock_mhz)}|{int(config.comm_sms)}|{slot}"
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -367,9 +381,15 @@ class CachedProfiler:
     its class name): measurements of different profilers never mix.
     """
 
-    def __init__(self, inner: Profiler, db: ProfileDB, kind: str | None = None) -> None:
+    def __init__(self, inner: Profiler, db: ProfileDB, kind: str | None = None, log: Any | None = None,
+                 run: str = "", rank: int = 0) -> None:
         self.inner = inner
         self.db = db
+        self.log = log
+        """A :class:`~kareus_fx.cost_models.profile_queue.ProfileQueue` that logs each measurement
+        made (with ``run`` and ``rank``), or None."""
+        self.run = run
+        self.rank = rank
         self.gpu_name = inner.gpu_name
         self.kind = kind or getattr(inner, "kind", None) or type(inner).__name__
         self.stats = CacheStats()
@@ -401,7 +421,11 @@ class CachedProfiler:
         except MeasurementFailedError as err:
             self.db.put_failure(self.kind, self.gpu_name, ptype, config, err.reason, fp=fp)
             raise
-        return self.db.put(self.kind, self.gpu_name, ptype, config, measurement, fp=fp)
+        stored, inserted = self.db.insert(self.kind, self.gpu_name, fp, ptype.type_id, structure_of(ptype), config,
+                                          measurement)
+        if self.log is not None:
+            self.log.log(measurement_key(self.kind, self.gpu_name, fp, config), self.run, self.rank, inserted)
+        return stored
 
     def measure_sequence(self, ops, collectives, clock_mhz: int) -> Measurement:
         """Work run op after op, measured by the inner profiler (not stored: the database keys

@@ -19,6 +19,7 @@ from kareus_fx.errors import KareusError, OptionsError
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.run(args)
     except KareusError as err:
@@ -119,7 +120,16 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU to plan for (default {DEFAULT_GPU})")
     plan.add_argument("--dtype", default="bfloat16", help="model dtype: bfloat16 (default), float16, float32")
     plan.add_argument("--profiler", default="simulated",
-                      help="simulated (default: the cost model, CPU only) or cuda (measure on this machine's GPU)")
+                      help="simulated (default: the cost model, CPU only), cuda (measure on this machine's GPU; under "
+                      "torchrun or --nproc on every GPU, in groups of tp x cp with the real NCCL collectives) or "
+                      "cpu-replay (a CPU test device: real replays and gloo collectives, wall-clock time, fixed-power "
+                      "energy; for testing the distributed profiler)")
+    plan.add_argument("--nproc", type=int, default=None, metavar="N",
+                      help="with --profiler cpu-replay or cuda: start N processes on this machine as torchrun would "
+                      "(groups of tp x cp ranks profile in parallel); under torchrun leave it out")
+    plan.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
+                      help="with --nproc or torchrun: how long a profiling group waits for a peer before it stops "
+                      "with an error (default 300 s)")
     plan.add_argument("--clock-mode", choices=("real", "dry-run"), default=None,
                       help="with --profiler cuda: real (default) locks each measured clock; dry-run leaves the "
                       "card's clock alone (every point measured at its current clock) and records the requests")
@@ -181,13 +191,28 @@ def _run_plan(args: argparse.Namespace) -> int:
     from kareus_fx.plan.buckets import make_bucketed_plan, validate_buckets
     from kareus_fx.plan.plan_format import write_plan
     from kareus_fx.plan.planner import make_plan, validate_plan_request
-    from kareus_fx.report.plan_report import metrics_table, write_frontier_csv, write_report_html
+    from kareus_fx.report.plan_report import metrics_table, profiling_text, write_frontier_csv, write_report_html
 
     request = _plan_request(args)
     validate_plan_request(request)  # every bad-input error before any tracing
     buckets = validate_buckets(request, args.seq) if args.seq is not None and len(args.seq) > 1 else None
+    distributed = _distributed_mode(args, request)
+    if buckets is not None and distributed is not None:
+        raise OptionsError("a bucketed plan (--seq with several lengths) is profiled in one process: give one "
+                           "--seq per distributed run, or drop --profiler cpu-replay/cuda with --nproc")
+    if distributed == "launch":
+        from kareus_fx.plan.launcher import launch, without_nproc
+
+        return launch(args.nproc, without_nproc(args.argv))
     args.out.mkdir(parents=True, exist_ok=True)
-    if buckets is None:
+    if distributed == "run":
+        from kareus_fx.plan.distributed_plan import DEFAULT_PEER_TIMEOUT_S, make_plan_distributed
+
+        outcome = make_plan_distributed(request, args.out / "work", progress=not args.json,
+                                        peer_timeout_s=args.peer_timeout or DEFAULT_PEER_TIMEOUT_S)
+        if outcome is None:  # not rank 0: rank 0 writes the plan
+            return 0
+    elif buckets is None:
         outcome = make_plan(request, args.out / "work", progress=not args.json)
     else:
         outcome = make_bucketed_plan(request, buckets, args.out / "work", progress=not args.json)
@@ -200,14 +225,33 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         methods = {name: {"frontier": m["frontier"], "metrics": m["metrics"]}
                    for name, m in outcome.data["methods"].items()}
-        print(json.dumps({"methods": methods, "wall_s": outcome.wall_s["total_s"],
-                          "phases_s": outcome.wall_s, "out": str(args.out)}))
+        print(json.dumps({"methods": methods, "profiling": outcome.data.get("profiling"),
+                          "wall_s": outcome.wall_s["total_s"], "phases_s": outcome.wall_s, "out": str(args.out)}))
         return 0
     console = _console()
     console.print(metrics_table(outcome.data))
+    console.print(profiling_text(outcome.data))
     phases = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in outcome.wall_s.items())
     console.print(f"{phases}; wrote {args.out / 'plan.json'}, frontier.csv, report.html, perseus_profile.csv")
     return 0
+
+
+def _distributed_mode(args: argparse.Namespace, request) -> str | None:
+    """"launch" (--nproc: start the processes), "run" (one process of a distributed plan) or None."""
+    from kareus_fx.plan.distributed_plan import distributed_env
+    from kareus_fx.plan.planner import DISTRIBUTED_PROFILERS
+
+    env = distributed_env()
+    if args.nproc is not None and env is None:
+        if request.profiler not in DISTRIBUTED_PROFILERS:
+            raise OptionsError(f"--nproc starts the processes of a distributed profiler: add --profiler cpu-replay "
+                               f"or --profiler cuda (got --profiler {request.profiler})")
+        return "launch"
+    if args.peer_timeout is not None and request.profiler not in DISTRIBUTED_PROFILERS:
+        raise OptionsError("--peer-timeout applies to --profiler cpu-replay or cuda with --nproc or torchrun")
+    if request.profiler == "cpu-replay" or (request.profiler == "cuda" and env is not None and env[1] > 1):
+        return "run"
+    return None
 
 
 def _run_dump(args: argparse.Namespace) -> int:

@@ -30,6 +30,10 @@ RTOL = 1e-6
          "pp=40 pipeline stages need at least 40 decoder layers"),
         (["--model", "llama3.2-3b", "--mbs", "8"], "--model needs --seq"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cuda"], "on-device"),
+        (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--nproc", "8"], "--nproc starts the processes of a distributed"),
+        (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--peer-timeout", "5"], "--peer-timeout applies to"),
+        (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cpu-replay", "--workers", "2"],
+         "cpu-replay measures with its process groups"),
     ],
 )
 def test_bad_input_is_refused_before_tracing(no_tracing, monkeypatch, tmp_path, capsys, argv, message):
@@ -68,6 +72,25 @@ def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
     html = (small_plan / "report.html").read_text()
     assert 'src="data:image/png;base64,' in html and "iso-time energy reduction" in html
     assert (small_plan / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_small_plan_reports_what_its_profiling_costs_on_the_device(small_plan):
+    """Every measurement the plan used, once: the tuned and baseline partition configurations (each
+    stored once in the profile database and logged once) and the sequences at each of 18 clocks."""
+    import sqlite3
+
+    profiling = load_plan(small_plan / "plan.json").data["profiling"]
+    with sqlite3.connect(small_plan / "work" / "profile.sqlite") as conn:
+        stored = conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+    with sqlite3.connect(small_plan / "work" / "profile-queue.sqlite") as conn:
+        logged = conn.execute("SELECT COUNT(*), COUNT(DISTINCT key), SUM(inserted) FROM log").fetchone()
+    assert logged == (stored, stored, stored)  # each measured and stored exactly once
+    sequences = profiling["measurements"] - stored
+    assert sequences > 0 and sequences % 18 == 0
+    assert profiling["duplicates"] == 0 and profiling["groups"] == 1 and profiling["gpus_per_group"] == 8
+    assert profiling["wall_s_on_device"] == pytest.approx(profiling["measurements"] * (5.0 + 5.0))
+    assert profiling["gpu_hours"] == pytest.approx(profiling["wall_s_on_device"] * 8 / 3600)
+    assert "GPU-hours" in (small_plan / "report.html").read_text()
 
 
 def test_small_plan_exports_a_perseus_profile_the_composer_reads_back(small_plan):

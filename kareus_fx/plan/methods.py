@@ -60,6 +60,13 @@ class SequenceProfiler(Protocol):
     ) -> Measurement: ...
 
 
+def _prefetch(profiler: object, **batch: object) -> None:
+    """Hand a profiler that measures batches in parallel (``prefetch``) the whole batch first."""
+    prefetch = getattr(profiler, "prefetch", None)
+    if prefetch is not None:
+        prefetch(**batch)
+
+
 def _add(a: Measurement, b: Measurement, times: int = 1) -> Measurement:
     return Measurement(
         time_s=a.time_s + times * b.time_s,
@@ -73,6 +80,7 @@ def sequential_measurements(
     profiler: SequenceProfiler, graph: SequentialGraph, clocks_mhz: Sequence[int]
 ) -> dict[int, Measurement]:
     """Per clock, the graph run op after op (the Megatron-LM microbatch, or leftovers)."""
+    _prefetch(profiler, sequences=[(graph.ops, graph.collectives, c) for c in clocks_mhz])
     return {c: profiler.measure_sequence(graph.ops, graph.collectives, c) for c in clocks_mhz}
 
 
@@ -92,6 +100,7 @@ def nanobatching_measurements(
     Also returns, per partition type, the measured ``(config, measurement)`` points (Kareus reuses
     them as candidates).
     """
+    _prefetch(profiler, partitions=[(t, nanobatching_config(c, default_comm_sms)) for c in outside for t in graph.ptypes])
     per_type: dict[str, list[tuple[PartitionConfig, Measurement]]] = {t.type_id: [] for t in graph.ptypes}
     totals: dict[int, Measurement] = {}
     for clock, rest in outside.items():

@@ -27,6 +27,8 @@ Layout (schema version 1)::
         microbatch_options, iteration_frontier, methods}] in increasing seq, one plan per
         sequence-length bucket; the top-level fields and ``workload.seq`` are the largest
         bucket's, so readers of one-length plans read a bucketed plan as that bucket.
+    profiling (optional): {measurements, duplicates, groups, gpus_per_group, window_s, cooldown_s,
+                           wall_s_on_device, gpu_hours, device}: what profiling costs on the device
 
 Times are seconds and energies joules of one iteration of one pipeline (``energy_scope``).
 """

@@ -178,6 +178,20 @@ BUCKET_FIELDS = ("stages", "partition_types", "microbatch_options", "iteration_f
 """The fields a bucket holds; the plan's own are those of its largest bucket."""
 
 
+class Profiling(SchemaModel):
+    """What the plan's measurements cost or would cost on the device (``plan/profiling_cost.py``)."""
+
+    measurements: count(0)
+    duplicates: count(0)
+    groups: count(1)
+    gpus_per_group: count(1) | None = None
+    window_s: number() | None = None
+    cooldown_s: number() | None = None
+    wall_s_on_device: number()
+    gpu_hours: number()
+    device: StrictStr | None = None
+
+
 class PlanFile(SchemaModel):
     """A schema-1 plan. ``format`` and ``schema_version`` are checked before this model runs."""
 
@@ -199,6 +213,8 @@ class PlanFile(SchemaModel):
     methods: dict[StrictStr, Method]
     buckets: list[Bucket] | None = None
     """None: a plan of one sequence length (``workload.seq``)."""
+    profiling: Profiling | None = None
+    """Absent in plans made before the profiling cost was recorded."""
 
     @field_validator("gpu")
     @classmethod

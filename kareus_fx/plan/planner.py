@@ -30,6 +30,7 @@ import json
 import os
 import tempfile
 import time
+import uuid
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pa
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
+from kareus_fx.cost_models.profile_queue import ProfileQueue
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
@@ -69,6 +71,7 @@ from kareus_fx.plan.methods import (
 from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
 from kareus_fx.plan.presets import Preset, get_preset
+from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
@@ -79,7 +82,11 @@ from kareus_fx.workload import GraphName, PartitionType
 __all__ = ["LIVE_GRAPH_MODEL", "PlanOutcome", "PlanRequest", "StageGraphs", "make_plan", "plan_request_from_preset",
            "plan_traced", "stage_graphs_from_dumps", "validate_plan_request", "validate_tuning_request"]
 
-PROFILERS = ("simulated", "cuda")
+PROFILERS = ("simulated", "cuda", "cpu-replay")
+DISTRIBUTED_PROFILERS = ("cpu-replay", "cuda")
+"""Profilers that run over torch.distributed (``distributed_plan.py``); cuda also on one GPU alone."""
+QUEUE_FILE = "profile-queue.sqlite"
+"""The work queue and measurement log beside ``profile.sqlite`` (``cost_models.profile_queue``)."""
 LIVE_GRAPH_MODEL = "live-graph"
 """``PlanRequest.model`` of a plan made from a live graph (``kareus_fx.plan.live_tuning``): no reference
 model, so its layer count is unknown (``workload.layers`` is null)."""
@@ -163,6 +170,9 @@ def validate_tuning_request(req: PlanRequest) -> None:
         raise OptionsError(f"--profiler must be one of {', '.join(PROFILERS)}, got {req.profiler!r}")
     if req.profiler == "cuda":
         _validate_cuda_request(req)
+    elif req.profiler == "cpu-replay" and req.workers != 1:
+        raise OptionsError(f"--profiler cpu-replay measures with its process groups (--nproc or torchrun), not "
+                           f"tuning workers: use --workers 1 (got --workers {req.workers})")
     elif req.clock_mode is not None:
         raise OptionsError(
             f"--clock-mode applies to --profiler cuda only (the {req.profiler} profiler sets no GPU clock); "
@@ -262,27 +272,49 @@ def make_plan(req: PlanRequest, work_dir: str | Path | None = None, *, progress:
 
 
 def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str | Path, *,
-                progress: bool = True) -> PlanOutcome:
+                progress: bool = True, profiler: Any | None = None, groups: int = 1,
+                device: str | None = None) -> PlanOutcome:
     """Steps 2-4 of the module docstring on graphs already traced (``traced``: one entry per
-    distinct stage, covering stages 0..pp-1). ``work_dir`` keeps the profile database."""
+    distinct stage, covering stages 0..pp-1). ``work_dir`` keeps the profile database.
+
+    ``profiler``: one that keeps its own database and measures with ``groups`` parallel groups of
+    ``tp x cp`` devices (the distributed profilers, ``distributed_plan.py``; ``device`` says what
+    measured); None builds the request's profiler."""
     validate_tuning_request(req)
     started = time.perf_counter()
     wall: dict[str, float] = {}
     t0 = time.perf_counter()
     ptypes, local_to_plan = _distinct_types(traced, req.launch_search)
-    with _profiler_factory(req, traced, Path(work_dir) / "profile.sqlite") as factory:
+    ledger = MeasurementLedger()
+    queue_path = Path(work_dir) / QUEUE_FILE
+    given = contextlib.nullcontext(lambda: profiler) if profiler is not None else None
+    with given or _profiler_factory(req, traced, Path(work_dir) / "profile.sqlite", queue_path) as factory:
         settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
         tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
                                      workers=req.workers, progress=progress)
+        ledger.add_tuning(ptypes, tuned)
         wall["tune_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        profiler = factory()
-        composed = _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress)
+        composing = ledger.wrap(factory())
+        composed = _compose_methods(req, traced, ptypes, local_to_plan, tuned, composing, progress)
         wall["compose_s"] = time.perf_counter() - t0
     wall["total_s"] = time.perf_counter() - started
-    data = _plan_data(req, traced, ptypes, local_to_plan, tuned, composed, profiler.kind, wall)
+    data = _plan_data(req, traced, ptypes, local_to_plan, tuned, composed, composing.kind, wall, device)
+    with ProfileQueue(queue_path) as log:
+        data["profiling"] = _profiling_cost(req, len(ledger), log.duplicates(), groups, device).to_dict()
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
+
+
+def _profiling_cost(req: PlanRequest, measurements: int, duplicates: int, groups: int,
+                    device: str | None) -> ProfilingCost:
+    """The plan's ``profiling`` record: ``groups`` TP x CP groups of ``--gpu`` GPUs (``profiling_cost.py``)."""
+    gpu = canonical_gpu_name(req.gpu)
+    if device is None:
+        device = (f"estimate for one group of {req.tp * req.cp} {gpu} GPUs; the measurements are cost-model "
+                  f"predictions" if req.profiler == "simulated" else f"this process's {gpu} GPU")
+    return ProfilingCost(measurements=measurements, duplicates=duplicates, groups=groups,
+                         gpus_per_group=req.tp * req.cp, window_s=req.device_window_s, device=device)
 
 
 # ----- 1. tracing -------------------------------------------------------------------------------
@@ -291,7 +323,7 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
     for group in distinct_stages(req.trace_spec()):
         stage = group.stages[0]
         paths = None
-        if not req.full_trace and req.profiler != "cuda" and slice_pays(group.num_layers):
+        if not req.full_trace and req.profiler == "simulated" and slice_pays(group.num_layers):
             try:
                 paths = _trace_slices(req, stage, group.num_layers, dump_root)
             except SliceNotRepresentativeError as err:
@@ -340,7 +372,8 @@ def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequenti
 
 # ----- profilers ------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: Path) -> Iterator[CachedProfilerFactory]:
+def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: Path,
+                      queue_path: Path | None = None) -> Iterator[CachedProfilerFactory]:
     """The factory of the request's profiler behind the profile database (keyed by the profiler's
     kind, "simulated" or "cuda", so measurements never mix and a rerun resumes).
 
@@ -348,17 +381,19 @@ def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: 
     in ``req.clock_mode``), which every factory call returns; it replays the ops of every traced
     graph from their own dump (:func:`_replay_tables`), and leaving the block closes it, restoring
     the clock. Each call of a ``cuda`` factory returns that same profiler, so the factory serves
-    this process only (``validate_plan_request`` allows one worker).
+    this process only (``validate_plan_request`` allows one worker). Every measurement made is logged
+    in ``queue_path`` (default: ``QUEUE_FILE`` beside the database) for the plan's duplicate count.
     """
     gpu = canonical_gpu_name(req.gpu)
+    logged = dict(log_path=str(queue_path or db_path.parent / QUEUE_FILE), run=uuid.uuid4().hex)
     if req.profiler == "simulated":
-        yield CachedProfilerFactory(db_path=str(db_path), inner=functools.partial(SimulatedProfiler, gpu))
+        yield CachedProfilerFactory(db_path=str(db_path), inner=functools.partial(SimulatedProfiler, gpu), **logged)
         return
     tables = _replay_tables(traced)
     device = DeviceProfiler(gpu, frequency=FrequencyController.open(req.clock_mode or "real"),
                             tables_by_ops=tables, min_window_s=req.device_window_s)
     try:
-        yield CachedProfilerFactory(db_path=str(db_path), inner=lambda: device)
+        yield CachedProfilerFactory(db_path=str(db_path), inner=lambda: device, **logged)
     finally:
         device.close()
 
@@ -563,8 +598,15 @@ def _type_record(ptype: PartitionType, result: TuningResult, counts: Mapping[str
     }
 
 
-def _measurement_provenance(req: PlanRequest) -> str:
-    """Where the plan's times and energies come from, in words."""
+def _measurement_provenance(req: PlanRequest, device: str | None = None) -> str:
+    """Where the plan's times and energies come from, in words (``device``: a distributed profiler's words)."""
+    if req.profiler == "cpu-replay":
+        return (f"{device or 'test device'}: partitions replayed with their real collectives; times are the "
+                f"slowest rank's wall clock, energies a fixed power model; NOT a GPU measurement")
+    if device is not None:
+        return (f"measured on {device}: partitions replayed with their real collectives over SM-limited "
+                f"communicators; CUDA-event time (slowest rank), Zeus energy summed over each group over "
+                f">= {req.device_window_s:g} s windows")
     if req.profiler == "simulated":
         return "simulated GPU: every time and energy is a cost-model prediction, nothing was measured"
     clocks = ("each configuration's SM clock locked while measuring" if (req.clock_mode or "real") == "real"
@@ -574,7 +616,7 @@ def _measurement_provenance(req: PlanRequest) -> str:
 
 
 def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, profiler_kind: str,
-               wall: Mapping[str, float]) -> dict[str, Any]:
+               wall: Mapping[str, float], device: str | None = None) -> dict[str, Any]:
     stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
     counts: dict[tuple[int, GraphName], dict[str, int]] = {}
     for (g, name, local), plan_id in local_to_plan.items():
@@ -628,7 +670,7 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,
         "simulated": req.profiler == "simulated",
-        "measurement": _measurement_provenance(req),
+        "measurement": _measurement_provenance(req, device),
         "energy_scope": (f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
                          f"assumed to cost what the traced rank costs"),
         "baselines": list(BASELINES),

@@ -56,6 +56,17 @@ def _provenance(plan: Mapping[str, Any]) -> str:
             f"energy of {plan['energy_scope']}")
 
 
+def profiling_text(plan: Mapping[str, Any]) -> str:
+    """One line: what the plan's measurements cost or would cost on the device (empty for an old plan)."""
+    p = plan.get("profiling")
+    if not p:
+        return ""
+    window = "" if p.get("window_s") is None else f" ({p['window_s']:g} s window + {p['cooldown_s']:g} s cooldown each)"
+    return (f"profiling: {p['measurements']} measurements{window}, {p['duplicates']} duplicates, {p['groups']} "
+            f"parallel group(s): {p['wall_s_on_device'] / 3600:.2f} h on the device, {p['gpu_hours']:.1f} GPU-hours"
+            + (f"; {p['device']}" if p.get("device") else ""))
+
+
 def metrics_table(plan: Mapping[str, Any]) -> Table:
     """Per method: fastest iteration time and its energy, and the four reductions."""
     table = Table(title="iteration time and energy per method", caption=_provenance(plan))
@@ -141,6 +152,8 @@ td,th{{border:1px solid #bbb;padding:.3em .6em;text-align:right}}th{{background:
 <img id="frontier" alt="iteration time-energy frontiers" src="data:image/png;base64,{image}">
 <h2>Metrics</h2>
 {_metrics_html(plan)}
+<h2>Profiling cost</h2>
+<p id="profiling">{html.escape(profiling_text(plan) or "not recorded in this plan")}</p>
 {extra_sections}
 </body></html>
 """

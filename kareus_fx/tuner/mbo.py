@@ -368,6 +368,9 @@ class _Recorder:
         self.seconds = 0.0
 
     def measure(self, rows: Sequence[int], sources: Sequence[str], batch: int) -> None:
+        prefetch = getattr(self.profiler, "prefetch", None)
+        if prefetch is not None:  # a profiler measuring in parallel (process groups) takes the whole batch
+            prefetch(partitions=[(self.ptype, self.space.configs[r]) for r in rows if not self.measured[r]])
         for row, source in zip(rows, sources):
             if self.measured[row]:
                 continue

@@ -39,17 +39,23 @@ class CachedProfilerFactory:
 
     ``inner`` builds the profiler that measures what the database does not have yet (itself a
     picklable factory, e.g. ``functools.partial(SimulatedProfiler, "A100", 0.01, 0)``); ``kind``
-    overrides the database key of the inner profiler (default: its ``kind`` or class name).
+    overrides the database key of the inner profiler (default: its ``kind`` or class name);
+    ``log_path``: a :class:`~kareus_fx.cost_models.profile_queue.ProfileQueue` file that logs every
+    measurement made, under ``run`` (None: no log).
     """
 
     db_path: str
     inner: ProfilerFactory
     kind: str | None = None
+    log_path: str | None = None
+    run: str = ""
 
     def __call__(self) -> Profiler:
         from kareus_fx.cost_models.profile_db import CachedProfiler, ProfileDB
+        from kareus_fx.cost_models.profile_queue import ProfileQueue
 
-        return CachedProfiler(self.inner(), ProfileDB(self.db_path), kind=self.kind)
+        log = None if self.log_path is None else ProfileQueue(self.log_path)
+        return CachedProfiler(self.inner(), ProfileDB(self.db_path), kind=self.kind, log=log, run=self.run)
 
 
 def type_seed(seed: int, type_id: str) -> int:
@@ -77,7 +83,7 @@ def _tune_one(
         return tune_partition(ptype, profiler, settings=settings, seed=seed, progress=report)
     finally:
         # close what the factory opened (a CachedProfiler's database connection)
-        for obj in (profiler, getattr(profiler, "db", None)):
+        for obj in (profiler, getattr(profiler, "db", None), getattr(profiler, "log", None)):
             close = getattr(obj, "close", None)
             if callable(close):
                 close()
