@@ -5,9 +5,10 @@ Inductor's own tests use (its ``check_model`` compares with torch.testing's floa
 rtol=1.3e-6, atol=1e-5). Inductor's decompositions and fused kernels, and the nanobatch split
 (each weight gradient summed from two halves), change the summation order: a few ulps.
 
-tiny-llama at TP=2 runs through Inductor (the default), split and un-split; the other layouts
-and models check the graphs op by op (``inductor=False``): Inductor's C++ compile of each graph
-takes tens of seconds on 2 CPU cores.
+tiny-llama at TP=2 runs through Inductor (the default), split and un-split, and so does
+tiny-qwen in the slow run; the other layouts and models check the graphs op by op
+(``inductor=False``) by default: Inductor's C++ compile of each graph takes tens of seconds on
+2 CPU cores.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ OP_BY_OP = {"inductor": False}
 
 
 @pytest.mark.parametrize("options", [{"nanobatch": False}, {}], ids=["sequential", "nanobatched"])
-@pytest.mark.parametrize("name, codegen", [("tiny-llama", {}), ("tiny-qwen", OP_BY_OP)], ids=["tiny-llama", "tiny-qwen"])
+@pytest.mark.parametrize("name, codegen", [
+    ("tiny-llama", {}),
+    ("tiny-qwen", OP_BY_OP),
+    pytest.param("tiny-qwen", {}, marks=pytest.mark.slow, id="tiny-qwen-inductor"),
+], ids=["tiny-llama", "tiny-qwen", "tiny-qwen-inductor"])
 def test_tp2_reference_model_matches_eager(name, codegen, options, tmp_path):
     counts = run_distributed(_reference_model_worker, 2, name, 2, 1, {**options, **codegen}, str(tmp_path),
                              timeout_s=600)
