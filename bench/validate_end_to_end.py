@@ -1,6 +1,6 @@
 """End-to-end fidelity: the simulated plans beside the paper's measured testbed results.
 
-    python bench/validate_end_to_end.py [--json] [--rerun] [--rows calibration|validation|all]
+    python bench/validate_end_to_end.py [--json | --markdown] [--rerun] [--rows calibration|validation|all]
 
 For every row of the paper's testbed tables it plans the row's preset on the simulated profiler
 (A100-SXM4-40GB, seed 0, ``kareus plan`` in-process) and compares each method's metrics with the
@@ -16,9 +16,9 @@ paper's measured ones, in percentage points:
 Metric groups of the summary (``max_abs_err_pp``): ``time`` = max-throughput time reduction of
 N+P and Kareus; ``energy`` = max-throughput energy reduction of M+P, N+P and Kareus; ``iso`` =
 iso-time energy and iso-energy time reduction of N+P and Kareus; ``ablation`` = table 8's time and
-energy increases over Kareus. ``mp_time_red`` is printed but in no group (the paper's is within
+energy increases over Kareus (``ABLATION_METHODS``). ``mp_time_red`` is printed but in no group (the paper's is within
 half a point of zero). NA cells (OOM or lost in the PDF extraction, or a metric our frontier does
-not reach) are skipped and counted. ``kareus_not_below`` lists the rows where the paper has
+not reach: listed in ``ours_na_where_paper_has_value``) are skipped and counted. ``kareus_not_below`` lists the rows where the paper has
 Kareus >= N+P and >= M+P (time and energy) but ours does not.
 
 Plans are cached in ``bench/results/end_to_end.json`` (``--rerun`` plans again). Our numbers are
@@ -57,7 +57,11 @@ COLUMNS = {
 }
 GROUPS = ("time", "energy", "iso", "ablation")
 ABLATION_PRESET = "qwen3-1.7b-tp8-mbs8-seq4k"
-ABLATION_NO_SCHEDULE = ABLATION_PRESET + ":no-kernel-schedule"
+# Table 8's variants as our methods (paper section 6.4): without kernel scheduling (SM allocation and
+# launch timing) Kareus keeps the nanobatching schedule and scales frequency: Nanobatching + Perseus;
+# without both: Nanobatching. Kareus without frequency scaling needs a plan at the maximum clock
+# only, which the planner has no option for: not computed (NA).
+ABLATION_METHODS = {"kareus_without_kernel_schedule": "nanobatching+perseus", "nanobatching": "nanobatching"}
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -70,12 +74,10 @@ def _number(cell: str) -> float | None:
     return None if cell in ("", "NA") else float(cell)
 
 
-def plan_metrics(key: str) -> dict:
-    """Plan one preset (``<preset>:no-kernel-schedule``: launch search off) and keep its metrics."""
-    preset, _, variant = key.partition(":")
-    overrides = {"launch_search": False} if variant == "no-kernel-schedule" else {}
+def plan_metrics(preset: str) -> dict:
+    """Plan one preset and keep its metrics."""
     started = time.perf_counter()
-    outcome = make_plan(plan_request_from_preset(preset, **overrides), progress=False)
+    outcome = make_plan(plan_request_from_preset(preset), progress=False)
     return {"metrics": {m: d["metrics"] for m, d in outcome.data["methods"].items()},
             "profiler": outcome.data["profiler"], "wall_s": time.perf_counter() - started}
 
@@ -91,6 +93,7 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
     worst = {g: 0.0 for g in GROUPS}
     compared = {g: 0 for g in GROUPS}
     na = 0
+    ours_missing: list[str] = []
     not_below: list[str] = []
     for row in rows:
         metrics = plans[row["preset"]]["metrics"]
@@ -99,6 +102,8 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
             ours = _ours_pct(metrics, method, metric)
             if paper is None or ours is None:
                 na += 1
+                if paper is not None:
+                    ours_missing.append(f"{row['preset']}: {column}")
                 cells.append({"preset": row["preset"], "metric": column, "paper": paper, "ours": ours, "err_pp": None})
                 continue
             err = ours - paper
@@ -117,7 +122,7 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
                     not_below.append(f"{row['preset']}: kareus {kind} {k_ours:.1f} < {other} {o_ours:.1f}")
     summary = {"rows": len(rows), "compared": {g: compared[g] for g in GROUPS if g != "ablation"},
                "max_abs_err_pp": {g: round(worst[g], 2) for g in GROUPS if g != "ablation"},
-               "na_cells": na, "kareus_not_below": not_below}
+               "na_cells": na, "ours_na_where_paper_has_value": ours_missing, "kareus_not_below": not_below}
     return cells, summary
 
 
@@ -130,15 +135,8 @@ def _increase_pct(metrics: dict, method: str, kind: str) -> float:
 def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], dict]:
     """Table 8: time and energy increase over Kareus of each ablated variant."""
     kareus = plans[ABLATION_PRESET]["metrics"]
-    ours: dict[str, tuple[float | None, float | None]] = {
-        "nanobatching": (_increase_pct(kareus, "nanobatching", "time"), _increase_pct(kareus, "nanobatching", "energy")),
-        # The planner has no fixed-clock option: Kareus without frequency scaling is not computed.
-        "kareus_without_frequency": (None, None),
-    }
-    if ABLATION_NO_SCHEDULE in plans:
-        ablated = {**kareus, "ablated": plans[ABLATION_NO_SCHEDULE]["metrics"]["kareus"]}
-        ours["kareus_without_kernel_schedule"] = (_increase_pct(ablated, "ablated", "time"),
-                                                  _increase_pct(ablated, "ablated", "energy"))
+    ours = {variant: (_increase_pct(kareus, method, "time"), _increase_pct(kareus, method, "energy"))
+            for variant, method in ABLATION_METHODS.items()}
     cells, worst, na, compared = [], 0.0, 0, 0
     for row in rows:
         for i, kind in enumerate(("time", "energy")):
@@ -159,9 +157,40 @@ def _fmt(value: float | None) -> str:
     return "NA" if value is None else f"{value:.1f}"
 
 
+_SHORT = {"mp_time_red": "M+P t", "np_time_red": "N+P t", "kareus_time_red": "K t", "mp_energy_red": "M+P e",
+          "np_energy_red": "N+P e", "kareus_energy_red": "K e", "np_iso_time_energy_red": "N+P iso-t e",
+          "kareus_iso_time_energy_red": "K iso-t e", "np_iso_energy_time_red": "N+P iso-e t",
+          "kareus_iso_energy_time_red": "K iso-e t"}
+
+
+def markdown(report: dict) -> str:
+    """The comparison as README tables: one row per preset, ``paper / ours`` per metric (%)."""
+    lines = []
+    for part in ("calibration", "validation"):
+        cells = report.get(f"{part}_cells")
+        if not cells:
+            continue
+        lines += [f"{part} rows (paper / ours, %):", "",
+                  "| preset | " + " | ".join(_SHORT.values()) + " |", "|---" * (len(_SHORT) + 1) + "|"]
+        for preset in dict.fromkeys(c["preset"] for c in cells):
+            by_metric = {c["metric"]: c for c in cells if c["preset"] == preset}
+            lines.append(f"| {preset} | " + " | ".join(
+                f"{_fmt(by_metric[m]['paper'])} / {_fmt(by_metric[m]['ours'])}" for m in _SHORT) + " |")
+        lines += ["", f"summary: `{json.dumps({k: v for k, v in report[part].items() if k != 'ablation'})}`", ""]
+    if report.get("ablation_cells"):
+        lines += ["Table 8 ablation (increase over Kareus, paper / ours, %):", "", "| variant | time | energy |",
+                  "|---|---|---|"]
+        for variant in dict.fromkeys(c["variant"] for c in report["ablation_cells"]):
+            t, e = (next(c for c in report["ablation_cells"] if c["variant"] == variant and c["metric"] == f"{k}_increase")
+                    for k in ("time", "energy"))
+            lines.append(f"| {variant} | {_fmt(t['paper'])} / {_fmt(t['ours'])} | {_fmt(e['paper'])} / {_fmt(e['ours'])} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the comparison as README tables")
     parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
     parser.add_argument("--rows", choices=("calibration", "validation", "all"), default="all")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
@@ -178,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = stored.get("plans", {})
     needed = [r["preset"] for r in calibration_rows + validation_rows]
     if ablation_rows:
-        needed += [ABLATION_PRESET, ABLATION_NO_SCHEDULE]
+        needed.append(ABLATION_PRESET)
     for key in dict.fromkeys(needed):
         if key in plans and not args.rerun:
             continue
@@ -201,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
                                         **{k: v for k, v in report.items() if k != "note"}}, indent=1, sort_keys=True))
     if args.json:
         print(json.dumps(report, indent=1))
+        return 0
+    if args.markdown:
+        print(markdown(report))
         return 0
     print(report["note"])
     for part in ("calibration", "validation"):
