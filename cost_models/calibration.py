@@ -9,9 +9,11 @@ Steps, each recorded with its data file and fit error in the output's provenance
    bandwidth-vs-SMs curve, from the steady-state (longest) kernels.
 2. Collectives (NanoFlow, NCCL on 8xA100): the knee of the bus-bandwidth-vs-SMs curve from the
    reduce-scatter runs with 8/16/32 CTAs and the all-gather / reduce-scatter per-SM rate ratio.
+   2b. A collective's contention beside a compute-bound kernel (NanoFlow's network kernel beside a
+   GEMM, ``network_interference.csv``): ``comm_contention_compute``.
 3. Partition timing (Kareus attention overlap, 2xA100 TP=2, clocks unlocked = max clock unless
    the power cap binds): GEMM efficiency, kernel launch gap, the all-reduce's per-SM rate, cap,
-   latency and its HBM-contention coefficient, plus two terms of that measurement script, not of
+   latency and its HBM-contention coefficient beside memory-bound kernels, plus two terms of that measurement script, not of
    the GPU: the 512-thread CTA rate factor and the host work at the end of each iteration during
    which the collective may still run (windows that end at the last op hide the collective under
    it). The collective's HBM bytes per bus byte and HBM share weight are priors: they trade off
@@ -233,9 +235,55 @@ def fit_collective_shape(prior: SimParams) -> tuple[dict[str, float], dict[str, 
                   "per-CTA rate x CTAs and a cap through the 8/16/32-CTA reduce-scatter bandwidths",
         "bus_bandwidth_GBps": {f"{k}_{b}": round(v[1] / 1e9, 1) for (k, b), v in per_file.items()},
         "knee_fit_max_abs_rel_error": float(np.max(np.abs(err))),
+        "nccl_reduce_scatter_curve": {"per_cta_bytes_per_s": float(sol.x[0]), "cap_bytes_per_s": float(sol.x[1])},
         "all_to_all": "assumed like all-gather (pure data movement)",
     }
     return values, prov
+
+
+# ----- step 2b: a collective's contention beside a compute-bound kernel ----------------------------
+NANOFLOW_NET_FILE = "nanoflow_a100/network_interference.csv"
+NANOFLOW_GEMM_MKN = (2048, 8192, 3584)
+"""Assumed shape of NanoFlow's GEMM (its interference runs do not record it): a dense batch of 2048
+tokens through a LLaMA-2-70B TP8 MLP projection (hidden 8192, 28672 / 8 columns), BF16."""
+
+
+def fit_compute_contention(params: SimParams, coll_prov: dict[str, Any]) -> tuple[dict[str, float], dict[str, Any]]:
+    """``comm_contention_compute`` from NanoFlow's network kernel beside a GEMM.
+
+    In each row the network kernel gets a share R of the SMs and the GEMM the rest; P is the network
+    kernel's speed relative to running alone on the whole GPU. Alone on R of the SMs it would reach
+    ``curve(R) / curve(all)`` (NanoFlow's NCCL bandwidth-vs-CTAs curve from step 2), so the slowdown
+    the GEMM causes is ``S = curve(R) / curve(all) / P``; the simulator's is ``1 + kappa * u`` with
+    ``u`` the GEMM's HBM utilisation on the other SMs. Least squares on ``S - 1`` over the rows.
+    """
+    spec = gpu_spec(A100_80)
+    sim = Simulator(spec, params)
+    curve = coll_prov["nccl_reduce_scatter_curve"]
+
+    def nccl_bw(ctas: float) -> float:
+        return smooth_min(curve["per_cta_bytes_per_s"] * ctas, curve["cap_bytes_per_s"], params.comm_knee)
+
+    m, k, n = NANOFLOW_GEMM_MKN
+    flops, nbytes = 2.0 * m * k * n, 2.0 * (m * k + k * n + m * n)
+    shares, slowdowns, utils = [], [], []
+    for r in _read_csv(NANOFLOW_NET_FILE):
+        share, perf = float(r["R"]), float(r["P"])
+        ctas = max(1, round(share * spec.sm_count))
+        alone = nccl_bw(ctas) / nccl_bw(spec.sm_count)
+        gemm = sim.kernels.kernel(flops, nbytes, spec.sm_count - ctas, spec.clock_max_mhz)
+        shares.append(share)
+        slowdowns.append(alone / perf)
+        utils.append(gemm.hbm_bytes_per_s / sim.kernels.hbm_saturation_bytes_per_s)
+    u, excess = np.array(utils), np.array(slowdowns) - 1.0
+    kappa = float(max(0.0, np.dot(u, excess) / np.dot(u, u)))
+    err = (1.0 + kappa * u) / np.array(slowdowns) - 1.0
+    prov = {"file": NANOFLOW_NET_FILE, "gemm_mkn_assumed": list(NANOFLOW_GEMM_MKN),
+            "method": "slowdown S = NCCL curve(R) / curve(all) / P; least squares of S - 1 = kappa * GEMM HBM utilisation",
+            "rows": [{"R": sh, "slowdown": round(sl, 3), "gemm_hbm_util": round(ut, 3), "simulated": round(1 + kappa * ut, 3)}
+                     for sh, sl, ut in zip(shares, slowdowns, utils)],
+            "max_abs_rel_error": float(np.max(np.abs(err)))}
+    return {"comm_contention_compute": kappa}, prov
 
 
 # ----- step 3: partition timing --------------------------------------------------------------------
@@ -482,6 +530,10 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
     log("2/5 collective curve shape (NanoFlow)")
     coll, coll_prov = fit_collective_shape(prior)
     params = replace(params, **coll)
+    log("2b/5 collective contention beside a compute-bound kernel (NanoFlow)")
+    contention, contention_prov = fit_compute_contention(params, coll_prov)
+    params = replace(params, **contention)
+    log(f"    comm_contention_compute {contention['comm_contention_compute']:.3f}")
     log("3/5 partition timing (Kareus attention overlap)")
     rows = load_overlap()
     harness0 = OverlapHarness(0.55, 500e-6)
@@ -501,8 +553,9 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
     a40, a40_prov = fit_a40(params)
     log(f"    power MAPE {a40_prov['power_mape']:.4f}, time-ratio MAPE {a40_prov['time_ratio_mape']:.4f}")
 
-    fitted = set(mem) | set(coll) | set(_TIME_FIT) | set(_POWER_COEFFS) | set(_POWER_SHAPE)
+    fitted = set(mem) | set(coll) | set(contention) | set(_TIME_FIT) | set(_POWER_COEFFS) | set(_POWER_SHAPE)
     a100_prov = {"calibrated": True, "memory_curve": mem_prov, "collective_shape": coll_prov,
+                 "compute_contention": contention_prov,
                  "partition_timing": time_prov, "power_and_clock": power_prov,
                  "priors": sorted(set(params.to_dict()) - fitted),
                  "checks": interference_check(params)}

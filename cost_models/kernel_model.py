@@ -44,6 +44,15 @@ def smooth_max(a: float, b: float, sharpness: float) -> float:
     return (a ** sharpness + b ** sharpness) ** (1.0 / sharpness)
 
 
+def memory_share(compute_s: float, memory_s: float, sharpness: float) -> float:
+    """Share of a smooth roofline ``(c^p + m^p)^(1/p)`` that its memory term makes up."""
+    if memory_s <= 0.0:
+        return 0.0
+    if compute_s <= 0.0:
+        return 1.0
+    return 1.0 / (1.0 + (compute_s / memory_s) ** sharpness)
+
+
 @dataclass(frozen=True)
 class KernelRates:
     """One kernel's standalone behaviour with a given number of SMs at a given clock."""
@@ -54,6 +63,9 @@ class KernelRates:
     """HBM bandwidth it draws while it runs."""
     busy_sms: float
     """SMs holding its CTAs (at most the SMs it may use)."""
+    memory_share: float = 0.0
+    """How memory-bound it is, 0 (compute-bound) to 1: its memory time's share of the smooth
+    roofline, ``m^p / (c^p + m^p)`` with ``p = roofline_sharpness``."""
 
 
 class KernelModel:
@@ -92,7 +104,15 @@ class KernelModel:
         busy = float(min(ctas, sms))
         memory_s = nbytes / self.memory_bandwidth(busy, clock_mhz) if nbytes > 0 else 0.0
         time_s = smooth_max(compute_s, memory_s, p.roofline_sharpness)
-        return KernelRates(time_s, nbytes / time_s if time_s > 0 else 0.0, busy)
+        return KernelRates(time_s, nbytes / time_s if time_s > 0 else 0.0, busy,
+                           memory_share(compute_s, memory_s, p.roofline_sharpness))
+
+    def comm_contention(self, memory_share_of_kernel: float) -> float:
+        """Collective slowdown per unit of HBM utilisation by the kernel beside it (see
+        :class:`~kareus_fx.cost_models.sim_params.SimParams`): from ``comm_contention_compute``
+        beside a compute-bound kernel to ``comm_contention`` beside a memory-bound one."""
+        p = self.params
+        return p.comm_contention_compute + (p.comm_contention - p.comm_contention_compute) * memory_share_of_kernel
 
     # ----- collectives -----------------------------------------------------------------------
     @staticmethod

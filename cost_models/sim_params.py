@@ -63,7 +63,13 @@ class SimParams:
     and receives the peers' halves and writes its output, about three local bytes per bus byte. A
     prior: in the calibration data it trades off against ``comm_request_weight``."""
     comm_contention: float = 2.0
-    """Collective slowdown per unit of HBM utilisation by the kernel beside it (queueing latency)."""
+    """Collective slowdown per unit of HBM utilisation by a memory-bound kernel beside it (its
+    requests queue behind the kernel's streaming ones). Fitted on the Kareus attention partition,
+    whose overlap windows hold LayerNorm, RoPE and bias-dropout-add kernels."""
+    comm_contention_compute: float = 2.0
+    """The same beside a compute-bound kernel (tile loads, L2 hits: shorter queues). Fitted to
+    NanoFlow's measured network-kernel-beside-GEMM curve (``network_interference.csv``). A kernel
+    between the two gets the mix weighted by its memory share (``KernelRates.memory_share``)."""
     comm_request_weight: float = 1.0
     """HBM share weight of one collective SM relative to one kernel SM when their demands exceed
     the bandwidth (weighted max-min fair sharing). A prior (each SM's requests weigh the same):

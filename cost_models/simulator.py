@@ -12,7 +12,8 @@ ends, the collective starts, leaves its latency phase or ends) the rates are rec
 - a compute kernel beside the collective has ``sm_count - comm_sms`` SMs (wave quantisation);
 - a memory-bound kernel and the collective share HBM bandwidth: if their demands exceed it both
   slow proportionally, and the collective also slows with the HBM draw of the kernel beside it
-  (``comm_contention``: its requests queue behind the kernel's);
+  (its requests queue behind the kernel's: ``comm_contention`` per unit of HBM utilisation beside a
+  memory-bound kernel, ``comm_contention_compute`` beside a compute-bound one);
 - exposed communication (the collective alone) leaves the other SMs idle while static and busy
   power keep being drawn.
 
@@ -78,6 +79,8 @@ class _Phase:
     busy_frac: float
     """SMs holding its CTAs / all SMs."""
     hbm_bytes_per_s: float
+    contention_per_byte_s: float = 0.0
+    """Collective slowdown per HBM byte/s this kernel draws (its contention / the saturation)."""
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,8 @@ class Simulator:
         phase = self._phases.get(key)
         if phase is None:
             r = self.kernels.kernel(op.flops, op.bytes, sms, clock)
-            phase = _Phase(r.time_s, r.busy_sms / self.spec.sm_count, r.hbm_bytes_per_s)
+            phase = _Phase(r.time_s, r.busy_sms / self.spec.sm_count, r.hbm_bytes_per_s,
+                           self.kernels.comm_contention(r.memory_share) / self._sat)
             if len(self._phases) > _CACHE_LIMIT:
                 self._phases.clear()
             self._phases[key] = phase
@@ -390,7 +394,6 @@ class Simulator:
             comm_frac = comm_sms / sm_count
             latency = p.comm_latency_s
             remaining = bus
-            kappa_per_demand = p.comm_contention / self._sat
             comm_weight = p.comm_request_weight * comm_frac
             hbm_per_bus = p.comm_hbm_bytes_per_bus_byte
             offered = hbm_per_bus * bandwidth
@@ -401,11 +404,11 @@ class Simulator:
             while True:
                 blocked = i >= stop
                 if blocked:
-                    lane_rate = k_busy = k_demand = 0.0
+                    lane_rate = k_busy = k_demand = kappa_per_demand = 0.0
                 else:
                     ph = shared[i]
                     lane_rate = 1.0 / ph.time_s if ph.time_s > 0.0 else _INF
-                    k_busy, k_demand = ph.busy_frac, ph.hbm_bytes_per_s
+                    k_busy, k_demand, kappa_per_demand = ph.busy_frac, ph.hbm_bytes_per_s, ph.contention_per_byte_s
                 if latency > 0.0:
                     comm_rate = 0.0
                     comm_t = latency

@@ -60,6 +60,21 @@ def _testbed_presets() -> list[Preset]:
                         source="paper section 6.1, table 3 (testbed, PP2, 8 microbatches)",
                     )
                 )
+    # Tables 9 and 10: Qwen3-1.7B TP8 4K at microbatch sizes 12 and 20 (8 and 16 are above).
+    for mbs in (12, 20):
+        presets.append(
+            Preset(
+                name=f"qwen3-1.7b-tp8-mbs{mbs}-seq4k",
+                model="qwen3-1.7b",
+                tp=8,
+                cp=1,
+                pp=2,
+                microbatches=8,
+                mbs=mbs,
+                seq=4096,
+                source="paper section 6.5 (microbatch size), tables 9 and 10 (testbed, microbatch size sweep)",
+            )
+        )
     return presets
 
 

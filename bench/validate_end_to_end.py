@@ -1,0 +1,251 @@
+"""End-to-end fidelity: the simulated plans beside the paper's measured testbed results.
+
+    python bench/validate_end_to_end.py [--json | --markdown] [--rerun] [--rows calibration|validation|all]
+
+For every row of the paper's testbed tables it plans the row's preset on the simulated profiler
+(A100-SXM4-40GB, seed 0, ``kareus plan`` in-process) and compares each method's metrics with the
+paper's measured ones, in percentage points:
+
+- calibration rows: ``/work/shared/data/calibration/kareus_paper_testbed/llama3.2-3b.csv`` (a copy
+  with its source line lives in ``cost_models/data/calibration/``); the simulator may be fitted to
+  these;
+- validation rows: ``/work/shared/data/validation/kareus_paper_testbed/`` (Qwen3-1.7B rows of
+  tables 3, 4, 9 and 10, and table 8's ablation). Only this bench reads that folder; nothing is
+  fitted to it. Without the folder the validation part is skipped (and says so).
+
+Metric groups of the summary (``max_abs_err_pp``): ``time`` = max-throughput time reduction of
+N+P and Kareus; ``energy`` = max-throughput energy reduction of M+P, N+P and Kareus; ``iso`` =
+iso-time energy and iso-energy time reduction of N+P and Kareus; ``ablation`` = table 8's time and
+energy increases over Kareus (``ABLATION_METHODS``). ``mp_time_red`` is printed but in no group (the paper's is within
+half a point of zero). NA cells (OOM or lost in the PDF extraction, or a metric our frontier does
+not reach: listed in ``ours_na_where_paper_has_value``) are skipped and counted. ``kareus_not_below`` lists the rows where the paper has
+Kareus >= N+P and >= M+P (time and energy) but ours does not.
+
+Plans are cached in ``bench/results/end_to_end.json`` (``--rerun`` plans again). Our numbers are
+cost-model predictions of a simulated GPU, not measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+from pathlib import Path
+
+from kareus_fx.plan.planner import make_plan, plan_request_from_preset
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path("/work/shared/data")
+CALIBRATION_CSV = ROOT / "cost_models" / "data" / "calibration" / "kareus_paper_testbed" / "llama3.2-3b.csv"
+VALIDATION_DIR = SHARED_DATA / "validation" / "kareus_paper_testbed"
+DEFAULT_RESULTS = Path(__file__).parent / "results" / "end_to_end.json"
+
+# CSV column -> (method, metric of metrics.frontier_metrics, summary group or None)
+COLUMNS = {
+    "mp_time_red": ("megatron+perseus", "max_throughput_time_reduction", None),
+    "np_time_red": ("nanobatching+perseus", "max_throughput_time_reduction", "time"),
+    "kareus_time_red": ("kareus", "max_throughput_time_reduction", "time"),
+    "mp_energy_red": ("megatron+perseus", "max_throughput_energy_reduction", "energy"),
+    "np_energy_red": ("nanobatching+perseus", "max_throughput_energy_reduction", "energy"),
+    "kareus_energy_red": ("kareus", "max_throughput_energy_reduction", "energy"),
+    "np_iso_time_energy_red": ("nanobatching+perseus", "iso_time_energy_reduction", "iso"),
+    "kareus_iso_time_energy_red": ("kareus", "iso_time_energy_reduction", "iso"),
+    "np_iso_energy_time_red": ("nanobatching+perseus", "iso_energy_time_reduction", "iso"),
+    "kareus_iso_energy_time_red": ("kareus", "iso_energy_time_reduction", "iso"),
+}
+GROUPS = ("time", "energy", "iso", "ablation")
+ABLATION_PRESET = "qwen3-1.7b-tp8-mbs8-seq4k"
+# Table 8's variants as our methods (paper section 6.4): without kernel scheduling (SM allocation and
+# launch timing) Kareus keeps the nanobatching schedule and scales frequency: Nanobatching + Perseus;
+# without both: Nanobatching. Kareus without frequency scaling needs a plan at the maximum clock
+# only, which the planner has no option for: not computed (NA).
+ABLATION_METHODS = {"kareus_without_kernel_schedule": "nanobatching+perseus", "nanobatching": "nanobatching"}
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return [row for row in csv.DictReader(line for line in f if not line.startswith("#"))]
+
+
+def _number(cell: str) -> float | None:
+    cell = cell.strip()
+    return None if cell in ("", "NA") else float(cell)
+
+
+def plan_metrics(preset: str) -> dict:
+    """Plan one preset and keep its metrics."""
+    started = time.perf_counter()
+    outcome = make_plan(plan_request_from_preset(preset), progress=False)
+    return {"metrics": {m: d["metrics"] for m, d in outcome.data["methods"].items()},
+            "profiler": outcome.data["profiler"], "wall_s": time.perf_counter() - started}
+
+
+def _ours_pct(metrics: dict, method: str, metric: str) -> float | None:
+    value = metrics[method][metric]
+    return None if value is None else 100.0 * value
+
+
+def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], dict]:
+    """Per row and metric the paper's value and ours; the row set's summary."""
+    cells: list[dict] = []
+    worst = {g: 0.0 for g in GROUPS}
+    compared = {g: 0 for g in GROUPS}
+    na = 0
+    ours_missing: list[str] = []
+    not_below: list[str] = []
+    for row in rows:
+        metrics = plans[row["preset"]]["metrics"]
+        for column, (method, metric, group) in COLUMNS.items():
+            paper = _number(row[column])
+            ours = _ours_pct(metrics, method, metric)
+            if paper is None or ours is None:
+                na += 1
+                if paper is not None:
+                    ours_missing.append(f"{row['preset']}: {column}")
+                cells.append({"preset": row["preset"], "metric": column, "paper": paper, "ours": ours, "err_pp": None})
+                continue
+            err = ours - paper
+            cells.append({"preset": row["preset"], "metric": column, "paper": paper, "ours": ours, "err_pp": err})
+            if group is not None:
+                worst[group] = max(worst[group], abs(err))
+                compared[group] += 1
+        for kind in ("time", "energy"):
+            k_paper, k_ours = _number(row[f"kareus_{kind}_red"]), _ours_pct(metrics, "kareus", f"max_throughput_{kind}_reduction")
+            for other, method in (("np", "nanobatching+perseus"), ("mp", "megatron+perseus")):
+                o_paper = _number(row[f"{other}_{kind}_red"])
+                if k_paper is None or o_paper is None or k_paper < o_paper:
+                    continue
+                o_ours = _ours_pct(metrics, method, f"max_throughput_{kind}_reduction")
+                if k_ours is not None and o_ours is not None and k_ours < o_ours - 1e-9:
+                    not_below.append(f"{row['preset']}: kareus {kind} {k_ours:.1f} < {other} {o_ours:.1f}")
+    summary = {"rows": len(rows), "compared": {g: compared[g] for g in GROUPS if g != "ablation"},
+               "max_abs_err_pp": {g: round(worst[g], 2) for g in GROUPS if g != "ablation"},
+               "na_cells": na, "ours_na_where_paper_has_value": ours_missing, "kareus_not_below": not_below}
+    return cells, summary
+
+
+def _increase_pct(metrics: dict, method: str, kind: str) -> float:
+    """Method's fastest point against Kareus's, in percent (from reductions vs Megatron-LM)."""
+    key = f"max_throughput_{kind}_reduction"
+    return 100.0 * ((1.0 - metrics[method][key]) / (1.0 - metrics["kareus"][key]) - 1.0)
+
+
+def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], dict]:
+    """Table 8: time and energy increase over Kareus of each ablated variant."""
+    kareus = plans[ABLATION_PRESET]["metrics"]
+    ours = {variant: (_increase_pct(kareus, method, "time"), _increase_pct(kareus, method, "energy"))
+            for variant, method in ABLATION_METHODS.items()}
+    cells, worst, na, compared = [], 0.0, 0, 0
+    for row in rows:
+        for i, kind in enumerate(("time", "energy")):
+            paper = _number(row[f"{kind}_increase_vs_kareus"])
+            mine = ours.get(row["variant"], (None, None))[i]
+            if paper is None or mine is None:
+                na += 1
+                cells.append({"variant": row["variant"], "metric": f"{kind}_increase", "paper": paper, "ours": mine,
+                              "err_pp": None})
+                continue
+            cells.append({"variant": row["variant"], "metric": f"{kind}_increase", "paper": paper, "ours": mine,
+                          "err_pp": mine - paper})
+            worst, compared = max(worst, abs(mine - paper)), compared + 1
+    return cells, {"rows": len(rows), "compared": compared, "max_abs_err_pp": round(worst, 2), "na_cells": na}
+
+
+def _fmt(value: float | None) -> str:
+    return "NA" if value is None else f"{value:.1f}"
+
+
+_SHORT = {"mp_time_red": "M+P t", "np_time_red": "N+P t", "kareus_time_red": "K t", "mp_energy_red": "M+P e",
+          "np_energy_red": "N+P e", "kareus_energy_red": "K e", "np_iso_time_energy_red": "N+P iso-t e",
+          "kareus_iso_time_energy_red": "K iso-t e", "np_iso_energy_time_red": "N+P iso-e t",
+          "kareus_iso_energy_time_red": "K iso-e t"}
+
+
+def markdown(report: dict) -> str:
+    """The comparison as README tables: one row per preset, ``paper / ours`` per metric (%)."""
+    lines = []
+    for part in ("calibration", "validation"):
+        cells = report.get(f"{part}_cells")
+        if not cells:
+            continue
+        lines += [f"{part} rows (paper / ours, %):", "",
+                  "| preset | " + " | ".join(_SHORT.values()) + " |", "|---" * (len(_SHORT) + 1) + "|"]
+        for preset in dict.fromkeys(c["preset"] for c in cells):
+            by_metric = {c["metric"]: c for c in cells if c["preset"] == preset}
+            lines.append(f"| {preset} | " + " | ".join(
+                f"{_fmt(by_metric[m]['paper'])} / {_fmt(by_metric[m]['ours'])}" for m in _SHORT) + " |")
+        lines += ["", f"summary: `{json.dumps({k: v for k, v in report[part].items() if k != 'ablation'})}`", ""]
+    if report.get("ablation_cells"):
+        lines += ["Table 8 ablation (increase over Kareus, paper / ours, %):", "", "| variant | time | energy |",
+                  "|---|---|---|"]
+        for variant in dict.fromkeys(c["variant"] for c in report["ablation_cells"]):
+            t, e = (next(c for c in report["ablation_cells"] if c["variant"] == variant and c["metric"] == f"{k}_increase")
+                    for k in ("time", "energy"))
+            lines.append(f"| {variant} | {_fmt(t['paper'])} / {_fmt(t['ours'])} | {_fmt(e['paper'])} / {_fmt(e['ours'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the comparison as README tables")
+    parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
+    parser.add_argument("--rows", choices=("calibration", "validation", "all"), default="all")
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    args = parser.parse_args(argv)
+
+    calibration_rows = _read_csv(CALIBRATION_CSV) if args.rows != "validation" else []
+    validation_rows: list[dict[str, str]] = []
+    ablation_rows: list[dict[str, str]] = []
+    if args.rows != "calibration" and VALIDATION_DIR.is_dir():
+        validation_rows = _read_csv(VALIDATION_DIR / "qwen3-1.7b.csv")
+        ablation_rows = _read_csv(VALIDATION_DIR / f"{ABLATION_PRESET}_ablation.csv")
+
+    stored = json.loads(args.results.read_text()) if args.results.exists() else {}
+    plans = stored.get("plans", {})
+    needed = [r["preset"] for r in calibration_rows + validation_rows]
+    if ablation_rows:
+        needed.append(ABLATION_PRESET)
+    for key in dict.fromkeys(needed):
+        if key in plans and not args.rerun:
+            continue
+        print(f"planning {key} ...", file=sys.stderr, flush=True)
+        plans[key] = plan_metrics(key)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps({**stored, "plans": plans}, indent=1, sort_keys=True))
+
+    report: dict = {"note": "ours: simulated A100-SXM4-40GB (cost-model predictions); paper: measured, 16 A100s"}
+    if calibration_rows:
+        report["calibration_cells"], report["calibration"] = compare_rows(calibration_rows, plans)
+    if validation_rows:
+        report["validation_cells"], report["validation"] = compare_rows(validation_rows, plans)
+        report["ablation_cells"], ablation = compare_ablation(ablation_rows, plans)
+        report["validation"]["max_abs_err_pp"]["ablation"] = ablation["max_abs_err_pp"]
+        report["validation"]["ablation"] = ablation
+    elif args.rows != "calibration":
+        report["validation"] = {"skipped": f"{VALIDATION_DIR} not found"}
+    args.results.write_text(json.dumps({**stored, "plans": plans,
+                                        **{k: v for k, v in report.items() if k != "note"}}, indent=1, sort_keys=True))
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    if args.markdown:
+        print(markdown(report))
+        return 0
+    print(report["note"])
+    for part in ("calibration", "validation"):
+        if f"{part}_cells" not in report:
+            continue
+        print(f"\n{part}: (paper / ours, %)")
+        for c in report[f"{part}_cells"]:
+            print(f"  {c['preset']:34s} {c['metric']:28s} {_fmt(c['paper']):>6s} / {_fmt(c['ours']):>6s}")
+        print(f"  summary: {json.dumps(report[part])}")
+    for c in report.get("ablation_cells", []):
+        print(f"  ablation {c['variant']:34s} {c['metric']:16s} {_fmt(c['paper']):>6s} / {_fmt(c['ours']):>6s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
