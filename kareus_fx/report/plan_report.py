@@ -61,7 +61,8 @@ def profiling_text(plan: Mapping[str, Any]) -> str:
     p = plan.get("profiling")
     if not p:
         return ""
-    window = "" if p.get("window_s") is None else f" ({p['window_s']:g} s window + {p['cooldown_s']:g} s cooldown each)"
+    window = ("" if p.get("window_s") is None or p.get("cooldown_s") is None
+              else f" ({p['window_s']:g} s window + {p['cooldown_s']:g} s cooldown each)")
     return (f"profiling: {p['measurements']} measurements{window}, {p['duplicates']} duplicates, {p['groups']} "
             f"parallel group(s): {p['wall_s_on_device'] / 3600:.2f} h on the device, {p['gpu_hours']:.1f} GPU-hours"
             + (f"; {p['device']}" if p.get("device") else ""))
