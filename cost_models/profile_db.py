@@ -22,11 +22,14 @@ database when it can and records what the inner profiler measures, counting hits
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,6 +150,10 @@ class ProfileDB:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        with _opening_lock(self.path):  # processes that open one new file at once: one sets it up
+            self._open(timeout_s)
+
+    def _open(self, timeout_s: float) -> None:
         _check_header(self.path)
         self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None,
                                      check_same_thread=False)
@@ -344,6 +351,19 @@ class ProfileDB:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _opening_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<path>.lock`` while a process checks and sets up the file:
+    several processes opening a new database at once (a distributed profiling job) otherwise see
+    each other's half-made file (WAL switch, first schema) and refuse it."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def _check_header(path: Path) -> None:

@@ -30,6 +30,7 @@ from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, Partitio
 
 GPU = "A100-SXM4-40GB"
 PEER_TIMEOUT_S = 20.0
+MEASUREMENT_S = 0.1
 PTYPE = PartitionType(
     type_id="T0", graph="forward",
     slots=(SlotSpec((OpCost("mm", "aten.mm.default", 2 * 64**3, 3 * 64 * 64 * 2, "compute"),)),
@@ -91,6 +92,15 @@ def _profiling_rank(rank: int, world_size: int, work: str, result_dir: str) -> N
         session = Session(rank, world_size, rank, comms, run[0], PEER_TIMEOUT_S)
         catalog = Catalog("cpu-replay", GPU, {"T0": PTYPE}, {}, 16)
         worker = GroupWorker(catalog, session, GroupMeasurer(comms, EnergyModel(40.0), torch.device("cpu"), repeats=2))
+        measure = worker.measure
+
+        def paced(payload):
+            # A device measurement takes seconds; 0.1 s here keeps the job running while the test
+            # kills a rank (unpaced, an idle machine finishes all of CONFIGS between two polls).
+            time.sleep(MEASUREMENT_S)
+            return measure(payload)
+
+        worker.measure = paced
         serve_or_coordinate(session, worker, Path(work),
                             lambda profiler: profiler.prefetch(partitions=[(PTYPE, c) for c in CONFIGS]), 30.0)
     except Exception as err:  # noqa: BLE001 - reported to the test
@@ -122,6 +132,11 @@ def _start_world(world_size: int, run: str, work: Path, result_dir: Path) -> lis
     return procs
 
 
+def _result(result_dir: Path, rank: int) -> str | None:
+    path = result_dir / f"rank{rank}.json"
+    return path.read_text() if path.exists() else None
+
+
 def _stored(work: Path) -> int:
     """Measurements in the profile database (read only: the job keeps writing)."""
     if not (work / "profile.sqlite").exists():
@@ -142,7 +157,7 @@ def test_a_killed_process_stops_the_job_and_the_rerun_measures_nothing_twice(tmp
     deadline = time.monotonic() + 90
     while _stored(work) < 10:
         assert time.monotonic() < deadline, "the first job measured nothing"
-        assert all(p.exitcode is None for p in procs), [p.exitcode for p in procs]
+        assert all(p.exitcode is None for p in procs), [(p.exitcode, _result(first, r)) for r, p in enumerate(procs)]
         time.sleep(0.05)
     killed_at = time.monotonic()
     os.kill(procs[1].pid, signal.SIGKILL)
