@@ -211,28 +211,10 @@ class ProfileDB:
             cur.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _write(self, work) -> Any:
-        """Run ``work(cursor)`` in one IMMEDIATE transaction, retried while another writer holds the
-        lock (each try already waits up to the busy timeout); gives up after ``_MAX_TRIES``."""
-        delay = 0.01
-        for attempt in range(_MAX_TRIES):
-            try:
-                cur = self._conn.cursor()
-                cur.execute("BEGIN IMMEDIATE")
-                try:
-                    result = work(cur)
-                except BaseException:
-                    cur.execute("ROLLBACK")
-                    raise
-                cur.execute("COMMIT")
-                return result
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                if attempt == _MAX_TRIES - 1:
-                    raise ProfileDBError(f"{self.path}: still locked by another writer after {_MAX_TRIES} tries") from exc
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        raise AssertionError("unreachable")
+        """Run ``work(cursor)`` in one IMMEDIATE transaction (:func:`write_retrying`)."""
+        still_locked = ProfileDBError(f"{self.path}: still locked by another writer after {_MAX_TRIES} tries")
+        return write_retrying(self._conn, work, tries=_MAX_TRIES, first_delay_s=0.01, max_delay_s=1.0,
+                              still_locked=still_locked)
 
     # ----- access -------------------------------------------------------------------------------
     @staticmethod
@@ -351,6 +333,31 @@ class ProfileDB:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def write_retrying(conn: sqlite3.Connection, work, *, tries: int, first_delay_s: float, max_delay_s: float,
+                   still_locked: KareusError) -> Any:
+    """``work(cursor)`` in one IMMEDIATE transaction, retried with doubling sleeps while another
+    writer holds the lock (each try already waits up to the connection's busy timeout); raises
+    ``still_locked`` after ``tries``."""
+    delay_s = first_delay_s
+    for _ in range(tries):
+        try:
+            cur = conn.cursor()
+            cur.execute("BEGIN IMMEDIATE")
+            try:
+                result = work(cur)
+            except BaseException:
+                cur.execute("ROLLBACK")
+                raise
+            cur.execute("COMMIT")
+            return result
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            time.sleep(delay_s)
+            delay_s = min(2 * delay_s, max_delay_s)
+    raise still_locked
 
 
 @contextlib.contextmanager

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kareus_fx.cost_models.profile_db import write_retrying
+
 from kareus_fx.errors import KareusError
 
 _SCHEMA = """
@@ -83,24 +85,9 @@ class ProfileQueue:
 
     def _write(self, work) -> Any:
         """``work(cursor)`` in one IMMEDIATE transaction, retried while another writer holds the lock."""
-        delay_s = 0.005
-        for _ in range(_MAX_TRIES):
-            try:
-                cur = self._conn.cursor()
-                cur.execute("BEGIN IMMEDIATE")
-                try:
-                    result = work(cur)
-                except BaseException:
-                    cur.execute("ROLLBACK")
-                    raise
-                cur.execute("COMMIT")
-                return result
-            except sqlite3.OperationalError as exc:
-                if "locked" not in str(exc) and "busy" not in str(exc):
-                    raise
-                time.sleep(delay_s)
-                delay_s = min(2 * delay_s, 0.5)
-        raise ProfileQueueError(f"{self.path}: still locked by another writer after {_MAX_TRIES} tries")
+        return write_retrying(self._conn, work, tries=_MAX_TRIES, first_delay_s=0.005, max_delay_s=0.5,
+                              still_locked=ProfileQueueError(f"{self.path}: still locked by another writer after "
+                                                             f"{_MAX_TRIES} tries"))
 
     # ----- the measurement log ---------------------------------------------------------------
     def log(self, key: str, run: str, rank: int, inserted: bool) -> None:

@@ -361,6 +361,27 @@ def build_kernels(ops: Sequence[OpCost], device: torch.device | str, table: Node
     return kernels
 
 
+def timed_runs(run: Callable[[], None], device: torch.device, *, warmup: int, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``run`` after ``warmup``: CUDA events on a GPU,
+    ``perf_counter`` on CPU (where kernels run synchronously)."""
+    for _ in range(warmup):
+        run()
+    if device.type != "cuda":
+        times_s = []
+        for _ in range(repeats):
+            start_s = time.perf_counter()
+            run()
+            times_s.append(time.perf_counter() - start_s)
+        return times_s
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for start, end in events:
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1000.0 for start, end in events]
+
+
 @dataclass
 class PartitionReplay:
     """A partition's kernels, ready to issue: slots of kernels, then the collectives' proxies."""
@@ -435,22 +456,7 @@ class PartitionReplay:
         ``perf_counter`` on CPU (where kernels run synchronously)."""
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
-        for _ in range(warmup):
-            self.issue(launch_slot, comm_sms)
-        if self.device.type != "cuda":
-            times_s = []
-            for _ in range(repeats):
-                start_s = time.perf_counter()
-                self.issue(launch_slot, comm_sms)
-                times_s.append(time.perf_counter() - start_s)
-            return times_s
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            start.record()
-            self.issue(launch_slot, comm_sms)
-            end.record()
-        self.synchronize()
-        return [start.elapsed_time(end) / 1000.0 for start, end in events]
+        return timed_runs(lambda: self.issue(launch_slot, comm_sms), self.device, warmup=warmup, repeats=repeats)
 
 
 def replay_partition(

@@ -32,17 +32,16 @@ from __future__ import annotations
 import datetime
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from kareus_fx.runtime.collectives import nccl_options_for
+from kareus_fx.runtime.device_profiler import NodeTable, build_kernels, timed_runs
 
 from kareus_fx.errors import KareusError, ParallelConfigError
-from kareus_fx.runtime.collectives import nccl_options_for
-from kareus_fx.runtime.device_profiler import NodeTable, build_kernels
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
 
 _BF16_BYTES = 2
@@ -202,22 +201,7 @@ class GroupReplay:
 
     def times_s(self, launch_slot: int | None, comm_sms: int, warmup: int, repeats: int) -> list[float]:
         """Seconds of each of ``repeats`` executions after ``warmup`` (CUDA events, else the wall clock)."""
-        for _ in range(warmup):
-            self.issue(launch_slot, comm_sms)
-        if self.device.type != "cuda":
-            times_s = []
-            for _ in range(repeats):
-                start_s = time.perf_counter()
-                self.issue(launch_slot, comm_sms)
-                times_s.append(time.perf_counter() - start_s)
-            return times_s
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for start, end in events:
-            start.record()
-            self.issue(launch_slot, comm_sms)
-            end.record()
-        torch.cuda.synchronize(self.device)
-        return [start.elapsed_time(end) / 1000.0 for start, end in events]
+        return timed_runs(lambda: self.issue(launch_slot, comm_sms), self.device, warmup=warmup, repeats=repeats)
 
 
 class EnergyModel:
