@@ -151,7 +151,7 @@ def shape_symbols(gm: torch.fx.GraphModule) -> dict[str, dict[str, int | None]]:
                     if str(symbol) in symbols:
                         continue
                     bounds = shape_env.var_to_range.get(symbol)
-                    hint = shape_env.var_to_val.get(symbol)
+                    hint = shape_env.backed_var_to_val.get(symbol)
                     upper = None if bounds is None or bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
                     symbols[str(symbol)] = {"hint": None if hint is None else int(hint),
                                             "min": 0 if bounds is None else int(bounds.lower),
@@ -300,7 +300,7 @@ def _concrete(value: Any) -> int:
     sizes = _SIZES.get()
     node = value.node
     if sizes and node.maybe_as_int() is None:
-        hints = {sym: int(val) for sym, val in node.shape_env.var_to_val.items()}
+        hints = {sym: int(val) for sym, val in node.shape_env.backed_var_to_val.items()}
         return int(node.expr.xreplace({**hints, **sizes}))
     return int(node.hint) if node.hint is not None else int(node.size_hint())
 
