@@ -1,0 +1,112 @@
+"""Independent traces at once: this process and ``processes - 1`` spawned workers share them.
+
+The planner traces each distinct pipeline stage as two slices (``plan/layer_slice.py``); each
+trace (:func:`~kareus_fx.capture.tracing.trace_both_splits`) runs on one core, in a fresh Dynamo,
+under its own ``fake`` process group, and writes its dumps to its own directories, so the traces
+are independent. :func:`run_calls` runs them side by side and returns what each returns (the
+dump paths: files on disk, never tensors), in the calls' order.
+
+Workers start with the ``spawn`` method, like the planner's other pools (``compose/solve_pool.py``,
+``tuner/parallel.py``): safe whatever this process holds (threads, CUDA, Dynamo caches), where
+``fork`` copies them. Starting one costs importing torch and the backend (about 2.5 s on a 2-core
+machine), so this process does not wait idle for it: it takes calls from the back, one at a time,
+and each worker, once it has imported the calls' modules, from the front, until none is left. At
+worst (calls that all end before a worker has started) the parallel run takes one worker start
+longer than a serial one; the planner's slice traces take seconds each.
+
+Errors: a call that raises in a worker raises the same exception type with the same message here
+(``concurrent.futures`` pickles it back). Every call runs; the first failing one in the calls'
+order is raised, the one a serial run raises. A worker that dies (killed, out of memory, a crash
+in C++) fails its call with :class:`TraceWorkerError`, naming it; this process runs the calls
+left, and nothing waits on the dead worker.
+``processes <= 1`` or a single call runs everything here, one after another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import TypeVar
+
+from kareus_fx.errors import KareusError
+
+__all__ = ["TraceWorkerError", "run_calls"]
+
+T = TypeVar("T")
+
+
+class TraceWorkerError(KareusError, RuntimeError):
+    """A trace worker process exited before returning its result."""
+
+
+def run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
+    """``[call() for call in calls]``, in this process and up to ``processes - 1`` spawned worker
+    processes at once (see the module docstring). ``calls`` must pickle (module-level functions,
+    ``functools.partial`` of them); each result must pickle too."""
+    workers = min(processes, len(calls)) - 1
+    if workers < 1:
+        return [call() for call in calls]
+    pending = deque(range(len(calls)))
+    lock = threading.Lock()
+    futures: dict[int, Future[T]] = {}
+    here: dict[int, T | Exception] = {}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+
+        def feed(_: object = None) -> None:
+            """Give a worker the front call (also a done callback: the worker that finished is free)."""
+            with lock:
+                if not pending:
+                    return
+                index = pending.popleft()
+                try:
+                    futures[index] = pool.submit(calls[index])
+                except BrokenProcessPool:  # a worker died: this process takes the rest
+                    pending.appendleft(index)
+                    return
+            futures[index].add_done_callback(feed)
+
+        modules = tuple(sorted({getattr(getattr(call, "func", call), "__module__", __name__) for call in calls}))
+        for _ in range(workers):  # a worker takes calls once it has imported theirs (or failed to)
+            pool.submit(_import, modules).add_done_callback(feed)
+        while True:
+            with lock:
+                if not pending:
+                    break
+                index = pending.pop()
+            try:
+                here[index] = calls[index]()
+            except Exception as err:  # raised below, in the calls' order, as a serial run would
+                here[index] = err
+        return [_result(index, here, futures, calls) for index in range(len(calls))]
+
+
+def _result(index: int, here: dict[int, T | Exception], futures: dict[int, Future[T]],
+            calls: Sequence[Callable[[], T]]) -> T:
+    if index in here:
+        outcome = here[index]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+    try:
+        return futures[index].result()
+    except BrokenProcessPool as err:
+        raise TraceWorkerError(f"the worker process running {_describe(calls[index])} exited before returning "
+                               f"(killed, or crashed: out of memory?): {err}") from err
+
+
+def _import(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` in a worker (torch and the backend: most of a worker's start)."""
+    for name in modules:
+        importlib.import_module(name)
+
+
+def _describe(call: Callable[[], object]) -> str:
+    """``call`` as a reader knows it: the function and its arguments."""
+    args = getattr(call, "args", ())
+    name = getattr(getattr(call, "func", call), "__name__", repr(call))
+    return f"{name}({', '.join(map(repr, args))})" if args else name
