@@ -2,7 +2,8 @@
 a worker's error raised here as the same type and message, a dead worker a typed error (no hang),
 and the planner's traces, run in two processes, giving the serial run's dumps and plan.
 
-In the pool tests the parent's call (the last: this process takes calls from the back) waits until
+The error test runs with either start method (``fork``, ``spawn``), the others with the one
+chosen here (``fork``). In the pool tests the parent's call (the last: this process takes calls from the back) waits until
 the worker has run the first, so the first call is the worker's whatever the machine's load.
 """
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from kareus_fx.capture import trace_pool
 from kareus_fx.capture.trace_pool import TraceWorkerError, run_calls
 from kareus_fx.errors import UnsupportedGraphError
 from kareus_fx.plan import planner
@@ -49,6 +52,25 @@ def _after(marker: Path) -> int:
     return os.getpid()
 
 
+@pytest.fixture(params=["fork", "spawn"])
+def start_method(request, monkeypatch) -> str:
+    """Each start method :func:`trace_pool.start_method` may choose."""
+    monkeypatch.setattr(trace_pool, "start_method", lambda: request.param)
+    return request.param
+
+
+def test_fork_only_where_this_is_the_only_thread():
+    assert trace_pool.start_method() == "fork"  # pytest runs tests in its one thread
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert trace_pool.start_method() == "spawn"
+    finally:
+        release.set()
+        other.join()
+
+
 def test_results_come_back_in_the_calls_order(tmp_path):
     marker = tmp_path / "worker-ran"
     calls = [functools.partial(_mark_pid, marker), functools.partial(_after, marker)]
@@ -57,7 +79,7 @@ def test_results_come_back_in_the_calls_order(tmp_path):
     assert run_calls([functools.partial(pow, 2, k) for k in range(4)], processes=1) == [1, 2, 4, 8]
 
 
-def test_a_workers_error_is_raised_here_with_its_type_and_message(tmp_path):
+def test_a_workers_error_is_raised_here_with_its_type_and_message(tmp_path, start_method):
     marker = tmp_path / "worker-ran"
     calls = [functools.partial(_raise_unsupported, marker), functools.partial(_after, marker)]
     with pytest.raises(UnsupportedGraphError) as raised:
