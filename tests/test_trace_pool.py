@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-import threading
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,15 +61,16 @@ def start_method(request, monkeypatch) -> str:
 
 
 def test_fork_only_where_this_is_the_only_thread():
-    assert trace_pool.start_method() == "fork"  # pytest runs tests in its one thread
-    release = threading.Event()
-    other = threading.Thread(target=release.wait)
-    other.start()
-    try:
-        assert trace_pool.start_method() == "spawn"
-    finally:
-        release.set()
-        other.join()
+    """In a fresh process (as ``kareus plan`` traces), fork; once another thread runs, spawn."""
+    probe = ("import threading\n"
+             "from kareus_fx.capture.trace_pool import start_method\n"
+             "alone = start_method()\n"
+             "release = threading.Event()\n"
+             "threading.Thread(target=release.wait).start()\n"
+             "print(alone, start_method())\n"
+             "release.set()\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert result.stdout.split() == ["fork", "spawn"]
 
 
 def test_results_come_back_in_the_calls_order(tmp_path):
