@@ -18,7 +18,11 @@ def _without_graph_id(path) -> dict:
 @pytest.mark.parametrize("stage", [0, 1], ids=["first-stage", "last-stage-with-loss"])
 def test_both_splits_match_two_traces(tmp_path, stage):
     spec = TraceSpec(model="tiny-llama", tp=2, pp=2, stage=stage, layers=2, mbs=2, seq=512)
+    stale = tmp_path / "nb" / "kareus_graph_999_rank0.json"  # an earlier run's dump, another graph number
+    stale.parent.mkdir()
+    stale.write_text("{}")
     nanobatched, sequential = trace_both_splits(spec, "h100", tmp_path / "nb", tmp_path / "seq")
+    assert not stale.exists()
     for split, path in ((True, nanobatched), (False, sequential)):
         options = {"dump_dir": str(tmp_path / f"alone-{split}"), "gpu": "h100", "nanobatch": split}
         (alone,) = trace_full_size(spec, options=options).dump_paths

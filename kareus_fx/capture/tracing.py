@@ -167,7 +167,8 @@ def trace_both_splits(spec: TraceSpec, gpu: str, nanobatched_dir: Path, sequenti
 
     Dynamo's graph does not depend on the backend, so each dump is the one its own trace would
     write (``tests/test_tracing.py`` compares them). The model must compile as one graph
-    (``fullgraph=True``)."""
+    (``fullgraph=True``). Each directory holds this trace's dump alone: an earlier one there (a
+    rerun into the same directory, whose graph number, a per-process count, may differ) goes."""
     captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -185,6 +186,8 @@ def trace_both_splits(spec: TraceSpec, gpu: str, nanobatched_dir: Path, sequenti
             )
         gm, example_inputs = captured[0]
         for split, out in ((True, nanobatched_dir), (False, sequential_dir)):
+            for stale in Path(out).glob("kareus_graph_*.json"):  # an earlier run's: its graph number may differ
+                stale.unlink()
             options = {"dump_dir": str(out), "gpu": gpu, "nanobatch": split, "inductor": False}
             outputs = kareus(gm, example_inputs, options=options)(*example_inputs)
             outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)

@@ -5,7 +5,8 @@
    types, work outside partitions) and un-split (the sequential microbatch of Megatron-LM and of
    execution-model switching). A stage of more than 5 layers is
    traced as two slices of its layers (2 and 3 layers, nanobatched and un-split) and extended to its
-   layer count (``layer_slice.py``); ``full_trace`` traces every layer.
+   layer count (``layer_slice.py``); ``full_trace`` traces every layer. The traces are
+   independent: they run at once, one process per core (``capture.trace_pool``).
 2. Tune each distinct partition type once (types of different stages with the same structure
    share one tuning run) with multi-objective Bayesian optimisation; every measurement goes
    through the profile database in the output directory, so a killed run resumes.
@@ -43,6 +44,7 @@ import torch
 
 from kareus_fx import __version__
 from kareus_fx.capture.dump import load_dump
+from kareus_fx.capture.trace_pool import run_calls
 from kareus_fx.capture.tracing import TraceSpec, distinct_stages, trace_both_splits, validate_trace_spec
 from kareus_fx.compose.iteration import (
     DEFAULT_UNIT_TIME_S,
@@ -319,28 +321,62 @@ def _profiling_cost(req: PlanRequest, measurements: int, duplicates: int, groups
 
 # ----- 1. tracing -------------------------------------------------------------------------------
 def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
-    traced = []
-    for group in distinct_stages(req.trace_spec()):
+    """Every distinct stage's graphs: its slices' traces extended (``layer_slice.py``) or, where
+    slicing does not pay, is off, or gives a slice that is not representative (with a warning),
+    a full trace. The traces of all stages run at once (``capture.trace_pool``)."""
+    groups = distinct_stages(req.trace_spec())
+    sliced = {group.stages[0] for group in groups
+              if not req.full_trace and req.profiler == "simulated" and slice_pays(group.num_layers)}
+    traces = {group.stages[0]: [_slice_trace(req, group.stages[0], layers, dump_root) for layers in SLICE_LAYERS]
+              if group.stages[0] in sliced else [_full_trace(req, group.stages[0], dump_root)] for group in groups}
+    dumps = _run_traces(traces)
+    paths: dict[int, dict[str, Path]] = {}
+    for group in groups:
         stage = group.stages[0]
-        paths = None
-        if not req.full_trace and req.profiler == "simulated" and slice_pays(group.num_layers):
-            try:
-                paths = _trace_slices(req, stage, group.num_layers, dump_root)
-            except SliceNotRepresentativeError as err:
-                warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
-        if paths is None:
-            paths = _trace_dumps(req, req.trace_spec(stage), dump_root, f"stage{stage}-{{kind}}")
-        traced.append(stage_graphs_from_dumps(tuple(group.stages), paths["nanobatched"], paths["sequential"]))
-    return traced
+        if stage not in sliced:
+            paths[stage] = dumps[stage][0]
+            continue
+        try:
+            paths[stage] = _extend_slices(stage, group.num_layers, *dumps[stage], dump_root)
+        except SliceNotRepresentativeError as err:
+            warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
+    retraced = _run_traces({stage: [_full_trace(req, stage, dump_root)] for stage in traces if stage not in paths})
+    paths.update({stage: stage_dumps[0] for stage, stage_dumps in retraced.items()})
+    return [stage_graphs_from_dumps(tuple(group.stages), paths[group.stages[0]]["nanobatched"],
+                                    paths[group.stages[0]]["sequential"]) for group in groups]
 
 
-def _trace_slices(req: PlanRequest, stage: int, num_layers: int, dump_root: Path) -> dict[str, Path]:
-    """Dumps of stage ``stage`` at ``num_layers`` layers, extended from traces of its
+def _run_traces(traces: Mapping[int, Sequence[functools.partial]]) -> dict[int, list[dict[str, Path]]]:
+    """Each stage's traces' dumps by kind, in order: all traces at once, one process per core
+    (``capture.trace_pool``; one process: one after another, here)."""
+    calls = [trace for stage_traces in traces.values() for trace in stage_traces]
+    results = iter(run_calls(calls, parallel_processes(len(calls))))
+    return {stage: [dict(zip(("nanobatched", "sequential"), next(results), strict=True)) for _ in stage_traces]
+            for stage, stage_traces in traces.items()}
+
+
+def _slice_trace(req: PlanRequest, stage: int, layers: int, dump_root: Path) -> functools.partial:
+    """The trace of stage ``stage`` with ``layers`` layers in its role: every stage of a pipeline of
+    ``layers * pp`` layers has ``layers``."""
+    return _trace(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp), dump_root,
+                  f"stage{stage}-{{kind}}-slice{layers}")
+
+
+def _full_trace(req: PlanRequest, stage: int, dump_root: Path) -> functools.partial:
+    return _trace(req, req.trace_spec(stage), dump_root, f"stage{stage}-{{kind}}")
+
+
+def _trace(req: PlanRequest, spec: TraceSpec, dump_root: Path, name: str) -> functools.partial:
+    """A call tracing ``spec`` once that returns its nanobatched and its sequential dump, written
+    under ``dump_root / name.format(kind=kind)`` (``tracing.trace_both_splits``)."""
+    return functools.partial(trace_both_splits, spec, canonical_gpu_name(req.gpu),
+                             *(dump_root / name.format(kind=kind) for kind in ("nanobatched", "sequential")))
+
+
+def _extend_slices(stage: int, num_layers: int, short: Mapping[str, Path], long: Mapping[str, Path],
+                   dump_root: Path) -> dict[str, Path]:
+    """Dumps of stage ``stage`` at ``num_layers`` layers, extended from the dumps of its
     ``SLICE_LAYERS`` slices (``layer_slice.py``), nanobatched and sequential."""
-    # Every stage of a pipeline of `layers * pp` layers has `layers`: stage `stage` keeps its role.
-    short, long = (_trace_dumps(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp), dump_root,
-                                f"stage{stage}-{{kind}}-slice{layers}")
-                   for layers in SLICE_LAYERS)
     paths = {}
     for kind in ("nanobatched", "sequential"):
         paths[kind] = dump_root / f"stage{stage}-{kind}-extended.json"
@@ -350,12 +386,10 @@ def _trace_slices(req: PlanRequest, stage: int, num_layers: int, dump_root: Path
     return paths
 
 
-def _trace_dumps(req: PlanRequest, spec: TraceSpec, dump_root: Path, name: str) -> dict[str, Path]:
-    """The nanobatched and the sequential dump of ``spec`` from one trace, by kind, under
-    ``dump_root / name.format(kind=kind)``."""
-    nanobatched, sequential = trace_both_splits(spec, canonical_gpu_name(req.gpu),
-                                                *(dump_root / name.format(kind=kind) for kind in ("nanobatched", "sequential")))
-    return {"nanobatched": nanobatched, "sequential": sequential}
+def parallel_processes(tasks: int) -> int:
+    """How many processes the planner runs ``tasks`` independent tasks in (traces, iteration
+    solves): one per core, at most one per task."""
+    return max(1, min(os.cpu_count() or 1, tasks))
 
 
 def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path) -> StageGraphs:
@@ -502,7 +536,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     unit_s = max(choose_unit_time_s(options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s)
                  for options in by_method.values())
     nodes = 2 * req.pp * req.microbatches
-    processes = min(os.cpu_count() or 1, len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
+    processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
     iteration = compose_iterations(by_method, req.microbatches, processes=processes, progress=progress,
                                    blocking_power_w=spec.blocking_power_w, unit_time_s=unit_s,
                                    max_solver_steps=MAX_SOLVER_STEPS)
