@@ -76,7 +76,7 @@ from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_ta
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
-from kareus_fx.tuner.space import clock_grid_mhz
+from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz
 from kareus_fx.workload import GraphName, PartitionType
 
 __all__ = ["LIVE_GRAPH_MODEL", "PlanOutcome", "PlanRequest", "StageGraphs", "make_plan", "plan_request_from_preset",
@@ -122,7 +122,7 @@ class PlanRequest:
     gpu: str = DEFAULT_GPU
     profiler: str = "simulated"
     seed: int = 0
-    clock_stride_mhz: int = 30
+    clock_stride_mhz: int = DEFAULT_CLOCK_STRIDE_MHZ
     workers: int = 1
     preset: str | None = None
     dtype: str = "bfloat16"
@@ -135,6 +135,12 @@ class PlanRequest:
     device_window_s: float = DEFAULT_DEVICE_WINDOW_S
     """``--profiler cuda`` only: the least energy window of one measurement (NVML's energy counter
     updates about every 100 ms; 5 s keeps its error near 2 %)."""
+    max_clock_only: bool = False
+    """Kareus without frequency scaling (``--max-clock-only``, paper section 6.4): every microbatch
+    runs at the GPU's maximum clock; only the kernel schedule (collective SMs, launch slot,
+    execution-model switching) is tuned, at that clock. For a user who may not lock clocks: the
+    plan says so (``max_clock_only`` in plan.json) and deployment requests no clock. The
+    baselines are still composed at every clock (they are the plan's comparison)."""
     full_trace: bool = False
     """Trace every layer of each stage (``--full-trace``) instead of a slice extended to the stage's
     layer count (``layer_slice.py``). ``--profiler cuda`` always traces in full: it replays the
@@ -193,6 +199,11 @@ def validate_tuning_request(req: PlanRequest) -> None:
     torch_dtype(req.dtype)
     if req.workers < 1 or req.clock_stride_mhz < 1:
         raise OptionsError("--workers and --clock-stride must be positive integers")
+    if req.max_clock_only and req.clock_stride_mhz != DEFAULT_CLOCK_STRIDE_MHZ:
+        raise OptionsError(
+            f"--clock-stride sets the clocks Kareus tunes, but --max-clock-only tunes at the maximum clock "
+            f"only: drop --clock-stride (got {req.clock_stride_mhz}) or --max-clock-only"
+        )
 
 
 def _validate_cuda_request(req: PlanRequest) -> None:
@@ -289,7 +300,7 @@ def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str |
     queue_path = Path(work_dir) / QUEUE_FILE
     given = contextlib.nullcontext(lambda: profiler) if profiler is not None else None
     with given or _profiler_factory(req, traced, Path(work_dir) / "profile.sqlite", queue_path) as factory:
-        settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
+        settings = _tuning_settings(req)
         tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
                                      workers=req.workers, progress=progress)
         ledger.add_tuning(ptypes, tuned)
@@ -304,6 +315,16 @@ def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str |
     with ProfileQueue(queue_path) as log:
         data["profiling"] = _profiling_cost(req, len(ledger), log.duplicates(), groups, device).to_dict()
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
+
+
+def _tuning_settings(req: PlanRequest) -> MBOSettings:
+    """The tuner's settings: the request's clock stride; with ``max_clock_only`` the maximum clock
+    alone, and no cap on the measured share of that space: it is ``clocks`` times smaller than the
+    full one, so the size class's budget stays within what the capped full tuning measures."""
+    if not req.max_clock_only:
+        return MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
+    top = gpu_spec(canonical_gpu_name(req.gpu)).clock_max_mhz
+    return MBOSettings(clock_stride_mhz=req.clock_stride_mhz, supported_clocks_mhz=(top,), max_fraction=None)
 
 
 def _profiling_cost(req: PlanRequest, measurements: int, duplicates: int, groups: int,
@@ -455,6 +476,9 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     spec: GPUSpec = gpu_spec(canonical_gpu_name(req.gpu))
     clocks = list(clock_grid_mhz(spec, req.clock_stride_mhz))
     max_clock = [max(clocks)]
+    # Kareus's clocks, and the baselines whose every plan is also a Kareus plan (_with_baseline_plans).
+    kareus_clocks = max_clock if req.max_clock_only else clocks
+    baselines = ("megatron", "nanobatching") if req.max_clock_only else ("megatron+perseus", "nanobatching+perseus")
     default_sms = gpu_params(spec.name).params.default_comm_sms
     tuned_points = {tid: [(p.config, p.measurement) for p in result.points] for tid, result in tuned.items()}
 
@@ -476,17 +500,19 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
                 graph = _with_plan_ids(stage.partitioned[name], g, local_to_plan)
                 outside = sequential_measurements(profiler, graph.outside, clocks)
                 nanobatched, nb_points = nanobatching_measurements(profiler, graph, outside, default_sms)
-                candidates = {t.type_id: [*tuned_points[t.type_id], *nb_points[t.type_id]] for t in graph.ptypes}
-                frontier = kareus_microbatch_frontier(graph, candidates, outside, sequential)
+                candidates = {t.type_id: [(c, m) for c, m in [*tuned_points[t.type_id], *nb_points[t.type_id]]
+                                          if c.clock_mhz in kareus_clocks] for t in graph.ptypes}
+                frontier = kareus_microbatch_frontier(graph, candidates, _at(outside, kareus_clocks),
+                                                      _at(sequential, kareus_clocks))
                 nanobatched_types = tuple(t.type_id for t in graph.ptypes)
             options["nanobatching"] = as_options("nanobatching", nanobatched, max_clock)
             options["nanobatching+perseus"] = as_options("nanobatching+perseus", nanobatched, clocks)
-            # Kareus's options: its frontier, then the M+P and the N+P microbatch at every clock
-            # (in the baselines' option order, so a baseline plan maps by an offset).
-            options["kareus"] = [*frontier.points, *_baseline_points(sequential),
-                                 *_baseline_points(nanobatched, nanobatched_types, default_sms)]
-            baseline_offsets[(g, name)] = {"megatron+perseus": len(frontier.points),
-                                           "nanobatching+perseus": len(frontier.points) + len(clocks)}
+            # Kareus's options: its frontier, then the M+P and the N+P microbatch at each of its
+            # clocks (in the baselines' option order, so a baseline plan maps by an offset).
+            options["kareus"] = [*frontier.points, *_baseline_points(_at(sequential, kareus_clocks)),
+                                 *_baseline_points(_at(nanobatched, kareus_clocks), nanobatched_types, default_sms)]
+            baseline_offsets[(g, name)] = {baselines[0]: len(frontier.points),
+                                           baselines[1]: len(frontier.points) + len(kareus_clocks)}
             per_group[(g, name)] = options
             microbatch[(g, name)] = frontier
 
@@ -513,6 +539,11 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
     return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
+
+
+def _at(by_clock: Mapping[int, Any], clocks: Sequence[int]) -> dict[int, Any]:
+    """``by_clock`` at ``clocks`` only."""
+    return {c: by_clock[c] for c in clocks}
 
 
 def _baseline_points(
@@ -674,6 +705,7 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         "energy_scope": (f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
                          f"assumed to cost what the traced rank costs"),
         "baselines": list(BASELINES),
+        "max_clock_only": req.max_clock_only,
         "stages": stages,
         "partition_types": {pid: _type_record(p, tuned[pid], max_count) for pid, p in ptypes.items()},
         "microbatch_options": options,
