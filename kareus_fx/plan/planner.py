@@ -9,9 +9,11 @@
 2. Tune each distinct partition type once (types of different stages with the same structure
    share one tuning run) with multi-objective Bayesian optimisation; every measurement goes
    through the profile database in the output directory, so a killed run resumes.
-3. Measure the baselines' microbatches on the same profiler (``methods.py``), compose each
-   method's microbatch options into an iteration frontier over the 1F1B pipeline (lowtime), and
-   compute the paper's metrics (``metrics.py``).
+3. Measure the baselines' microbatches on the same profiler (``methods.py``), lengthen every
+   instruction that ends with a pipeline send by that send (``stage_transfer.py``: the stage's
+   output activation, or its gradient, over NVLink or the node network, at the blocking power;
+   every method alike), compose each method's microbatch options into an iteration frontier over
+   the 1F1B pipeline (lowtime), and compute the paper's metrics (``metrics.py``).
 4. Build the plan (``plan_format.py``).
 
 Assumptions: every rank of a stage costs what the traced rank (rank 0 of the tensor- and
@@ -72,6 +74,7 @@ from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
 from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
+from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
@@ -253,6 +256,8 @@ class StageGraphs:
     dump_paths: Mapping[str, Path] = field(default_factory=dict)
     """The dumps the graphs come from, by "nanobatched" / "sequential" (the on-device profiler
     replays their recorded ops)."""
+    sent_bytes: float | None = None
+    """Bytes of the activation the stage sends on to the next (``stage_transfer.boundary_bytes``)."""
 
 
 @dataclass
@@ -351,7 +356,8 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
                 warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
         if paths is None:
             paths = _trace_dumps(req, req.trace_spec(stage), dump_root, f"stage{stage}-{{kind}}")
-        traced.append(stage_graphs_from_dumps(tuple(group.stages), paths["nanobatched"], paths["sequential"]))
+        traced.append(stage_graphs_from_dumps(tuple(group.stages), paths["nanobatched"], paths["sequential"],
+                                              boundary=paths.get("boundary", paths["sequential"])))
     return traced
 
 
@@ -368,6 +374,7 @@ def _trace_slices(req: PlanRequest, stage: int, num_layers: int, dump_root: Path
         extended = extend_dump(load_dump(short[kind]), load_dump(long[kind]), SLICE_LAYERS[1], num_layers,
                                f"stage {stage} {kind}")
         paths[kind].write_text(json.dumps(extended))
+    paths["boundary"] = short["sequential"]  # an extended dump keeps no outputs; the slice's are the stage's
     return paths
 
 
@@ -379,16 +386,19 @@ def _trace_dumps(req: PlanRequest, spec: TraceSpec, dump_root: Path, name: str) 
     return {"nanobatched": nanobatched, "sequential": sequential}
 
 
-def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path) -> StageGraphs:
+def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path,
+                            boundary: Path | None = None) -> StageGraphs:
     """The graphs of ``stages`` from a nanobatched and an un-split dump of one stage's forward and
-    backward; a nanobatched graph without partitions is planned sequentially (with a warning)."""
+    backward; a nanobatched graph without partitions is planned sequentially (with a warning).
+    ``boundary``: a dump with the stage's outputs, for the activation it sends on (None: not read)."""
     try:
         partitioned = partitioned_graphs(load_dump(nanobatched))
     except UnsupportedGraphError as err:
         warnings.warn(f"stage {stages[0]}: {err}; Kareus plans it sequentially", stacklevel=2)
         partitioned = None
     return StageGraphs(stages=stages, sequential=sequential_graphs(load_dump(sequential)), partitioned=partitioned,
-                      dump_paths={"nanobatched": nanobatched, "sequential": sequential})
+                      dump_paths={"nanobatched": nanobatched, "sequential": sequential},
+                      sent_bytes=None if boundary is None else boundary_bytes(boundary))
 
 
 # ----- profilers ------------------------------------------------------------------------------------
@@ -517,8 +527,10 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
             microbatch[(g, name)] = frontier
 
     stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
+    waits_s = _send_recv_s(req, traced, stage_group, spec)
     by_method = {
-        method: {(s, name): per_group[(stage_group[s], name)][method]
+        method: {(s, name): _with_link_wait(per_group[(stage_group[s], name)][method], waits_s[(s, name)],
+                                            spec.blocking_power_w)
                  for s in range(req.pp) for name in ("forward", "backward")}
         for method in METHODS
     }
@@ -539,6 +551,29 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
     return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
+
+
+def _send_recv_s(req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int],
+                 spec: GPUSpec) -> dict[tuple[int, str], float]:
+    """Per (stage, instruction), the blocking pipeline send it ends with (``stage_transfer.py``)."""
+    if req.pp == 1:
+        return {(0, "forward"): 0.0, (0, "backward"): 0.0}
+    missing = [g for g, stage in enumerate(traced) if stage.sent_bytes is None]
+    if missing:
+        raise OptionsError(f"a {req.pp}-stage pipeline needs the activation each stage sends on, but the traced "
+                           f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)")
+    return stage_transfer_s([traced[stage_group[s]].sent_bytes for s in range(req.pp)], req.tp, req.cp, spec)
+
+
+def _with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> list[Any]:
+    """``options`` each lengthened by a send of ``wait_s`` at the blocking power ``power_w``."""
+    if wait_s == 0.0:
+        return list(options)
+    extra_j = power_w * wait_s
+    return [dataclasses.replace(o, time_s=o.time_s + wait_s, energy_j=o.energy_j + extra_j,
+                                **({"static_energy_j": o.static_energy_j + extra_j}
+                                   if isinstance(o, MicrobatchPoint) else {}))
+            for o in options]
 
 
 def _at(by_clock: Mapping[int, Any], clocks: Sequence[int]) -> dict[int, Any]:
