@@ -69,11 +69,14 @@ def test_deploying_a_max_clock_plan_requests_no_clock(max_clock_plan, small_real
             controller.close()
 
 
-def test_max_clock_only_with_a_clock_stride_is_refused():
+def test_max_clock_only_with_a_clock_stride_is_refused(no_tracing, tmp_path, capsys):
     request = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=1, mbs=2, seq=256, layers=1,
                           clock_stride_mhz=60, max_clock_only=True)
     with pytest.raises(OptionsError, match="--max-clock-only tunes at the maximum clock only"):
         validate_plan_request(request)
+    assert cli.main(["plan", *ARGV, "--max-clock-only", "--clock-stride", "60", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "drop --clock-stride (got 60) or --max-clock-only" in err and "Traceback" not in err
 
 
 def test_a_max_clock_plan_holding_a_lower_clock_is_refused(max_clock_plan):
