@@ -64,12 +64,26 @@ _SUPPLEMENTS: dict[str, dict[str, dict[str, Any]]] = {
             "A100-80GB nvidia-smi idle P0 59-62 W (gpu_specs.json)",
         },
         "peak_clock_mhz": {"value": 1410, "source": "A100 datasheet boost clock"},
+        "node_network": {
+            "gpus_per_node": 8, "Gbps": 400,
+            "source": "AWS p4d.24xlarge: 8 A100-SXM4-40GB, 400 Gbps EFA (4 x 100 Gbps) shared by the node's GPUs "
+            "(aws.amazon.com/ec2/instance-types/p4); the Kareus paper's testbed: two p4d.24xlarge, 400 Gbps "
+            "between nodes (../shared/data/README.md)",
+        },
     },
     "A100-SXM4-80GB": {
         "static_power_w": {"value": 61.0, "source": "gpu_specs.json idle_power_p0_w (59, 61, 62)"},
+        "node_network": {
+            "gpus_per_node": 8, "Gbps": 400,
+            "source": "AWS p4de.24xlarge: 8 A100-SXM4-80GB, 400 Gbps EFA (aws.amazon.com/ec2/instance-types/p4)",
+        },
     },
     "H100-SXM5-80GB": {
         "static_power_w": {"value": 78.8, "source": "gpu_specs.json idle_power_w"},
+        "node_network": {
+            "gpus_per_node": 8, "Gbps": 3200,
+            "source": "AWS p5.48xlarge: 8 H100-SXM, 3200 Gbps EFA (aws.amazon.com/ec2/instance-types/p5)",
+        },
         "peak_clock_mhz": {"value": 1830, "source": "gpu_specs.json tensor_clock_used_for_peak_mhz"},
         "p2p_blocking_power_w": {
             "value": 110.0,
@@ -82,6 +96,10 @@ _SUPPLEMENTS: dict[str, dict[str, dict[str, Any]]] = {
             "source": "unverified: H100 SXM idle power (same GH100 die)",
         },
         "sm_clock_step_mhz": {"value": 15, "source": "assumed same grid as H100 (verify with NVML)"},
+        "node_network": {
+            "gpus_per_node": 8, "Gbps": 3200,
+            "source": "AWS p5e.48xlarge: 8 H200, 3200 Gbps EFA (aws.amazon.com/ec2/instance-types/p5)",
+        },
     },
 }
 
@@ -103,6 +121,10 @@ class GPUSpec:
     static_power_w: float
     blocking_power_w: float
     nvlink_bandwidth_bytes_per_s: float
+    gpus_per_node: int | None = None
+    node_network_bytes_per_s: float | None = None
+    """The network between nodes, per node (line rate, shared by the node's GPUs): what a pipeline
+    stage's send/recv to another node runs over. None: no sourced node for this GPU."""
     sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def peak_flops_per_s(self, clock_mhz: float | None = None) -> float:
@@ -172,6 +194,8 @@ def gpu_spec(name: str = DEFAULT_GPU) -> GPUSpec:
         static_power_w=float(value("static_power_w")),
         blocking_power_w=float(value("p2p_blocking_power_w")),
         nvlink_bandwidth_bytes_per_s=nvlink_bytes_per_s,
+        gpus_per_node=int(fields["node_network"]["gpus_per_node"]),
+        node_network_bytes_per_s=float(fields["node_network"]["Gbps"]) * 1e9 / 8,
         sources=sources,
     )
 

@@ -7,11 +7,10 @@ voltage^2) and HBM / link traffic (per byte; the memory clock is fixed). Voltage
 up to a knee clock and rises linearly to the max clock above it, so dynamic power grows about as
 clock^3 above the knee (the regime of the paper's Appendix A) and about linearly below it.
 
-Power is capped at the TDP the way the GPU's power controller does it: per phase. A phase (one
-kernel, alone or beside the collective) whose power at the requested clock would exceed the TDP
-runs at the clock where its power equals the TDP (the time-averaged clock of the throttling GPU;
-paper section 6.2.1), so a partition's average power can stay below the TDP while its GEMMs are
-throttled.
+The power cap is the simulator's (``simulator.py``): an execution (a partition, or a sequence of
+ops) whose average power at the requested clock exceeds the TDP runs at the lower clock where its
+average power equals the TDP (the GPU's power controller averages over milliseconds, longer than
+a kernel; the time-averaged clock of a throttling GPU, paper section 6.2.1).
 
 An execution is summarised by :class:`EnergyTerms`, whose energy is linear in the power
 coefficients (the calibration fits them by linear least squares).

@@ -139,6 +139,10 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--full-trace", action="store_true",
                       help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
                       "stage's layer count (slower; the plan is the same)")
+    plan.add_argument("--max-clock-only", action="store_true",
+                      help="Kareus without frequency scaling: every microbatch at the GPU's maximum clock, only the "
+                      "kernel schedule (collective SMs, launch slot) tuned; deployment then locks no clock (for "
+                      "a job that may not set GPU clocks)")
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
     plan.add_argument("--clock-stride", type=int, default=30, help="tuning clock stride in MHz")
@@ -163,7 +167,7 @@ def _plan_request(args: argparse.Namespace):
         shape["seq"] = max(shape["seq"])  # the largest bucket (the others: _run_plan)
     common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
                   clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode,
-                  full_trace=args.full_trace)
+                  full_trace=args.full_trace, max_clock_only=args.max_clock_only)
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
     given = [flag for flag, value in (("--preset", args.preset), ("--model", args.model),

@@ -51,9 +51,14 @@ def _pipeline_node(stage: int, instruction: str, microbatch: int) -> PipelineNod
 
 
 class ClockSchedule:
-    """The plan's clock of every (stage, instruction, microbatch)."""
+    """The plan's clock of every (stage, instruction, microbatch).
 
-    def __init__(self, clocks_mhz: Mapping[PipelineNode, int]) -> None:
+    ``requests_clocks=False`` (a plan made without frequency scaling): the schedule still names
+    each instruction's clock (the maximum), but a :class:`StepContext` requests none of them, so
+    a process that may not lock clocks runs the plan's kernel schedule at the card's own clock."""
+
+    def __init__(self, clocks_mhz: Mapping[PipelineNode, int], *, requests_clocks: bool = True) -> None:
+        self.requests_clocks = requests_clocks
         checked: dict[PipelineNode, int] = {}
         for node, clock_mhz in clocks_mhz.items():
             if not isinstance(node, PipelineNode):
@@ -67,7 +72,7 @@ class ClockSchedule:
         self._clocks_mhz = checked
 
     @classmethod
-    def from_entries(cls, entries: Iterable[tuple[int, str, int, int]]) -> ClockSchedule:
+    def from_entries(cls, entries: Iterable[tuple[int, str, int, int]], *, requests_clocks: bool = True) -> ClockSchedule:
         """From (stage, instruction, microbatch, clock_mhz) rows; a repeated key is an error."""
         clocks_mhz: dict[PipelineNode, int] = {}
         for stage, instruction, microbatch, clock_mhz in entries:
@@ -75,7 +80,7 @@ class ClockSchedule:
             if node in clocks_mhz:
                 raise ClockScheduleError(f"the schedule lists {node} twice")
             clocks_mhz[node] = clock_mhz
-        return cls(clocks_mhz)
+        return cls(clocks_mhz, requests_clocks=requests_clocks)
 
     def __len__(self) -> int:
         return len(self._clocks_mhz)
@@ -122,7 +127,7 @@ class StepContext:
         node = _pipeline_node(self.stage if stage is None else stage, instruction, microbatch)
         clock_mhz = self.schedule.clock_mhz(node)
         self.current = node
-        if self.controller is not None:
+        if self.controller is not None and self.schedule.requests_clocks:
             self.controller.request(clock_mhz, instruction=str(node))
         return node
 

@@ -34,8 +34,7 @@ import torch
 import torch.fx
 
 from kareus_fx.config import KareusOptions
-from kareus_fx.deploy.deployment import Deployment, PlanDeviationWarning, PlanMismatchError, clock_schedule
-from kareus_fx.deploy.hook_ops import ClockBinding
+from kareus_fx.deploy.deployment import Deployment, PlanDeviationWarning, PlanMismatchError, clock_binding
 from kareus_fx.plan.plan_format import Plan
 
 __all__ = ["BucketedDeployment", "SequenceInput", "deployment_from_options", "sequence_input"]
@@ -90,9 +89,7 @@ class BucketedDeployment:
         for seq in plan.buckets:
             bucket = plan.bucket(seq)
             point = bucket.point_index(opts.target)
-            clock = None
-            if opts.clock_controller is not None:
-                clock = ClockBinding(opts.clock_controller, clock_schedule(bucket, point))
+            clock = clock_binding(bucket, point, opts.clock_controller)
             buckets[seq] = Deployment(plan=bucket, point_index=point, stage=opts.stage, clock=clock,
                                       dump_dir=opts.dump_dir)
         cursor = buckets[plan.buckets[0]].cursor

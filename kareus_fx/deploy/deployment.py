@@ -29,7 +29,8 @@
    running forward and backward of each microbatch in order).
 4. Clocks: with ``options["clock_controller"]`` (a
    :class:`~kareus_fx.runtime.frequency.FrequencyController`, any mode) the graphs' clock hooks
-   request the plan's clock of the running instruction; without one they do nothing.
+   request the plan's clock of the running instruction; without one they do nothing. A plan made
+   with ``--max-clock-only`` requests no clock even with a controller (:func:`clock_binding`).
 5. Collectives: each scheduled collective's group argument becomes the runtime's communicator
    for its SM count (:mod:`kareus_fx.runtime.collectives`). Those are created at startup by
    :func:`~kareus_fx.runtime.collectives.prepare_comm_groups` (required when the job has more
@@ -94,6 +95,7 @@ from kareus_fx.passes.stream_schedule import (
 from kareus_fx.plan.graph_workload import graph_fingerprint
 from kareus_fx.plan.plan_format import Plan, Target, load_plan, write_plan
 from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
+from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
 
 Codegen = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
@@ -153,12 +155,22 @@ def prepare_collectives(
 
 
 def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
-    """The plan's clock of every (stage, instruction, microbatch) at frontier point ``point_index``."""
+    """The plan's clock of every (stage, instruction, microbatch) at frontier point ``point_index``.
+
+    A plan that locks no clock (``--max-clock-only``) gives a schedule that requests none."""
     workload = plan.workload
     return ClockSchedule.from_entries(
-        (stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
-        for stage in range(workload["pp"]) for name in INSTRUCTIONS for mb in range(workload["microbatches"])
+        ((stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
+         for stage in range(workload["pp"]) for name in INSTRUCTIONS for mb in range(workload["microbatches"])),
+        requests_clocks=plan.locks_clocks,
     )
+
+
+def clock_binding(plan: Plan, point_index: int, controller: FrequencyController | None) -> ClockBinding | None:
+    """What the clock hooks request from: None without a controller or for a plan that locks no clock."""
+    if controller is None or not plan.locks_clocks:
+        return None
+    return ClockBinding(controller, clock_schedule(plan, point_index))
 
 
 class MicrobatchCursor:
@@ -239,9 +251,7 @@ class Deployment:
         plan = load_plan(path)
         _check_plan_fits(plan, opts)
         point = plan.point_index(opts.target)
-        clock = None
-        if opts.clock_controller is not None:
-            clock = ClockBinding(opts.clock_controller, clock_schedule(plan, point))
+        clock = clock_binding(plan, point, opts.clock_controller)
         return cls(plan=plan, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir)
 
     def compile(

@@ -94,6 +94,12 @@ class Plan:
         return self.data["gpu"]
 
     @property
+    def locks_clocks(self) -> bool:
+        """False for a plan made with ``--max-clock-only``: every option runs at the maximum clock
+        and deployment requests no clock (a user who may not lock clocks deploys the schedule)."""
+        return not self.data.get("max_clock_only", False)
+
+    @property
     def frontier(self) -> list[Mapping[str, Any]]:
         return self.data["iteration_frontier"]
 

@@ -206,6 +206,9 @@ class PlanFile(SchemaModel):
     measurement: StrictStr | None = None
     energy_scope: StrictStr
     baselines: list[StrictStr] | None = None
+    max_clock_only: StrictBool = False
+    """Kareus without frequency scaling (``kareus plan --max-clock-only``): every microbatch option
+    runs at the GPU's maximum clock and deployment requests no clock. Absent: False."""
     stages: list[Stage]
     partition_types: dict[StrictStr, PartitionTypeRecord]
     microbatch_options: dict[StrictStr, list[MicrobatchOption]]
@@ -293,6 +296,9 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
         for i, option in enumerate(options):
             where = f"microbatch_options.{key}[{i}]"
             check_knobs(where, option.clock_mhz, None)
+            if plan.max_clock_only and option.clock_mhz != gpu.clock_max_mhz:
+                fail(f"{where}.clock_mhz", f"a max_clock_only plan runs every microbatch at the {plan.gpu}'s "
+                                           f"maximum clock {gpu.clock_max_mhz} MHz, got {option.clock_mhz}")
             if option.sequential != (option.configs is None):
                 fail(where, "configs must be null exactly when sequential is true")
             for tid, config in (option.configs or {}).items():

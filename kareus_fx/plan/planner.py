@@ -10,9 +10,11 @@
 2. Tune each distinct partition type once (types of different stages with the same structure
    share one tuning run) with multi-objective Bayesian optimisation; every measurement goes
    through the profile database in the output directory, so a killed run resumes.
-3. Measure the baselines' microbatches on the same profiler (``methods.py``), compose each
-   method's microbatch options into an iteration frontier over the 1F1B pipeline (lowtime), and
-   compute the paper's metrics (``metrics.py``).
+3. Measure the baselines' microbatches on the same profiler (``methods.py``), lengthen every
+   instruction that ends with a pipeline send by that send (``stage_transfer.py``: the stage's
+   output activation, or its gradient, over NVLink or the node network, at the blocking power;
+   every method alike), compose each method's microbatch options into an iteration frontier over
+   the 1F1B pipeline (lowtime), and compute the paper's metrics (``metrics.py``).
 4. Build the plan (``plan_format.py``).
 
 Assumptions: every rank of a stage costs what the traced rank (rank 0 of the tensor- and
@@ -74,11 +76,12 @@ from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
 from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
+from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
-from kareus_fx.tuner.space import clock_grid_mhz
+from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz
 from kareus_fx.workload import GraphName, PartitionType
 
 __all__ = ["LIVE_GRAPH_MODEL", "PlanOutcome", "PlanRequest", "StageGraphs", "make_plan", "plan_request_from_preset",
@@ -124,7 +127,7 @@ class PlanRequest:
     gpu: str = DEFAULT_GPU
     profiler: str = "simulated"
     seed: int = 0
-    clock_stride_mhz: int = 30
+    clock_stride_mhz: int = DEFAULT_CLOCK_STRIDE_MHZ
     workers: int = 1
     preset: str | None = None
     dtype: str = "bfloat16"
@@ -137,6 +140,12 @@ class PlanRequest:
     device_window_s: float = DEFAULT_DEVICE_WINDOW_S
     """``--profiler cuda`` only: the least energy window of one measurement (NVML's energy counter
     updates about every 100 ms; 5 s keeps its error near 2 %)."""
+    max_clock_only: bool = False
+    """Kareus without frequency scaling (``--max-clock-only``, paper section 6.4): every microbatch
+    runs at the GPU's maximum clock; only the kernel schedule (collective SMs, launch slot,
+    execution-model switching) is tuned, at that clock. For a user who may not lock clocks: the
+    plan says so (``max_clock_only`` in plan.json) and deployment requests no clock. The
+    baselines are still composed at every clock (they are the plan's comparison)."""
     full_trace: bool = False
     """Trace every layer of each stage (``--full-trace``) instead of a slice extended to the stage's
     layer count (``layer_slice.py``). ``--profiler cuda`` always traces in full: it replays the
@@ -195,6 +204,11 @@ def validate_tuning_request(req: PlanRequest) -> None:
     torch_dtype(req.dtype)
     if req.workers < 1 or req.clock_stride_mhz < 1:
         raise OptionsError("--workers and --clock-stride must be positive integers")
+    if req.max_clock_only and req.clock_stride_mhz != DEFAULT_CLOCK_STRIDE_MHZ:
+        raise OptionsError(
+            f"--clock-stride sets the clocks Kareus tunes, but --max-clock-only tunes at the maximum clock "
+            f"only: drop --clock-stride (got {req.clock_stride_mhz}) or --max-clock-only"
+        )
 
 
 def _validate_cuda_request(req: PlanRequest) -> None:
@@ -244,6 +258,8 @@ class StageGraphs:
     dump_paths: Mapping[str, Path] = field(default_factory=dict)
     """The dumps the graphs come from, by "nanobatched" / "sequential" (the on-device profiler
     replays their recorded ops)."""
+    sent_bytes: float | None = None
+    """Bytes of the activation the stage sends on to the next (``stage_transfer.boundary_bytes``)."""
 
 
 @dataclass
@@ -291,7 +307,7 @@ def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str |
     queue_path = Path(work_dir) / QUEUE_FILE
     given = contextlib.nullcontext(lambda: profiler) if profiler is not None else None
     with given or _profiler_factory(req, traced, Path(work_dir) / "profile.sqlite", queue_path) as factory:
-        settings = MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
+        settings = _tuning_settings(req)
         tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
                                      workers=req.workers, progress=progress)
         ledger.add_tuning(ptypes, tuned)
@@ -306,6 +322,16 @@ def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str |
     with ProfileQueue(queue_path) as log:
         data["profiling"] = _profiling_cost(req, len(ledger), log.duplicates(), groups, device).to_dict()
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
+
+
+def _tuning_settings(req: PlanRequest) -> MBOSettings:
+    """The tuner's settings: the request's clock stride; with ``max_clock_only`` the maximum clock
+    alone, and no cap on the measured share of that space: it is ``clocks`` times smaller than the
+    full one, so the size class's budget stays within what the capped full tuning measures."""
+    if not req.max_clock_only:
+        return MBOSettings(clock_stride_mhz=req.clock_stride_mhz)
+    top = gpu_spec(canonical_gpu_name(req.gpu)).clock_max_mhz
+    return MBOSettings(clock_stride_mhz=req.clock_stride_mhz, supported_clocks_mhz=(top,), max_fraction=None)
 
 
 def _profiling_cost(req: PlanRequest, measurements: int, duplicates: int, groups: int,
@@ -343,7 +369,9 @@ def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
     retraced = _run_traces({stage: [_full_trace(req, stage, dump_root)] for stage in traces if stage not in paths})
     paths.update({stage: stage_dumps[0] for stage, stage_dumps in retraced.items()})
     return [stage_graphs_from_dumps(tuple(group.stages), paths[group.stages[0]]["nanobatched"],
-                                    paths[group.stages[0]]["sequential"]) for group in groups]
+                                    paths[group.stages[0]]["sequential"],
+                                    boundary=paths[group.stages[0]].get("boundary", paths[group.stages[0]]["sequential"]))
+            for group in groups]
 
 
 def _run_traces(traces: Mapping[int, Sequence[functools.partial]]) -> dict[int, list[dict[str, Path]]]:
@@ -383,6 +411,7 @@ def _extend_slices(stage: int, num_layers: int, short: Mapping[str, Path], long:
         extended = extend_dump(load_dump(short[kind]), load_dump(long[kind]), SLICE_LAYERS[1], num_layers,
                                f"stage {stage} {kind}")
         paths[kind].write_text(json.dumps(extended))
+    paths["boundary"] = short["sequential"]  # an extended dump keeps no outputs; the slice's are the stage's
     return paths
 
 
@@ -392,16 +421,19 @@ def parallel_processes(tasks: int) -> int:
     return max(1, min(os.cpu_count() or 1, tasks))
 
 
-def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path) -> StageGraphs:
+def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path,
+                            boundary: Path | None = None) -> StageGraphs:
     """The graphs of ``stages`` from a nanobatched and an un-split dump of one stage's forward and
-    backward; a nanobatched graph without partitions is planned sequentially (with a warning)."""
+    backward; a nanobatched graph without partitions is planned sequentially (with a warning).
+    ``boundary``: a dump with the stage's outputs, for the activation it sends on (None: not read)."""
     try:
         partitioned = partitioned_graphs(load_dump(nanobatched))
     except UnsupportedGraphError as err:
         warnings.warn(f"stage {stages[0]}: {err}; Kareus plans it sequentially", stacklevel=2)
         partitioned = None
     return StageGraphs(stages=stages, sequential=sequential_graphs(load_dump(sequential)), partitioned=partitioned,
-                      dump_paths={"nanobatched": nanobatched, "sequential": sequential})
+                      dump_paths={"nanobatched": nanobatched, "sequential": sequential},
+                      sent_bytes=None if boundary is None else boundary_bytes(boundary))
 
 
 # ----- profilers ------------------------------------------------------------------------------------
@@ -489,6 +521,9 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     spec: GPUSpec = gpu_spec(canonical_gpu_name(req.gpu))
     clocks = list(clock_grid_mhz(spec, req.clock_stride_mhz))
     max_clock = [max(clocks)]
+    # Kareus's clocks, and the baselines whose every plan is also a Kareus plan (_with_baseline_plans).
+    kareus_clocks = max_clock if req.max_clock_only else clocks
+    baselines = ("megatron", "nanobatching") if req.max_clock_only else ("megatron+perseus", "nanobatching+perseus")
     default_sms = gpu_params(spec.name).params.default_comm_sms
     tuned_points = {tid: [(p.config, p.measurement) for p in result.points] for tid, result in tuned.items()}
 
@@ -510,23 +545,27 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
                 graph = _with_plan_ids(stage.partitioned[name], g, local_to_plan)
                 outside = sequential_measurements(profiler, graph.outside, clocks)
                 nanobatched, nb_points = nanobatching_measurements(profiler, graph, outside, default_sms)
-                candidates = {t.type_id: [*tuned_points[t.type_id], *nb_points[t.type_id]] for t in graph.ptypes}
-                frontier = kareus_microbatch_frontier(graph, candidates, outside, sequential)
+                candidates = {t.type_id: [(c, m) for c, m in [*tuned_points[t.type_id], *nb_points[t.type_id]]
+                                          if c.clock_mhz in kareus_clocks] for t in graph.ptypes}
+                frontier = kareus_microbatch_frontier(graph, candidates, _at(outside, kareus_clocks),
+                                                      _at(sequential, kareus_clocks))
                 nanobatched_types = tuple(t.type_id for t in graph.ptypes)
             options["nanobatching"] = as_options("nanobatching", nanobatched, max_clock)
             options["nanobatching+perseus"] = as_options("nanobatching+perseus", nanobatched, clocks)
-            # Kareus's options: its frontier, then the M+P and the N+P microbatch at every clock
-            # (in the baselines' option order, so a baseline plan maps by an offset).
-            options["kareus"] = [*frontier.points, *_baseline_points(sequential),
-                                 *_baseline_points(nanobatched, nanobatched_types, default_sms)]
-            baseline_offsets[(g, name)] = {"megatron+perseus": len(frontier.points),
-                                           "nanobatching+perseus": len(frontier.points) + len(clocks)}
+            # Kareus's options: its frontier, then the M+P and the N+P microbatch at each of its
+            # clocks (in the baselines' option order, so a baseline plan maps by an offset).
+            options["kareus"] = [*frontier.points, *_baseline_points(_at(sequential, kareus_clocks)),
+                                 *_baseline_points(_at(nanobatched, kareus_clocks), nanobatched_types, default_sms)]
+            baseline_offsets[(g, name)] = {baselines[0]: len(frontier.points),
+                                           baselines[1]: len(frontier.points) + len(kareus_clocks)}
             per_group[(g, name)] = options
             microbatch[(g, name)] = frontier
 
     stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
+    waits_s = _send_recv_s(req, traced, stage_group, spec)
     by_method = {
-        method: {(s, name): per_group[(stage_group[s], name)][method]
+        method: {(s, name): _with_link_wait(per_group[(stage_group[s], name)][method], waits_s[(s, name)],
+                                            spec.blocking_power_w)
                  for s in range(req.pp) for name in ("forward", "backward")}
         for method in METHODS
     }
@@ -547,6 +586,34 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
     return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
+
+
+def _send_recv_s(req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int],
+                 spec: GPUSpec) -> dict[tuple[int, str], float]:
+    """Per (stage, instruction), the blocking pipeline send it ends with (``stage_transfer.py``)."""
+    if req.pp == 1:
+        return {(0, "forward"): 0.0, (0, "backward"): 0.0}
+    missing = [g for g, stage in enumerate(traced) if stage.sent_bytes is None]
+    if missing:
+        raise OptionsError(f"a {req.pp}-stage pipeline needs the activation each stage sends on, but the traced "
+                           f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)")
+    return stage_transfer_s([traced[stage_group[s]].sent_bytes for s in range(req.pp)], req.tp, req.cp, spec)
+
+
+def _with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> list[Any]:
+    """``options`` each lengthened by a send of ``wait_s`` at the blocking power ``power_w``."""
+    if wait_s == 0.0:
+        return list(options)
+    extra_j = power_w * wait_s
+    return [dataclasses.replace(o, time_s=o.time_s + wait_s, energy_j=o.energy_j + extra_j,
+                                **({"static_energy_j": o.static_energy_j + extra_j}
+                                   if isinstance(o, MicrobatchPoint) else {}))
+            for o in options]
+
+
+def _at(by_clock: Mapping[int, Any], clocks: Sequence[int]) -> dict[int, Any]:
+    """``by_clock`` at ``clocks`` only."""
+    return {c: by_clock[c] for c in clocks}
 
 
 def _baseline_points(
@@ -708,6 +775,7 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         "energy_scope": (f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
                          f"assumed to cost what the traced rank costs"),
         "baselines": list(BASELINES),
+        "max_clock_only": req.max_clock_only,
         "stages": stages,
         "partition_types": {pid: _type_record(p, tuned[pid], max_count) for pid, p in ptypes.items()},
         "microbatch_options": options,
