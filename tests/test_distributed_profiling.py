@@ -25,7 +25,7 @@ import torch.distributed as dist
 from dist_harness import DistributedTestError, run_distributed
 from kareus_fx.cost_models.profile_db import ProfileDB, measurement_key
 from kareus_fx.cost_models.profile_queue import ProfileQueue
-from kareus_fx.plan.profiling_cost import ProfilingCost
+from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
 
 GPU = "A100-SXM4-40GB"
@@ -45,6 +45,22 @@ def test_profiling_cost_is_measurements_times_window_and_cooldown_over_groups():
     assert cost.wall_s_on_device == 720 * 10.0 / 2
     assert cost.gpu_hours == pytest.approx(3600 * 16 / 3600)  # 1 hour of 16 GPUs
     assert cost.to_dict()["gpu_hours"] == cost.gpu_hours
+
+
+def test_ledger_counts_a_key_once_under_its_first_purpose():
+    ledger = MeasurementLedger()
+    ledger.add(("T0", CONFIGS[0]), "tuning")
+    ledger.add(("T0", CONFIGS[0]), "nanobatching")  # the tuner measured it already
+    ledger.add(("T0", CONFIGS[1]), "nanobatching")
+    ledger.add(("seq", PartitionConfig(1410, 1, None)), "sequences")
+    assert len(ledger) == 3
+    assert ledger.by_purpose() == {"tuning": 1, "nanobatching": 1, "sequences": 1}
+    cost = ProfilingCost(measurements=3, duplicates=0, groups=1, gpus_per_group=8, window_s=5.0,
+                         by_purpose=ledger.by_purpose())
+    assert cost.to_dict()["by_purpose"] == {"tuning": 1, "nanobatching": 1, "sequences": 1}
+    with pytest.raises(ValueError, match="does not add up"):
+        ProfilingCost(measurements=4, duplicates=0, groups=1, gpus_per_group=8, window_s=5.0,
+                      by_purpose=ledger.by_purpose())
 
 
 def test_queue_gives_each_item_to_exactly_one_claimant(tmp_path):

@@ -87,6 +87,10 @@ def test_small_plan_reports_what_its_profiling_costs_on_the_device(small_plan):
     assert logged == (stored, stored, stored)  # each measured and stored exactly once
     sequences = profiling["measurements"] - stored
     assert sequences > 0 and sequences % 18 == 0
+    # tuned configs; nanobatching's (16 SMs, off the 3-30 SM grid of a group of 8): 18 clocks x types
+    split = profiling["by_purpose"]
+    types = load_plan(small_plan / "plan.json").data["partition_types"]
+    assert split == {"tuning": stored - 18 * len(types), "nanobatching": 18 * len(types), "sequences": sequences}
     assert profiling["duplicates"] == 0 and profiling["groups"] == 1 and profiling["gpus_per_group"] == 8
     assert profiling["wall_s_on_device"] == pytest.approx(profiling["measurements"] * (5.0 + 5.0))
     assert profiling["gpu_hours"] == pytest.approx(profiling["wall_s_on_device"] * 8 / 3600)

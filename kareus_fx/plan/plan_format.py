@@ -28,7 +28,8 @@ Layout (schema version 1)::
         sequence-length bucket; the top-level fields and ``workload.seq`` are the largest
         bucket's, so readers of one-length plans read a bucketed plan as that bucket.
     profiling (optional): {measurements, duplicates, groups, gpus_per_group, window_s, cooldown_s,
-                           wall_s_on_device, gpu_hours, device}: what profiling costs on the device
+                           wall_s_on_device, gpu_hours, device, by_purpose: {tuning, nanobatching,
+                           sequences}}: what profiling costs on the device
 
 Times are seconds and energies joules of one iteration of one pipeline (``energy_scope``).
 """

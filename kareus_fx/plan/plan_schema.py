@@ -190,6 +190,7 @@ class Profiling(SchemaModel):
     wall_s_on_device: number()
     gpu_hours: number()
     device: StrictStr | None = None
+    by_purpose: dict[StrictStr, count(0)] | None = None
 
 
 class PlanFile(SchemaModel):

@@ -320,7 +320,7 @@ def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str |
     wall["total_s"] = time.perf_counter() - started
     data = _plan_data(req, traced, ptypes, local_to_plan, tuned, composed, composing.kind, wall, device)
     with ProfileQueue(queue_path) as log:
-        data["profiling"] = _profiling_cost(req, len(ledger), log.duplicates(), groups, device).to_dict()
+        data["profiling"] = _profiling_cost(req, ledger, log.duplicates(), groups, device).to_dict()
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
 
 
@@ -334,15 +334,16 @@ def _tuning_settings(req: PlanRequest) -> MBOSettings:
     return MBOSettings(clock_stride_mhz=req.clock_stride_mhz, supported_clocks_mhz=(top,), max_fraction=None)
 
 
-def _profiling_cost(req: PlanRequest, measurements: int, duplicates: int, groups: int,
+def _profiling_cost(req: PlanRequest, ledger: MeasurementLedger, duplicates: int, groups: int,
                     device: str | None) -> ProfilingCost:
     """The plan's ``profiling`` record: ``groups`` TP x CP groups of ``--gpu`` GPUs (``profiling_cost.py``)."""
     gpu = canonical_gpu_name(req.gpu)
     if device is None:
         device = (f"estimate for one group of {req.tp * req.cp} {gpu} GPUs; the measurements are cost-model "
                   f"predictions" if req.profiler == "simulated" else f"this process's {gpu} GPU")
-    return ProfilingCost(measurements=measurements, duplicates=duplicates, groups=groups,
-                         gpus_per_group=req.tp * req.cp, window_s=req.device_window_s, device=device)
+    return ProfilingCost(measurements=len(ledger), duplicates=duplicates, groups=groups,
+                         gpus_per_group=req.tp * req.cp, window_s=req.device_window_s, device=device,
+                         by_purpose=ledger.by_purpose())
 
 
 # ----- 1. tracing -------------------------------------------------------------------------------

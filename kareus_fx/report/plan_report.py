@@ -63,8 +63,10 @@ def profiling_text(plan: Mapping[str, Any]) -> str:
         return ""
     window = ("" if p.get("window_s") is None or p.get("cooldown_s") is None
               else f" ({p['window_s']:g} s window + {p['cooldown_s']:g} s cooldown each)")
-    return (f"profiling: {p['measurements']} measurements{window}, {p['duplicates']} duplicates, {p['groups']} "
-            f"parallel group(s): {p['wall_s_on_device'] / 3600:.2f} h on the device, {p['gpu_hours']:.1f} GPU-hours"
+    split = p.get("by_purpose")
+    purposes = f" ({', '.join(f'{k} {v}' for k, v in split.items())})" if split else ""
+    return (f"profiling: {p['measurements']} measurements{purposes}{window}, {p['duplicates']} duplicates, "
+            f"{p['groups']} parallel group(s): {p['wall_s_on_device'] / 3600:.2f} h on the device, {p['gpu_hours']:.1f} GPU-hours"
             + (f"; {p['device']}" if p.get("device") else ""))
 
 
