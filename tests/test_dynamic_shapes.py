@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dist_harness import run_distributed
+from eager_parity import assert_matches_eager, eager_reference, mark_sequence_dynamic
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 SEQ_LENS = (12, 10, 16, 9)  # a new length every step
@@ -49,22 +50,14 @@ def _dynamic_seq_worker(rank, world_size, mode, dump_dir):
     for seq in SEQ_LENS:
         batch = model.example_batch(mbs=4, seq=seq)
         if mode == "mark_dynamic":
-            for value in batch.values():
-                torch._dynamo.mark_dynamic(value, 1)
-        model.zero_grad(set_to_none=True)
-        eager_loss = model(**batch)
-        eager_loss.backward()
-        eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
+            mark_sequence_dynamic(batch)
+        eager_loss, eager_grads = eager_reference(model, batch)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             loss = compiled(**batch)
             loss.backward()
         fallbacks += [str(w.message) for w in caught if issubclass(w.category, NanobatchFallbackWarning)]
-        torch.testing.assert_close(loss, eager_loss, **TOL)
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad, eager_grads[name], **TOL,
-                                       msg=lambda m: f"seq {seq}, {name}: {m}")
+        assert_matches_eager(model, loss, eager_loss, eager_grads, TOL, f"seq {seq}")
     if mode == "dynamic_true":  # the split specialised the batch size: another one recompiles
         batch = model.example_batch(mbs=2, seq=11)
         model.zero_grad(set_to_none=True)
@@ -126,18 +119,11 @@ def _live_tuning_worker(rank, world_size, plan_out):
                              options={"tune": "simulated", "plan_out": plan_out, "tune_seq": [128, 256]})
     for seq in (100, 200, 128):
         batch = model.example_batch(mbs=2, seq=seq, seed=seq)
-        for value in batch.values():
-            torch._dynamo.mark_dynamic(value, 1)
-        model.zero_grad(set_to_none=True)
-        eager_loss = model(**batch)
-        eager_loss.backward()
-        eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
+        mark_sequence_dynamic(batch)
+        eager_loss, eager_grads = eager_reference(model, batch)
         loss = compiled(**batch)
         loss.backward()
-        torch.testing.assert_close(loss, eager_loss, **TOL)
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad, eager[name], **TOL, msg=lambda m: f"seq {seq}, {name}: {m}")
+        assert_matches_eager(model, loss, eager_loss, eager_grads, TOL, f"seq {seq}")
     return sorted({g.name for g in deployed_graphs()}), len(deployed_graphs())
 
 

@@ -17,6 +17,7 @@ import json
 import pytest
 import torch
 from dist_harness import run_distributed
+from eager_parity import assert_matches_eager, eager_reference, mark_sequence_dynamic
 
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, load_plan, validate_plan, write_plan
 
@@ -83,9 +84,9 @@ def test_bucketed_plan_with_unordered_or_wrong_buckets_is_refused(bucketed_plan)
         validate_plan(broken)
 
 
-def _bucket_worker(rank, world_size, plan_path):
-    import warnings
-
+def _deployed_model(plan_path):
+    """tiny-llama TP=2 (fp32, seeded) and its compile with ``plan_path`` deployed on a dry-run
+    clock controller: (model, controller, compiled)."""
     from kareus_fx.models import ParallelLayout, build_model
     from kareus_fx.runtime.frequency import FrequencyController
 
@@ -97,26 +98,33 @@ def _bucket_worker(rank, world_size, plan_path):
     controller = FrequencyController.open("dry-run", handle_sigterm=False)
     compiled = torch.compile(model, backend="kareus", fullgraph=True,
                              options={"plan": plan_path, "clock_controller": controller})
+    return model, controller, compiled
+
+
+def _run_call(compiled, controller, batch):
+    """One compiled forward and backward: its loss, the clocks it requested and its bucket warnings."""
+    import warnings
+
+    before = len(controller.requests)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = compiled(**batch)
+        loss.backward()
+    return (loss, [r.clock_mhz for r in controller.requests[before:]],
+            [str(w.message) for w in caught if "bucket" in str(w.message)])
+
+
+def _bucket_worker(rank, world_size, plan_path):
+    model, controller, compiled = _deployed_model(plan_path)
     requests, caught_all = [], []
     for seq in (100, 200, 128, 300, 310):
         batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
-        for value in batch.values():
-            torch._dynamo.mark_dynamic(value, 1)
-        model.zero_grad(set_to_none=True)
-        eager_loss = model(**batch)
-        eager_loss.backward()
-        eager = {n: p.grad.clone() for n, p in model.named_parameters()}
-        model.zero_grad(set_to_none=True)
-        before = len(controller.requests)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss = compiled(**batch)
-            loss.backward()
-        caught_all += [str(w.message) for w in caught if "bucket" in str(w.message)]
-        requests.append([r.clock_mhz for r in controller.requests[before:]])
-        torch.testing.assert_close(loss, eager_loss, **TOL)
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad, eager[name], **TOL, msg=lambda m: f"seq {seq}, {name}: {m}")
+        mark_sequence_dynamic(batch)
+        eager_loss, eager_grads = eager_reference(model, batch)
+        loss, clocks, caught = _run_call(compiled, controller, batch)
+        caught_all += caught
+        requests.append(clocks)
+        assert_matches_eager(model, loss, eager_loss, eager_grads, TOL, f"seq {seq}")
     controller.close()
     return requests, caught_all
 
@@ -133,34 +141,17 @@ def test_bucketed_plan_deploys_each_bucket_clocks_per_call(bucketed_plan, tmp_pa
 
 
 def _one_length_worker(rank, world_size, plan_path):
-    import warnings
-
-    from kareus_fx.models import ParallelLayout, build_model
-    from kareus_fx.runtime.frequency import FrequencyController
-
-    torch.manual_seed(0)
-    torch._dynamo.reset()
-    model = build_model(WORKLOAD["model"], ParallelLayout.from_default_group(tp=2, cp=1),
-                        num_layers=WORKLOAD["layers"], dtype=torch.float32)
-    model.init_weights(seed=0)
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"plan": plan_path, "clock_controller": controller})
+    model, controller, compiled = _deployed_model(plan_path)
     requests, caught_all = [], []
     for seq in (100, 200):
         batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
-        for value in batch.values():
-            torch._dynamo.mark_dynamic(value, 1)
+        mark_sequence_dynamic(batch)
         model.zero_grad(set_to_none=True)
         eager_loss = model(**batch)
         model.zero_grad(set_to_none=True)
-        before = len(controller.requests)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loss = compiled(**batch)
-            loss.backward()
-        caught_all += [str(w.message) for w in caught if "bucket" in str(w.message)]
-        requests.append([r.clock_mhz for r in controller.requests[before:]])
+        loss, clocks, caught = _run_call(compiled, controller, batch)
+        caught_all += caught
+        requests.append(clocks)
         torch.testing.assert_close(loss, eager_loss, **TOL)
     controller.close()
     return requests, caught_all

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from kareus_fx.capture.dump import load_dump
 from kareus_fx.compose.iteration import InstructionOption
 from kareus_fx.compose.microbatch import MicrobatchPoint
 from kareus_fx.cost_models.hardware import gpu_spec
@@ -23,7 +24,7 @@ QWEN_TP8_BYTES = 8 * 4096 * 2048 * 2  # mbs x seq x hidden, bf16
 def test_the_boundary_tensor_is_the_stage_output_of_the_traced_dump(small_real_plan):
     # tiny-llama, mbs 2, seq 1536, hidden 64, bf16: the hidden states stage 0 sends on.
     (dump,) = (small_real_plan[1] / "dumps").glob("stage0-sequential*/*.json")
-    assert boundary_bytes(dump) == 2 * 1536 * 64 * 2
+    assert boundary_bytes(load_dump(dump)) == 2 * 1536 * 64 * 2
 
 
 def test_a_stage_boundary_between_p4d_nodes_runs_at_the_gpus_share_of_400_gbps():

@@ -432,9 +432,11 @@ def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequenti
     except UnsupportedGraphError as err:
         warnings.warn(f"stage {stages[0]}: {err}; Kareus plans it sequentially", stacklevel=2)
         partitioned = None
-    return StageGraphs(stages=stages, sequential=sequential_graphs(load_dump(sequential)), partitioned=partitioned,
-                      dump_paths={"nanobatched": nanobatched, "sequential": sequential},
-                      sent_bytes=None if boundary is None else boundary_bytes(boundary))
+    sequential_dump = load_dump(sequential)
+    sent_bytes = None if boundary is None else boundary_bytes(
+        sequential_dump if boundary == sequential else load_dump(boundary))
+    return StageGraphs(stages=stages, sequential=sequential_graphs(sequential_dump), partitioned=partitioned,
+                      dump_paths={"nanobatched": nanobatched, "sequential": sequential}, sent_bytes=sent_bytes)
 
 
 # ----- profilers ------------------------------------------------------------------------------------

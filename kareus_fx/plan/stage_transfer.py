@@ -25,12 +25,12 @@ Assumptions (each a stated physical fact, none fitted):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-from kareus_fx.capture.dump import load_dump
 from kareus_fx.compose.pipeline import Instruction
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.errors import OptionsError
@@ -38,16 +38,13 @@ from kareus_fx.errors import OptionsError
 __all__ = ["boundary_bytes", "link_wait_s", "stage_transfer_s"]
 
 
-def boundary_bytes(dump_path: str | Path) -> float:
-    """Bytes of the tensor a stage sends on: the first output of the dump's forward graph."""
-    graphs = {g["name"]: g for g in load_dump(dump_path)["graphs"]}
+def boundary_bytes(dump: Mapping[str, Any]) -> float:
+    """Bytes of the tensor a stage sends on: the first output of the (loaded) dump's forward graph."""
+    graphs = {g["name"]: g for g in dump["graphs"]}
     nodes = {n["name"]: n for n in graphs["forward"]["nodes"]}
     (output,) = [n for n in nodes.values() if n["fx_op"] == "output"]
     sent = nodes[output["inputs"][0]]
-    numel = 1
-    for size in sent["shape"]:
-        numel *= int(size)
-    return float(numel * torch.empty((), dtype=getattr(torch, sent["dtype"])).element_size())
+    return float(math.prod(int(size) for size in sent["shape"]) * getattr(torch, sent["dtype"]).itemsize)
 
 
 def _node_of(rank: int, spec: GPUSpec) -> int:
