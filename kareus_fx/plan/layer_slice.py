@@ -24,13 +24,16 @@ whether they are leftover work), not by name, inputs or module path, which numbe
 Only computation and collective nodes are kept (placeholders hold every layer's parameters, waits
 and outputs are free). The result is a summary dump for
 :func:`~kareus_fx.plan.graph_workload.partitioned_graphs` and ``sequential_graphs``, not a
-replayable one. When the longer trace is the shorter one with one contiguous block inserted that
-repeats the block before it (the un-split graphs and the nanobatched forward), the copies
-(named ``<node>~<copy>``) go there and the order is a full trace's, so sums of costs are too, to
-the last bit (the iteration solver is sensitive to that). Otherwise (aot_autograd's nanobatched
-backward interleaves layers) they follow the added layer's last node, in its order; the simulated
-profiler's cost of work outside partitions does not depend on order beyond rounding. ``partitions``
-holds the longer trace's partitions (one exemplar per type is all those readers use).
+replayable one. When the longer trace is the shorter one with one contiguous block inserted
+(:func:`inserted_block`: the un-split graphs and the nanobatched forward), the copies (named
+``<node>~<copy>``) go there and the order is a full trace's, so sums of costs are too, to the last
+bit (the iteration solver is sensitive to that), and so are the kernels: a kernel that spans the
+layer boundary (Inductor fuses a layer's residual add into the next layer's RMSNorm) chains each
+copy into the next (:func:`_copies_with_kernels`). Otherwise (aot_autograd's nanobatched backward
+interleaves layers) they follow the added layer's last node, in its order, and their kernels
+join only within a copy; the simulated profiler's cost of work outside partitions does not
+depend on order beyond rounding. ``partitions`` holds the longer trace's partitions (one exemplar
+per type is all those readers use).
 
 Assumption: every middle decoder layer of the model has the same structure (no per-layer
 attention pattern or width), which holds for the reference models (``kareus_fx.models``).
@@ -66,16 +69,19 @@ class SliceNotRepresentativeError(UnsupportedGraphError):
 
 
 def inserted_block(shorter: Sequence[Hashable], longer: Sequence[Hashable]) -> tuple[int, int] | None:
-    """``(at, length)`` when ``longer`` is ``shorter`` with one block inserted at ``at`` that repeats
-    the ``length`` nodes before it (so inserting it again extends the repetition in graph order),
-    else None."""
+    """``(at, length)`` when ``longer`` is ``shorter`` with one block of ``length`` nodes inserted
+    at ``at``, the first position where they differ; else None.
+
+    If the traces are ``X + layer + Y`` and ``X + Y`` (layers in graph order), the block is the
+    layer rotated by ``r = at - len(X)`` (``Y`` starts with ``layer[:r]``), so inserting it at
+    ``at`` ``n`` times gives ``X + layer * (n + 1) + Y``: a full trace's order."""
     length = len(longer) - len(shorter)
     at = 0
     while at < len(shorter) and shorter[at] == longer[at]:
         at += 1
-    if length <= 0 or at < length or longer[at + length:] != shorter[at:]:
+    if length <= 0 or at == 0 or longer[at + length:] != shorter[at:]:
         return None
-    return (at, length) if longer[at - length:at] == longer[at:at + length] else None
+    return at, length
 
 
 def added_layer(shorter: Sequence[Hashable], longer: Sequence[Hashable], what: str) -> list[int]:
@@ -135,6 +141,42 @@ def _extended_counts(short: Mapping[str, Any], long: Mapping[str, Any], copies: 
             for t in {*short_counts, *long_counts}}
 
 
+def _copies_with_kernels(block: Sequence[Mapping[str, Any]], long_nodes: Sequence[Mapping[str, Any]], at: int,
+                         copies: int, chain: bool) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]]]:
+    """``copies`` copies of ``block`` to insert at ``at`` in ``long_nodes``, named ``<node>~<copy>``
+    with kernel ids ``<kernel>~<copy>``, and ``long_nodes[at:]`` with kernel ids that follow them.
+
+    A node of the block that shares its predecessor's kernel in ``long_nodes`` shares its actual
+    predecessor's. With ``chain`` (``long_nodes[at - 1]`` stands for the block's last node, which
+    precedes each later copy) that holds for ``block[0]`` too, so a kernel that spans the layer
+    boundary (Inductor fuses a layer's residual add into the next layer's norm) chains each copy
+    into the next, and the last copy into ``long_nodes[at]``, as in a full trace
+    (``workload.fused_kernels`` merges consecutive ops of one id). Without it kernels join only
+    within a copy, never across its ends."""
+    joins = [bool(chain) and block[0].get("kernel") is not None
+             and block[0].get("kernel") == long_nodes[at - 1].get("kernel")]
+    joins += [node.get("kernel") is not None and node.get("kernel") == before.get("kernel")
+              for before, node in zip(block, block[1:])]
+    inserted: list[dict[str, Any]] = []
+    previous_kernel = long_nodes[at - 1].get("kernel") if at else None
+    for copy in range(1, copies + 1):
+        renamed: dict[str, str] = {}
+        for node, joined in zip(block, joins):
+            kernel = node.get("kernel")
+            if kernel is not None:
+                if joined:
+                    renamed[kernel] = previous_kernel
+                renamed.setdefault(kernel, f"{kernel}~{copy}")
+            previous_kernel = renamed.get(kernel)
+            inserted.append({**node, "name": f"{node['name']}~{copy}", "inputs": [], "partition": None,
+                             "kernel": previous_kernel})
+    tail = list(long_nodes[at:])
+    if copies and joins[0]:  # the block's first kernel in long_nodes[at:] now follows the last copy
+        boundary = long_nodes[at].get("kernel")
+        tail = [{**node, "kernel": previous_kernel} if node.get("kernel") == boundary else node for node in tail]
+    return inserted, tail
+
+
 def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int, what: str) -> dict[str, Any]:
     counts = _extended_counts(short, long, copies)
     most = max(counts.values(), default=0)
@@ -146,13 +188,14 @@ def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int
     if exact is not None:  # the graph order of a full trace
         at, length = exact
         block = long_nodes[at:at + length]
+        # the node before the block stands for the block's last node, as before each later copy
+        chain = long_keys[at - 1] == long_keys[at + length - 1]
     else:
         positions = added_layer(short_keys, long_keys, what)
         block = [long_nodes[i] for i in positions]
-        at = positions[-1] + 1
-    inserted = [{**node, "name": f"{node['name']}~{copy}", "inputs": [], "partition": None}
-                for copy in range(1, copies + 1) for node in block]
-    nodes = [*long_nodes[:at], *inserted, *long_nodes[at:]]
+        at, chain = positions[-1] + 1, False
+    inserted, tail = _copies_with_kernels(block, long_nodes, at, copies, chain)
+    nodes = [*long_nodes[:at], *inserted, *tail]
     record: dict[str, Any] = {"name": long["name"], "nodes": nodes,
                               "extended": {"inserted_at": at, "block_nodes": len(block), "copies": copies,
                                            "graph_order": exact is not None}}
