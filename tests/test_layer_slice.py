@@ -15,9 +15,19 @@ import pytest
 
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.plan.graph_workload import graph_fingerprint, partitioned_graphs
-from kareus_fx.plan.layer_slice import (SLICE_LAYERS, SliceNotRepresentativeError, added_layer, extend_dump,
-                                         inserted_block)
-from kareus_fx.plan.planner import PlanRequest, _trace_stages, make_plan, plan_request_from_preset
+from kareus_fx.plan.layer_slice import (
+    SLICE_LAYERS,
+    SliceNotRepresentativeError,
+    added_layer,
+    extend_dump,
+    inserted_block,
+)
+from kareus_fx.plan.planner import (
+    PlanRequest,
+    _trace_stages,
+    make_plan,
+    plan_request_from_preset,
+)
 from kareus_fx.workload import OpCost, fused_kernels
 
 FRONTIER_RTOL = 1e-3

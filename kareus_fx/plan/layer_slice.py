@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 from kareus_fx.errors import UnsupportedGraphError
@@ -156,7 +157,7 @@ def _copies_with_kernels(block: Sequence[Mapping[str, Any]], long_nodes: Sequenc
     joins = [bool(chain) and block[0].get("kernel") is not None
              and block[0].get("kernel") == long_nodes[at - 1].get("kernel")]
     joins += [node.get("kernel") is not None and node.get("kernel") == before.get("kernel")
-              for before, node in zip(block, block[1:])]
+              for before, node in pairwise(block)]
     inserted: list[dict[str, Any]] = []
     previous_kernel = long_nodes[at - 1].get("kernel") if at else None
     for copy in range(1, copies + 1):
