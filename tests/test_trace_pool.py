@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,6 @@ from kareus_fx.capture import trace_pool
 from kareus_fx.capture.trace_pool import TraceWorkerError, run_calls
 from kareus_fx.errors import UnsupportedGraphError
 from kareus_fx.plan import planner
-from kareus_fx.plan.layer_slice import slice_pays
 
 WORKER_START_LIMIT_S = 120.0
 """How long the parent's call waits for the worker's (a spawned worker starts in seconds)."""
@@ -44,13 +44,18 @@ def _exit_hard(marker: Path) -> None:
     os._exit(3)
 
 
-def _after(marker: Path) -> int:
-    """This process's id, once ``marker`` exists (the worker has run its call)."""
+def _after(*markers: Path) -> int:
+    """This process's id, once every marker exists (the workers have run their calls)."""
     deadline_s = time.monotonic() + WORKER_START_LIMIT_S
-    while not marker.exists():
+    while not all(marker.exists() for marker in markers):
         assert time.monotonic() < deadline_s, "the worker never ran the first call"
         time.sleep(0.05)
     return os.getpid()
+
+
+def _warn_fallback(marker: Path) -> int:
+    warnings.warn("kareus: the split pass cannot prove stage 0 safe; it runs un-split", UserWarning, stacklevel=1)
+    return _mark_pid(marker)
 
 
 @pytest.fixture(params=["fork", "spawn"])
@@ -88,6 +93,20 @@ def test_a_workers_error_is_raised_here_with_its_type_and_message(tmp_path, star
         run_calls(calls, processes=2)
     assert str(raised.value) == "stage 3 of toy traced into 2 graphs; the planner needs one graph per stage"
     assert int(marker.read_text()) != os.getpid()
+
+
+def test_a_workers_warnings_are_issued_here_once(tmp_path, start_method):
+    """Two workers issue the same warning: it is issued here, once, with its category and text."""
+    markers = [tmp_path / "worker-0-ran", tmp_path / "worker-1-ran"]
+    calls = [functools.partial(_warn_fallback, markers[0]), functools.partial(_warn_fallback, markers[1]),
+             functools.partial(_after, *markers)]
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("default")
+        *worker_pids, parent_pid = run_calls(calls, processes=3)
+    assert os.getpid() == parent_pid not in worker_pids
+    assert [(w.category, str(w.message)) for w in issued] == [
+        (UserWarning, "kareus: the split pass cannot prove stage 0 safe; it runs un-split")]
+    assert issued[0].filename == __file__
 
 
 def test_a_dead_worker_is_a_typed_error_not_a_hang(tmp_path):

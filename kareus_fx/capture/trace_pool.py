@@ -23,6 +23,13 @@ order is raised, the one a serial run raises. A worker that dies (killed, out of
 in C++) fails its call with :class:`TraceWorkerError`, naming it; this process runs the calls
 left, and nothing waits on the dead worker.
 ``processes <= 1`` or a single call runs everything here, one after another.
+
+Warnings: a worker records the warnings its call issues and this process issues them again
+(their category, text and place) once its calls are done, each distinct one once over the
+workers, so a pass that falls back and warns once is seen here, under this process's warning
+filters, not on a worker's stderr once per worker (one that this process's own calls issued too
+may show twice). A call that raises in a worker loses its warnings; its error says what went
+wrong.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 
@@ -58,7 +67,7 @@ def run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
         return [call() for call in calls]
     pending = deque(range(len(calls)))
     lock = threading.Lock()
-    futures: dict[int, Future[T]] = {}
+    futures: dict[int, Future[_Recorded[T]]] = {}
     here: dict[int, T | Exception] = {}
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(start_method())) as pool:
 
@@ -69,7 +78,7 @@ def run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
                     return
                 index = pending.popleft()
                 try:
-                    futures[index] = pool.submit(calls[index])
+                    futures[index] = pool.submit(_recording_warnings, calls[index])
                 except BrokenProcessPool:  # a worker died: this process takes the rest
                     pending.appendleft(index)
                     return
@@ -87,7 +96,13 @@ def run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
                 here[index] = calls[index]()
             except Exception as err:  # raised below, in the calls' order, as a serial run would
                 here[index] = err
-        return [_result(index, here, futures, calls) for index in range(len(calls))]
+        results = [_result(index, here, futures, calls) for index in range(len(calls))]
+    registry: dict = {}  # one registry for every worker: a warning they share is issued once
+    for recorded in results:
+        for warning in recorded.warnings:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno,
+                                   registry=registry)
+    return [recorded.value for recorded in results]
 
 
 def start_method() -> str:
@@ -102,13 +117,39 @@ def start_method() -> str:
     return "spawn"
 
 
-def _result(index: int, here: dict[int, T | Exception], futures: dict[int, Future[T]],
-            calls: Sequence[Callable[[], T]]) -> T:
+@dataclass(frozen=True)
+class _Warning:
+    """A warning a worker's call issued: what :func:`warnings.warn_explicit` needs to issue it again."""
+
+    message: str
+    category: type[Warning]
+    filename: str
+    lineno: int
+
+
+@dataclass(frozen=True)
+class _Recorded(Generic[T]):
+    """What a call returned, and the warnings it issued in a worker (none for a call run here)."""
+
+    value: T
+    warnings: tuple[_Warning, ...] = ()
+
+
+def _recording_warnings(call: Callable[[], T]) -> _Recorded[T]:
+    """``call()`` in a worker, with every warning it issues recorded (and not printed there)."""
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
+        value = call()
+    return _Recorded(value, tuple(_Warning(str(w.message), w.category, w.filename, w.lineno) for w in issued))
+
+
+def _result(index: int, here: dict[int, T | Exception], futures: dict[int, Future[_Recorded[T]]],
+            calls: Sequence[Callable[[], T]]) -> _Recorded[T]:
     if index in here:
         outcome = here[index]
         if isinstance(outcome, Exception):
             raise outcome
-        return outcome
+        return _Recorded(outcome)
     try:
         return futures[index].result()
     except BrokenProcessPool as err:
