@@ -31,11 +31,12 @@ from kareus_fx.models import build_model
 _NOT_KERNELS = ("kareus.clock_hook", "kareus.comm_", "_c10d_functional.")
 
 
-def _step_kernels(model_name: str, layers: int, mbs: int, seq: int) -> dict[str, dict[str, float]]:
+def _step_kernels(model_name: str, layers: int, mbs: int, seq: int,
+                  dtype: torch.dtype = torch.float32) -> dict[str, dict[str, float]]:
     """Analysis and Inductor kernel counts and bytes of one training step, per graph."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build_model(model_name, num_layers=layers, dtype=torch.float32)
+    model = build_model(model_name, num_layers=layers, dtype=dtype)
     model.init_weights(seed=0)
     batch = model.example_batch(mbs=mbs, seq=seq)
     with tempfile.TemporaryDirectory() as dump_dir, reading_kernels() as readout:
@@ -61,11 +62,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny-llama", "tiny-qwen"])
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the models' dtype (bfloat16: the casts around norms and softmax are real nodes)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     rows = []
     for model_name in args.models:
-        one, two = (_step_kernels(model_name, layers, args.mbs, args.seq) for layers in (1, 2))
+        one, two = (_step_kernels(model_name, layers, args.mbs, args.seq, dtype) for layers in (1, 2))
         for graph in ("forward", "backward"):
             per_layer = {key: two[graph][key] - one[graph][key] for key in two[graph]}
             rows.append({

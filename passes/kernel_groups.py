@@ -36,8 +36,9 @@ that leave the kernel), so a kernel's nodes sum to the kernel's bytes; its inten
 are the kernel's. FLOPs are the nodes' own. Kernel ids go to ``node.meta["kareus_kernel"]``
 (``None`` for nodes outside any kernel); ids are ``k<i>`` in order of each kernel's first node.
 
-Not mirrored: Inductor's fusion-size and proximity limits, and its loop reordering; an inlined
-node is priced once, in its first consumer's kernel, although each consumer recomputes it.
+Not mirrored: Inductor's fusion-size and proximity limits, and its loop reordering. An inlined
+node's FLOPs are priced once, in its first consumer's kernel, although each consumer recomputes
+it; its bytes are what each kernel that recomputes it reads (the stored tensors behind it).
 ``bench/kernel_fidelity.py`` measures the rule against the kernels Inductor generates.
 """
 
@@ -154,7 +155,8 @@ def group_kernels(gm: torch.fx.GraphModule, ridge_flops_per_byte: float) -> list
     for node in kernel_less:
         node.meta[META_KEY] = dataclasses.replace(cost[node], kind="other", flops=0.0, bytes=0.0,
                                                   intensity=None, bound=None)
-    return _price(nodes, [n for n in compute if n not in kernel_less], find, cost, ridge_flops_per_byte)
+    return _price(nodes, [n for n in compute if n not in kernel_less], find, cost, ridge_flops_per_byte,
+                  {n: stored[n] for n in inlined})
 
 
 def _join_concat_writers(compute: list[torch.fx.Node], cost: dict, depth: dict, union) -> set[torch.fx.Node]:
@@ -272,7 +274,12 @@ def _tensor_bytes(val: object) -> float:
     return 0.0
 
 
-def _price(nodes, compute, find, cost, ridge) -> list[Kernel]:
+def _price(nodes, compute, find, cost, ridge, recomputed: dict[torch.fx.Node, list[torch.fx.Node]]) -> list[Kernel]:
+    """Kernels with their bytes. ``recomputed`` maps each inlined node to the stored tensors it
+    reads: a kernel that reads an inlined node of another kernel recomputes it from those (a
+    bf16 -> fp32 cast read by a norm's reduction and its normalisation reads the bf16 tensor
+    twice, it never stores the fp32 one), and an inlined node escapes its kernel only as a
+    graph output."""
     members: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in compute:
         members.setdefault(find(node), []).append(node)
@@ -290,11 +297,12 @@ def _price(nodes, compute, find, cost, ridge) -> list[Kernel]:
                 continue
             share = 0.0
             for inp in _read_tensors(node, cost):
-                if kernel_of.get(inp) is root or inp in read:
-                    continue
-                read.add(inp)
-                share += _tensor_bytes(inp.meta.get("val"))
-            if _escapes(node, root, kernel_of, cost):
+                for tensor in (recomputed[inp] if inp in recomputed and kernel_of.get(inp) is not root else [inp]):
+                    if kernel_of.get(tensor) is root or tensor in read:
+                        continue
+                    read.add(tensor)
+                    share += _tensor_bytes(tensor.meta.get("val"))
+            if _escapes(node, root, kernel_of, cost, only_as_output=node in recomputed):
                 share += _tensor_bytes(node.meta.get("val"))
             shares[node] = share
         total_bytes = sum(shares.values())
@@ -327,8 +335,9 @@ def _read_tensors(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
     return result
 
 
-def _escapes(node: torch.fx.Node, root, kernel_of, cost) -> bool:
-    """Whether a node's result is used outside its kernel (through views), or is a graph output."""
+def _escapes(node: torch.fx.Node, root, kernel_of, cost, only_as_output: bool = False) -> bool:
+    """Whether a node's result is used outside its kernel (through views), or is a graph output
+    (``only_as_output``: the latter only, for an inlined node, which other kernels recompute)."""
     stack = list(node.users)
     while stack:
         user = stack.pop()
@@ -337,7 +346,7 @@ def _escapes(node: torch.fx.Node, root, kernel_of, cost) -> bool:
         c = cost.get(user)
         if user.op == "call_function" and c is not None and c.kind == "other":
             stack.extend(user.users)
-        elif kernel_of.get(user) is not root:
+        elif kernel_of.get(user) is not root and not only_as_output:
             return True
     return False
 

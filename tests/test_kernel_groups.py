@@ -32,3 +32,30 @@ def test_rmsnorm_is_one_kernel_beside_the_extern_matmul():
     # Node shares sum to their kernel's bytes.
     for kernel in kernels:
         assert sum(n.meta[META_KEY].bytes for n in compute if n.meta[KERNEL_META] == kernel.kernel_id) == kernel.bytes
+
+
+def _cast_read_by_two_kernels(r: torch.Tensor, a: torch.Tensor, w: torch.Tensor):
+    h = r + a
+    x = h.float()  # inlined: read by the norm's reduction and by a product after the matmul
+    s = x.pow(2).mean(-1, keepdim=True)
+    t = (h @ w).float()
+    return h, s, x * t
+
+
+def test_a_cast_read_by_two_kernels_is_recomputed_not_stored():
+    """A bf16 -> fp32 cast that two kernels read is recomputed by each from the bf16 tensor
+    (Inductor inlines it), so no kernel writes or reads the fp32 copy."""
+    rows, width = 64, 256
+    args = (torch.randn(rows, width, dtype=torch.bfloat16), torch.randn(rows, width, dtype=torch.bfloat16),
+            torch.randn(width, width, dtype=torch.bfloat16))
+    gm = make_fx(_cast_read_by_two_kernels, decomposition_table=select_decomp_table())(*args)
+    gpu = gpu_spec()
+    analyse_graph(gm, gpu)
+    kernels = group_kernels(gm, gpu.ridge_point_flops_per_byte())
+    bf16, fp32 = rows * width * 2, rows * width * 4
+    reduction = next(k for k in kernels if any(n.startswith("pow") for n in k.nodes))
+    product = next(k for k in kernels if "mul" in k.nodes)
+    # reads r and a, writes h (a graph output, read by the matmul) and the mean; not the cast
+    assert reduction.bytes == 3 * bf16 + rows * 4
+    # reads h (recomputing the cast) and the matmul's bf16 output, writes the fp32 product
+    assert product.bytes == bf16 + bf16 + fp32
