@@ -24,7 +24,8 @@ in C++) fails its call with :class:`TraceWorkerError`, naming it; this process r
 left, and nothing waits on the dead worker.
 ``processes <= 1`` or a single call runs everything here, one after another.
 
-Warnings: a worker records the warnings its call issues and this process issues them again
+Warnings: a worker records the warnings its call issues (those its filters let through: this
+process's when forked) and this process issues them again
 (their category, text and place) once its calls are done, each distinct one once over the
 workers, so a pass that falls back and warns once is seen here, under this process's warning
 filters, not on a worker's stderr once per worker (one that this process's own calls issued too
@@ -136,9 +137,9 @@ class _Recorded(Generic[T]):
 
 
 def _recording_warnings(call: Callable[[], T]) -> _Recorded[T]:
-    """``call()`` in a worker, with every warning it issues recorded (and not printed there)."""
-    with warnings.catch_warnings(record=True) as issued:
-        warnings.simplefilter("always")
+    """``call()`` in a worker, with the warnings it issues recorded instead of printed there: those
+    its filters (this process's when forked, the defaults and ``-W`` when spawned) let through."""
+    with warnings.catch_warnings(record=True) as issued:  # under the filters this worker inherited
         value = call()
     return _Recorded(value, tuple(_Warning(str(w.message), w.category, w.filename, w.lineno) for w in issued))
 
