@@ -215,14 +215,16 @@ def _tuner_quality(plan: Mapping[str, Any], dump_root: Path, clock_stride_mhz: i
     from kareus_fx.workload import Measurement, PartitionConfig
 
     records = plan["partition_types"]
-    local_to_plan = {}
-    for stage in plan["stages"]:
-        for graph in stage["graphs"].values():
-            local_to_plan.update(graph["partition_types"])
+    # Per pipeline stage: a local type id names different plan types on different stages (the
+    # first layer of the last stage reads the activation it received, not one it computed).
+    local_to_plan = {stage["stage"]: {local: plan_id for graph in stage["graphs"].values()
+                                      for local, plan_id in graph["partition_types"].items()}
+                     for stage in plan["stages"]}
     ptypes = {}
-    for path in sorted(dump_root.glob("*-nanobatched*/kareus_graph_*.json")):  # also the layer slices
+    for path in sorted(dump_root.glob("stage*-nanobatched*/kareus_graph_*.json")):  # also the layer slices
+        stage = int(path.parent.name.removeprefix("stage").split("-")[0])
         for local, ptype in partition_types_from_dump(load_dump(path)).items():
-            plan_id = local_to_plan.get(local)
+            plan_id = local_to_plan.get(stage, {}).get(local)
             if plan_id is None or plan_id in ptypes:
                 continue
             rebuilt = dataclasses.replace(ptype, type_id=plan_id)  # every launch slot the pass allows
