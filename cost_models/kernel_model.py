@@ -50,7 +50,10 @@ def memory_share(compute_s: float, memory_s: float, sharpness: float) -> float:
         return 0.0
     if compute_s <= 0.0:
         return 1.0
-    return 1.0 / (1.0 + (compute_s / memory_s) ** sharpness)
+    ratio = compute_s / memory_s
+    if sharpness * math.log(ratio) > 700.0:  # ratio ** sharpness would overflow; the share is 0 to double precision
+        return 0.0
+    return 1.0 / (1.0 + ratio ** sharpness)
 
 
 @dataclass(frozen=True)

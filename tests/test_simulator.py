@@ -12,7 +12,7 @@ from kareus_fx.cost_models.analytic_workloads import (
     elementwise, gemm, kareus_attention_tp2, llama_attention_partition, llama_mlp_partition,
 )
 from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.cost_models.kernel_model import KernelModel
+from kareus_fx.cost_models.kernel_model import KernelModel, memory_share
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.cost_models.simulator import Simulator
@@ -288,3 +288,11 @@ def test_simulator_is_fast(sim):
         sim.measure(ptype, cfg)
     per_call = (time.perf_counter() - start) / len(configs)
     assert per_call < 1e-3, f"{per_call * 1e6:.0f} us per call"
+
+
+def test_memory_share_of_an_extreme_kernel_is_finite():
+    """A kernel whose compute time dwarfs its memory time by 1e200 (a corrupt or fuzzed plan's
+    costs) is compute-bound, not an OverflowError; ordinary kernels keep the smooth roofline's share."""
+    assert memory_share(1e100, 1e-100, 4.0) == 0.0
+    assert memory_share(1e-100, 1e100, 4.0) == 1.0
+    assert memory_share(2.0, 1.0, 4.0) == pytest.approx(1.0 / 17.0)

@@ -94,26 +94,38 @@ def test_interior_comm_sm_count_minimises_energy_at_max_clock(sim, attn):
     assert many.measurement.time_s > opt.measurement.time_s
 
 
-def test_memory_bound_launch_slot_costs_more_at_max_clock(sim, attn):
+def test_memory_bound_launch_slot_runs_longer_at_max_clock(sim, attn):
     """3.2.2 (Figure 3d vs 3b): launched with the RMSNorm block, the collective and the norm
-    compete for HBM and both run longer; launched with the QKV linear it costs less, at every
-    SM count from the one that minimises the linear launch's energy up.
-
-    Below that count the collective is exposed at the end whichever slot launches it, and
-    launching it a slot earlier (with the norm) wins on exposure; the test states the effect
-    where the collective is hidden, as in the paper's figure."""
+    compete for HBM and both run longer than beside the QKV linear."""
     norm, linear = norm_and_linear_slots(attn)
     intensity = {i: attn.slots[i].flops / attn.slots[i].bytes for i in (norm, linear)}  # FLOP per byte
     assert intensity[norm] < 1 and intensity[linear] > 100, intensity
     best = best_sms(sim, attn, FMAX, linear)
-    for n in range(best, SM_SWEEP[-1] + 1):
-        assert energy_j(sim, attn, FMAX, n, norm) > energy_j(sim, attn, FMAX, n, linear), n
     with_norm, with_linear, alone = (sim.predict(attn, PartitionConfig(FMAX, best, slot), timeline=True)
                                      for slot in (norm, linear, None))
     assert _slot_time_s(with_norm, attn, norm) > 1.03 * _slot_time_s(alone, attn, norm)
     # Beside the fused norm (one short slot) the collective runs about 1.24x as long as beside
     # the linear; 1.3x before fusion, when the norm slot moved ten times the bytes.
     assert _collective_time_s(with_norm) > 1.1 * _collective_time_s(with_linear)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 15: on the middle layer's partition (the type's exemplar) the simulated A100 prices the norm "
+    "launch within -0.5 % to +0.4 % of the linear launch at 11-30 SMs (below the linear launch at 12, 13, "
+    "29 and 30); on the first layer's it was +0.06 % to +0.7 %. The paper's Figure 3d vs 3b gap needs "
+    "more contention than the calibrated model has"))
+def test_memory_bound_launch_slot_costs_more_at_max_clock(sim, attn):
+    """3.2.2 (Figure 3d vs 3b): launched with the QKV linear the collective costs less energy than
+    launched with the RMSNorm block, at every SM count from the one that minimises the linear
+    launch's energy up.
+
+    Below that count the collective is exposed at the end whichever slot launches it, and
+    launching it a slot earlier (with the norm) wins on exposure; the test states the effect
+    where the collective is hidden, as in the paper's figure."""
+    norm, linear = norm_and_linear_slots(attn)
+    best = best_sms(sim, attn, FMAX, linear)
+    for n in range(best, SM_SWEEP[-1] + 1):
+        assert energy_j(sim, attn, FMAX, n, norm) > energy_j(sim, attn, FMAX, n, linear), n
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -195,15 +195,14 @@ def validate_dump(data: Any, source: str = "<dump>") -> dict[str, Any]:
 def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
     """Rebuild every graph's :class:`PartitionType` from a dump (no model code needed).
 
-    Per-op costs come from the node records of the type's first partition, whose slots have the
-    type's structure by construction.
+    Per-op costs come from the node records of one partition of the type (its slots have the
+    type's structure by construction): one whose costs most of the type's partitions share, the
+    middle layers' (:func:`_exemplars`).
     """
     types: dict[str, PartitionType] = {}
     for graph in dump["graphs"]:
         nodes = {n["name"]: n for n in graph["nodes"]}
-        exemplar = {}
-        for partition in graph.get("partitions") or []:
-            exemplar.setdefault(partition["type"], partition)
+        exemplar = _exemplars(graph.get("partitions") or [], nodes)
         for record in graph.get("partition_types") or []:
             partition = exemplar[record["type"]]
             slots = tuple(
@@ -219,6 +218,30 @@ def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
                 launch_slots=tuple(record["launch_slots"]),
             )
     return types
+
+
+def _exemplars(partitions: list[dict[str, Any]], nodes: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per type, a partition whose costs (each slot's ops, FLOPs, bytes and kernel boundaries) most
+    of the type's partitions share; of equally common ones, the one seen last first appears.
+
+    The type is the structure, not the costs: an edge layer's partition can split the same bytes
+    differently between its kernels (the first layer reads the embedding's output, or the
+    activation the stage received), and the first partition of a type is an edge layer's. With
+    this choice a stage's types are its middle layers', which every stage shares."""
+    signatures: dict[str, dict[tuple, list[dict[str, Any]]]] = {}
+    for partition in partitions:
+        signature = tuple(
+            tuple((nodes[name]["op"], nodes[name]["flops"], nodes[name]["bytes"],
+                   i > 0 and nodes[name].get("kernel") is not None
+                   and nodes[name].get("kernel") == nodes[slot[i - 1]].get("kernel"))
+                  for i, name in enumerate(slot))
+            for slot in partition["slots"])
+        signatures.setdefault(partition["type"], {}).setdefault(signature, []).append(partition)
+    exemplars = {}
+    for ptype, by_signature in signatures.items():
+        groups = list(by_signature.values())[::-1]  # latest first appearance first: max() keeps it on ties
+        exemplars[ptype] = max(groups, key=len)[0]
+    return exemplars
 
 
 def _op_name(node: torch.fx.Node) -> str:
