@@ -45,6 +45,10 @@ SETTINGS: dict[str, MBOSettings] = {
     **{f"large-{n}x{b}": _large(n, b) for n, b in ((40, 10), (40, 8), (32, 10), (28, 12), (24, 12), (24, 10))},
     "threshold-0.005": MBOSettings(threshold=0.005),
     "threshold-0.01": MBOSettings(threshold=0.01),
+    # The coarser grid of `kareus plan --clock-stride 60` (issue 16's GPU-hours), scored against its
+    # own exhaustive search; against the 30 MHz one: mbo_quality.py --tune-clock-stride 60.
+    "stride-60": MBOSettings(clock_stride_mhz=60),
+    "stride-60-cap-0.25": MBOSettings(clock_stride_mhz=60, max_fraction=0.25),
 }
 
 

@@ -145,7 +145,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                       "a job that may not set GPU clocks)")
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
-    plan.add_argument("--clock-stride", type=int, default=30, help="tuning clock stride in MHz")
+    plan.add_argument("--clock-stride", type=int, default=None,
+                      help="tuning clock stride in MHz (default: the paper's 30 MHz grid)")
     plan.add_argument("--out", type=Path, default=Path("kareus-plan"), help="output directory")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.set_defaults(run=_run_plan)
@@ -166,8 +167,9 @@ def _plan_request(args: argparse.Namespace):
     if shape["seq"] is not None:
         shape["seq"] = max(shape["seq"])  # the largest bucket (the others: _run_plan)
     common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
-                  clock_stride_mhz=args.clock_stride, clock_mode=args.clock_mode,
-                  full_trace=args.full_trace, max_clock_only=args.max_clock_only)
+                  clock_mode=args.clock_mode, full_trace=args.full_trace, max_clock_only=args.max_clock_only)
+    if args.clock_stride is not None:
+        common["clock_stride_mhz"] = args.clock_stride
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
     given = [flag for flag, value in (("--preset", args.preset), ("--model", args.model),

@@ -154,12 +154,12 @@ def _copies_with_kernels(block: Sequence[Mapping[str, Any]], long_nodes: Sequenc
     into the next, and the last copy into ``long_nodes[at]``, as in a full trace
     (``workload.fused_kernels`` merges consecutive ops of one id). Without it kernels join only
     within a copy, never across its ends."""
-    joins = [bool(chain) and block[0].get("kernel") is not None
+    joins = [chain and block[0].get("kernel") is not None
              and block[0].get("kernel") == long_nodes[at - 1].get("kernel")]
     joins += [node.get("kernel") is not None and node.get("kernel") == before.get("kernel")
               for before, node in pairwise(block)]
     inserted: list[dict[str, Any]] = []
-    previous_kernel = long_nodes[at - 1].get("kernel") if at else None
+    previous_kernel = long_nodes[at - 1].get("kernel")  # at >= 1: inserted_block refuses 0, the other path follows a node
     for copy in range(1, copies + 1):
         renamed: dict[str, str] = {}
         for node, joined in zip(block, joins):

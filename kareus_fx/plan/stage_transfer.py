@@ -76,4 +76,3 @@ def stage_transfer_s(sent_bytes: Sequence[float], tp: int, cp: int, spec: GPUSpe
         waits[(s, "forward")] = wait_s
         waits[(s + 1, "backward")] = wait_s
     return waits
-
