@@ -31,7 +31,7 @@ from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulator import Prediction, Simulator
 from kareus_fx.plan.graph_workload import PartitionedGraph
 from kareus_fx.plan.methods import nanobatching_config
-from kareus_fx.plan.planner import _trace_stages, plan_request_from_preset
+from kareus_fx.plan.planner import plan_request_from_preset, trace_plan_stages
 
 PAPER_NANOBATCHING_CLOCK_MHZ = 1350.0
 """Section 6.2.1: the time-averaged clock of the nanobatched microbatch requested at 1,410 MHz."""
@@ -62,7 +62,7 @@ def check(preset: str, clock_mhz: int) -> dict:
     sms = params.default_comm_sms
     rows = []
     with tempfile.TemporaryDirectory(prefix="power-cap-") as tmp:
-        traced = _trace_stages(req, Path(tmp))
+        _, traced = trace_plan_stages(req, Path(tmp))
     for stage in traced:
         for name in ("forward", "backward"):
             seq = stage.sequential[name]

@@ -136,6 +136,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("--device-window", type=float, default=None, metavar="SECONDS",
                       help="with --profiler cuda: the least energy window of one measurement (default 5 s, "
                       "at least 1 s: NVML's energy counter updates about every 100 ms)")
+    plan.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="even|balanced|N,N,...",
+                      help="how the pipeline stages split the decoder layers: even (Megatron-LM's default; the "
+                      "default with --model), balanced (the split that evens out the stages' step times on the "
+                      "simulated GPU, as the paper's testbed; the presets' default) or one count per stage "
+                      "(e.g. 15,13: what your job runs)")
     plan.add_argument("--full-trace", action="store_true",
                       help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
                       "stage's layer count (slower; the plan is the same)")
@@ -159,6 +164,16 @@ def _seq_buckets(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected N or N,N,... (sequence lengths), got {text!r}") from None
 
 
+def _stage_layers(text: str) -> str | tuple[int, ...]:
+    if text in ("even", "balanced"):
+        return text
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected even, balanced or one layer count per stage (N,N,...), got {text!r}") from None
+
+
 def _plan_request(args: argparse.Namespace):
     from kareus_fx.models.configs import HF_CONFIG_PREFIX
     from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
@@ -172,6 +187,8 @@ def _plan_request(args: argparse.Namespace):
         common["clock_stride_mhz"] = args.clock_stride
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
+    if args.stage_layers is not None:
+        common["stage_layers"] = args.stage_layers
     given = [flag for flag, value in (("--preset", args.preset), ("--model", args.model),
                                       ("--hf-config", args.hf_config)) if value]
     if len(given) > 1:

@@ -48,6 +48,22 @@ def test_stage_layer_range_splits_evenly_extra_layers_first(num_layers, num_stag
     assert [i for r in ranges for i in r] == list(range(num_layers))  # contiguous, in order
 
 
+def test_explicit_layer_counts_split_in_order_and_bad_counts_are_refused():
+    ranges = [stage_layer_range(28, 2, i, (16, 12)) for i in range(2)]
+    assert ranges == [range(0, 16), range(16, 28)]
+    assert group_stages(28, 2, (16, 12)) == [StageGroup("first", 16, (0,)), StageGroup("last", 12, (1,))]
+    assert group_stages(30, 4, (8, 8, 8, 6)) == [
+        StageGroup("first", 8, (0,)), StageGroup("middle", 8, (1, 2)), StageGroup("last", 6, (3,))]
+    with pytest.raises(ParallelConfigError, match=r"add up to the model's 28 layers; e.g. \[14, 14\]"):
+        stage_layer_range(28, 2, 0, (16, 13))
+    with pytest.raises(ParallelConfigError, match="must each be >= 1"):
+        group_stages(28, 2, (28, 0))
+    with pytest.raises(ParallelConfigError, match="3 stage layer counts"):
+        PipelineStage(0, 2, (10, 10, 8))
+    with pytest.raises(ParallelConfigError, match="add up to"):
+        validate_trace_spec(TraceSpec(model="tiny-llama", pp=2, stage_layers=(1, 2)))
+
+
 def test_group_stages_by_role_and_layer_count():
     assert group_stages(80, 10) == [
         StageGroup("first", 8, (0,)),
@@ -99,8 +115,8 @@ def test_llama70b_pp10_needs_at_most_80_stages():
 # ---------------------------------------------------------------- stage modules and inputs
 
 
-def _stages(name: str, pp: int, num_layers: int, layout: ParallelLayout | None = None):
-    return [build_model(name, layout, num_layers=num_layers, stage=PipelineStage(i, pp)) for i in range(pp)]
+def _stages(name: str, pp: int, num_layers: int, layout: ParallelLayout | None = None, counts=None):
+    return [build_model(name, layout, num_layers=num_layers, stage=PipelineStage(i, pp, counts)) for i in range(pp)]
 
 
 def test_stage_modules_inputs_and_outputs():
@@ -189,13 +205,13 @@ def _run_pipeline(stages, batch) -> torch.Tensor:
     return outputs[-1].detach()
 
 
-def _split_matches_whole_worker(rank, world_size, name, pp, num_layers):
+def _split_matches_whole_worker(rank, world_size, name, pp, num_layers, counts=None):
     torch.manual_seed(0)
     reference = build_model(name, num_layers=num_layers)  # unsharded weights, same on every rank
     layout = ParallelLayout.from_default_group(tp=world_size)
     whole = build_model(name, layout, num_layers=num_layers)
     whole.load_full_state_dict(reference.state_dict())
-    stages = _stages(name, pp, num_layers, layout)
+    stages = _stages(name, pp, num_layers, layout, counts)
     for stage in stages:
         stage.load_full_state_dict(reference.state_dict())
     batch = whole.example_batch(mbs=4, seq=16)
@@ -218,10 +234,11 @@ def _split_matches_whole_worker(rank, world_size, name, pp, num_layers):
         torch.testing.assert_close(grad, expected[full_name], **TOL, msg=lambda m: f"{full_name}: {m}")
 
 
-@pytest.mark.parametrize("pp,num_layers", [(2, 2), (3, 4)])
+@pytest.mark.parametrize("pp,num_layers,counts", [(2, 2, None), (3, 4, None), (3, 5, (1, 3, 1))])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen"])
-def test_pipeline_split_matches_whole_model_tp2(name, pp, num_layers):
-    run_distributed(_split_matches_whole_worker, 2, name, pp, num_layers)
+def test_pipeline_split_matches_whole_model_tp2(name, pp, num_layers, counts):
+    """Even splits and an explicit uneven one (``PipelineStage.layer_counts``)."""
+    run_distributed(_split_matches_whole_worker, 2, name, pp, num_layers, counts)
 
 
 def _stage_step(model, batch, output_grad, fn):

@@ -64,6 +64,7 @@ def small_plan(tmp_path_factory):
 def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
     plan = load_plan(small_plan / "plan.json")
     assert plan.workload["pp"] == 2 and plan.workload["world_size"] == 16
+    assert plan.workload["stage_layers"] == [1, 1]  # a --model request: Megatron-LM's even split
     assert set(plan.data["methods"]) == {"megatron", "megatron+perseus", "nanobatching",
                                          "nanobatching+perseus", "kareus"}
     with open(small_plan / "frontier.csv") as f:

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from kareus_fx.errors import ParallelConfigError, UnsupportedGraphError
-from kareus_fx.models.pipeline import StageGroup, check_stage_layers, group_stages
+from kareus_fx.models.pipeline import (
+    PipelineStage,
+    StageGroup,
+    check_layer_counts,
+    check_stage_layers,
+    group_stages,
+)
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class TraceSpec:
     """What to trace: a reference model, its parallel layout and one microbatch's shape.
 
     ``layers`` is the whole model's layer count (None: the config's); ``pp`` pipeline stages split
-    it and ``stage`` picks the one to trace.
+    it (``stage_layers``: one count per stage; None: evenly) and ``stage`` picks the one to trace.
     """
 
     model: str
@@ -46,6 +52,7 @@ class TraceSpec:
     dtype: torch.dtype = torch.bfloat16
     pp: int = 1
     stage: int = 0
+    stage_layers: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -97,6 +104,9 @@ def validate_trace_spec(spec: TraceSpec) -> None:
         )
     config.check_parallel(tp=spec.tp, cp=spec.cp)
     check_stage_layers(spec.layers or config.num_layers, spec.pp)
+    if spec.stage_layers is not None:
+        PipelineStage(0, spec.pp, spec.stage_layers)
+        check_layer_counts(spec.layers or config.num_layers, spec.stage_layers)
     if not 0 <= spec.stage < spec.pp:
         raise ParallelConfigError(
             f"--stage {spec.stage} is not a stage of a pp={spec.pp} pipeline; "
@@ -113,7 +123,7 @@ def distinct_stages(spec: TraceSpec) -> list[StageGroup]:
     from kareus_fx.models import get_config
 
     validate_trace_spec(replace(spec, stage=0))
-    return group_stages(spec.layers or get_config(spec.model).num_layers, spec.pp)
+    return group_stages(spec.layers or get_config(spec.model).num_layers, spec.pp, spec.stage_layers)
 
 
 @contextmanager
@@ -202,7 +212,7 @@ def trace_both_splits(spec: TraceSpec, gpu: str, nanobatched_dir: Path, sequenti
 def _stage_model(spec: TraceSpec) -> Iterator[tuple[Any, dict[str, torch.Tensor]]]:
     """Stage ``spec.stage`` of ``spec.model`` on meta and its example batch, under a fresh Dynamo
     and the ``fake`` process group of the stage's ranks."""
-    from kareus_fx.models import ParallelLayout, PipelineStage, build_model
+    from kareus_fx.models import ParallelLayout, build_model
 
     validate_trace_spec(spec)
     torch._dynamo.reset()
@@ -212,7 +222,7 @@ def _stage_model(spec: TraceSpec) -> Iterator[tuple[Any, dict[str, torch.Tensor]
             with torch.device("meta"):
                 model = build_model(
                     spec.model, layout, num_layers=spec.layers, dtype=spec.dtype,
-                    stage=PipelineStage(spec.stage, spec.pp),
+                    stage=PipelineStage(spec.stage, spec.pp, spec.stage_layers),
                 )
             yield model, model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")
     finally:

@@ -11,6 +11,11 @@ layer more than the others (``[8, 8, 7, 7]`` for 30 layers over 4 stages): the l
 also runs the LM head and the loss, is never one of the larger ones. Every stage needs at least one
 layer, so ``num_stages <= num_layers``.
 
+An explicit split (``layer_counts``, one count per stage, as Megatron-LM's
+``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipeline-num-layers`` or a hand-made
+partition give) replaces the even one: the Kareus paper's testbed balances its stages by hand
+(section 6.1), and ``kareus_fx.plan.stage_balance`` chooses such a split.
+
 Stages with the same role and the same layer count trace to graphs of the same structure (the
 layers of a stage are numbered from 0 in the stage's module tree, as in Megatron's
 ``TransformerBlock``), so a planner traces one stage of each :class:`StageGroup`.
@@ -18,6 +23,7 @@ layers of a stage are numbered from 0 in the stage's module tree, as in Megatron
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +38,8 @@ class PipelineStage:
 
     index: int = 0
     num_stages: int = 1
+    layer_counts: tuple[int, ...] | None = None
+    """Decoder layers of each stage, in stage order; None splits them evenly."""
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -42,6 +50,11 @@ class PipelineStage:
             raise ParallelConfigError(
                 f"stage index {self.index} is outside a {self.num_stages}-stage pipeline; "
                 f"choose a stage in 0..{self.num_stages - 1}"
+            )
+        if self.layer_counts is not None and len(self.layer_counts) != self.num_stages:
+            raise ParallelConfigError(
+                f"{len(self.layer_counts)} stage layer counts {list(self.layer_counts)} for a "
+                f"{self.num_stages}-stage pipeline; give one count per stage"
             )
 
     @property
@@ -81,10 +94,32 @@ def check_stage_layers(num_layers: int, num_stages: int) -> None:
         )
 
 
-def stage_layer_range(num_layers: int, num_stages: int, index: int) -> range:
-    """Global indices of the decoder layers stage ``index`` holds (see the module docstring)."""
+def check_layer_counts(num_layers: int, layer_counts: Sequence[int]) -> None:
+    """Raise :class:`ParallelConfigError` unless ``layer_counts`` give every stage at least one
+    layer and add up to the model's ``num_layers``."""
+    if any(count < 1 for count in layer_counts) or sum(layer_counts) != num_layers:
+        raise ParallelConfigError(
+            f"stage layer counts {list(layer_counts)} must each be >= 1 and add up to the model's "
+            f"{num_layers} layers; e.g. {even_layer_counts(num_layers, len(layer_counts))}"
+        )
+
+
+def even_layer_counts(num_layers: int, num_stages: int) -> list[int]:
+    """Megatron-LM's default split (see the module docstring): ``[8, 8, 7, 7]`` for 30 over 4."""
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if index < extra else 0) for index in range(num_stages)]
+
+
+def stage_layer_range(num_layers: int, num_stages: int, index: int,
+                      layer_counts: Sequence[int] | None = None) -> range:
+    """Global indices of the decoder layers stage ``index`` holds: ``layer_counts`` (one per stage)
+    or the even split (see the module docstring)."""
     check_stage_layers(num_layers, num_stages)
-    PipelineStage(index, num_stages)  # validates the index
+    PipelineStage(index, num_stages, None if layer_counts is None else tuple(layer_counts))  # validates
+    if layer_counts is not None:
+        check_layer_counts(num_layers, layer_counts)
+        start = sum(layer_counts[:index])
+        return range(start, start + layer_counts[index])
     base, extra = divmod(num_layers, num_stages)
     start = index * base + min(index, extra)
     return range(start, start + base + (1 if index < extra else 0))
@@ -104,11 +139,13 @@ class StageGroup:
         return self.stages[0]
 
 
-def group_stages(num_layers: int, num_stages: int) -> list[StageGroup]:
+def group_stages(num_layers: int, num_stages: int,
+                 layer_counts: Sequence[int] | None = None) -> list[StageGroup]:
     """The pipeline's stages grouped by (role, layer count), in order of their first stage."""
     check_stage_layers(num_layers, num_stages)
     groups: dict[tuple[StageRole, int], list[int]] = {}
     for index in range(num_stages):
-        key = (stage_role(index, num_stages), len(stage_layer_range(num_layers, num_stages, index)))
+        key = (stage_role(index, num_stages),
+               len(stage_layer_range(num_layers, num_stages, index, layer_counts)))
         groups.setdefault(key, []).append(index)
     return [StageGroup(role, count, tuple(stages)) for (role, count), stages in groups.items()]

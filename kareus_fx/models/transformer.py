@@ -392,7 +392,7 @@ class Transformer(nn.Module):
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         self.config, self.layout, self.stage = config, layout, stage
-        self.layer_range = stage_layer_range(config.num_layers, stage.num_stages, stage.index)
+        self.layer_range = stage_layer_range(config.num_layers, stage.num_stages, stage.index, stage.layer_counts)
         h, std = config.hidden_size, config.init_std
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype) if stage.is_first else None

@@ -58,8 +58,8 @@ from kareus_fx.plan.planner import (
     StageGraphs,
     _distinct_types,
     _replay_tables,
-    _trace_stages,
     plan_traced,
+    trace_plan_stages,
     validate_plan_request,
 )
 from kareus_fx.plan.profiling_cost import sequence_fingerprint
@@ -395,11 +395,11 @@ def make_plan_distributed(req: PlanRequest, work_dir: str | Path, *, progress: b
     env = distributed_env()
     if env is None or env[0] == 0:  # before the process group: tracing runs under its own fake group
         work.mkdir(parents=True, exist_ok=True)
-        traced_box[0] = _trace_stages(req, work / "dumps")
+        traced_box[0] = trace_plan_stages(req, work / "dumps")  # the request with its split resolved
     trace_s = time.perf_counter() - started
     with _session(req, peer_timeout_s) as (rank, world, local, run):
         dist.broadcast_object_list(traced_box, src=0)
-        traced: list[StageGraphs] = traced_box[0]
+        req, traced = traced_box[0]
         catalog = Catalog.from_plan(req, traced)
         comms = GroupComms.create(req.tp, req.cp, peer_timeout_s, _search_sm_counts(catalog, req))
         session = Session(rank, world, local, comms, run, peer_timeout_s)

@@ -9,7 +9,8 @@ evaluated as code.
 Layout (schema version 1)::
 
     format: "kareus-plan", schema_version: 1, kareus_fx_version, created_utc
-    workload: model, tp, cp, pp, microbatches, mbs, seq, layers (null for a live graph), world_size
+    workload: model, tp, cp, pp, microbatches, mbs, seq, layers (null for a live graph), stage_layers
+      (decoder layers per pipeline stage; null for a live graph), world_size
     gpu: canonical GPU name;  profiler: the profiler's database key;  energy_scope;
     simulated, measurement: whether times and energies are predictions, and how they were taken
     stages: [{stage, graphs: {forward|backward: {fingerprint, sequential_fingerprint,

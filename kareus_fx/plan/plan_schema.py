@@ -52,6 +52,8 @@ class Workload(SchemaModel):
     seq: count(1)
     layers: count(1) | None
     """None: a plan of a live graph (no reference model, layer count unknown)."""
+    stage_layers: list[count(1)] | None = None
+    """Decoder layers of each pipeline stage (None: a live graph's plan, or a plan older than the field)."""
     world_size: count(1)
     preset: StrictStr | None = None
     dtype: StrictStr | None = None
@@ -280,6 +282,13 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
 
     if len(plan.stages) != workload.pp:
         fail("stages", f"expected {workload.pp} stages (workload.pp), got {len(plan.stages)}")
+    if workload.stage_layers is not None:
+        if len(workload.stage_layers) != workload.pp:
+            fail("workload.stage_layers", f"expected one layer count per stage ({workload.pp}), "
+                                          f"got {len(workload.stage_layers)}")
+        if workload.layers is not None and sum(workload.stage_layers) != workload.layers:
+            fail("workload.stage_layers", f"counts {workload.stage_layers} add up to {sum(workload.stage_layers)}, "
+                                          f"not the model's {workload.layers} layers (workload.layers)")
     for s, stage in enumerate(plan.stages):
         if stage.stage != s:
             fail(f"stages[{s}].stage", f"expected {s} (stages in order), got {stage.stage}")

@@ -61,8 +61,10 @@ from kareus_fx.cost_models.profile_queue import ProfileQueue
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
+from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, extend_dump, slice_pays
+from kareus_fx.plan.stage_balance import balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.methods import (
     BASELINES,
     METHODS,
@@ -102,6 +104,8 @@ DEFAULT_DEVICE_WINDOW_S = 5.0
 MIN_DEVICE_WINDOW_S = 1.0
 """Energy windows of ``--profiler cuda`` (``--device-window``): the issue's 5 s by default; below
 1 s NVML's ~100 ms counter update is more than a tenth of the window."""
+STAGE_SPLITS = ("even", "balanced")
+"""The named ``--stage-layers`` rules (see :attr:`PlanRequest.stage_layers`)."""
 MAX_SOLVER_STEPS = 500
 """Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
 from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
@@ -150,28 +154,39 @@ class PlanRequest:
     """Trace every layer of each stage (``--full-trace``) instead of a slice extended to the stage's
     layer count (``layer_slice.py``). ``--profiler cuda`` always traces in full: it replays the
     dumps' recorded ops."""
+    stage_layers: str | tuple[int, ...] = "even"
+    """How the pipeline's stages split the decoder layers (``--stage-layers``): ``"even"`` (Megatron-LM's
+    default), ``"balanced"`` (the split that evens out the stages' step times, as the paper's testbed
+    does; ``stage_balance.py``; the presets' default) or one count per stage. :func:`trace_plan_stages`
+    resolves ``"balanced"`` to counts."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp
 
     def trace_spec(self, stage: int = 0) -> TraceSpec:
+        """The trace of stage ``stage``: an unresolved ``"balanced"`` split traces as the even one."""
+        counts = self.stage_layers if isinstance(self.stage_layers, tuple) else None
         return TraceSpec(model=self.model, tp=self.tp, cp=self.cp, mbs=self.mbs, seq=self.seq,
-                         layers=self.layers, pp=self.pp, stage=stage, dtype=torch_dtype(self.dtype))
+                         layers=self.layers, pp=self.pp, stage=stage, dtype=torch_dtype(self.dtype),
+                         stage_layers=counts)
 
 
 def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
     """The request of preset ``name`` (``kareus_fx.plan.presets``), with ``overrides`` applied."""
     p: Preset = get_preset(name)
     fields = dict(model=p.model, tp=p.tp, cp=p.cp, pp=p.pp, microbatches=p.microbatches, mbs=p.mbs,
-                  seq=p.seq, preset=p.name)
+                  seq=p.seq, preset=p.name, stage_layers=p.stage_layers)
     return PlanRequest(**{**fields, **overrides})
 
 
 def validate_plan_request(req: PlanRequest) -> None:
     """Raise a clear error for a request that cannot be planned, before any tracing."""
     validate_tuning_request(req)
-    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp
+    if isinstance(req.stage_layers, str) and req.stage_layers not in STAGE_SPLITS:
+        raise ParallelConfigError(f"--stage-layers must be {' or '.join(STAGE_SPLITS)} or one layer count per "
+                                  f"stage (e.g. 15,13), got {req.stage_layers!r}")
+    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp, stage layers
 
 
 def validate_tuning_request(req: PlanRequest) -> None:
@@ -281,7 +296,7 @@ def make_plan(req: PlanRequest, work_dir: str | Path | None = None, *, progress:
         work = Path(work_dir) if work_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        traced = _trace_stages(req, work / "dumps")
+        req, traced = trace_plan_stages(req, work / "dumps")
         wall["trace_s"] = time.perf_counter() - t0
         outcome = plan_traced(req, traced, work, progress=progress)
     outcome.wall_s = {**wall, **outcome.wall_s, "total_s": time.perf_counter() - started}
@@ -347,27 +362,82 @@ def _profiling_cost(req: PlanRequest, ledger: MeasurementLedger, duplicates: int
 
 
 # ----- 1. tracing -------------------------------------------------------------------------------
-def _trace_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
-    """Every distinct stage's graphs: its slices' traces extended (``layer_slice.py``) or, where
-    slicing does not pay, is off, or gives a slice that is not representative (with a warning),
-    a full trace. The traces of all stages run at once (``capture.trace_pool``)."""
+def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, list[StageGraphs]]:
+    """``req`` with its stage split resolved, and every distinct stage's graphs (:func:`_trace_stages`).
+
+    ``"balanced"`` traces each stage role's slices first (``layer_slice.SLICE_LAYERS``), prices
+    them as Megatron-LM runs them on the simulated GPU at its maximum clock and takes the split
+    that evens out the stages (``stage_balance.py``); the stages' graphs then extend the same
+    slices (or trace the stages in full, where slicing does not apply)."""
+    if req.stage_layers != "balanced":
+        return req, _trace_stages(req, dump_root)
+    if req.pp == 1:
+        req = dataclasses.replace(req, stage_layers="even")
+        return req, _trace_stages(req, dump_root)
+    first_stage_of_role = {stage_role(i, req.pp): i for i in reversed(range(req.pp))}
+    dumps = _run_traces({stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
+                         for stage in first_stage_of_role.values()})
+    role_slices = {role: dumps[stage] for role, stage in first_stage_of_role.items()}
+    req = dataclasses.replace(req, stage_layers=_balanced_stage_layers(req, role_slices))
+    return req, _trace_stages(req, dump_root, role_slices)
+
+
+def _balanced_stage_layers(req: PlanRequest, role_slices: Mapping[StageRole, Sequence[Mapping[str, Path]]],
+                           ) -> tuple[int, ...]:
+    """The balanced split (``stage_balance.py``) priced from each role's un-split slice dumps."""
+    profiler = SimulatedProfiler(canonical_gpu_name(req.gpu))
+    top_mhz = profiler.simulator.spec.clock_max_mhz
+
+    def step_s(dumps: Mapping[str, Path]) -> float:
+        graphs = sequential_graphs(load_dump(dumps["sequential"])).values()
+        return sum(profiler.measure_sequence(g.ops, g.collectives, top_mhz).time_s for g in graphs)
+
+    costs = {role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0])
+             for role, (short, long) in role_slices.items()}
+    return balanced_layer_counts(_model_layers(req), costs, req.pp)
+
+
+def _model_layers(req: PlanRequest) -> int:
+    """The reference model's decoder layer count (``--layers`` or its config's)."""
+    from kareus_fx.models import get_config
+
+    return req.layers or get_config(req.model).num_layers
+
+
+def _trace_stages(req: PlanRequest, dump_root: Path,
+                  role_slices: Mapping[StageRole, Sequence[Mapping[str, Path]]] | None = None) -> list[StageGraphs]:
+    """Every distinct stage's graphs: its role's slices' traces extended (``layer_slice.py``) or,
+    where slicing does not pay, is off, or gives a slice that is not representative (with a
+    warning), a full trace. Each role's slices are traced once (``role_slices``: already traced);
+    the traces of all stages run at once (``capture.trace_pool``). ``req``'s split is resolved
+    (:func:`trace_plan_stages`)."""
+    if req.stage_layers == "balanced":
+        raise ValueError("a 'balanced' stage split is resolved by trace_plan_stages before tracing the stages")
+    role_slices = dict(role_slices or {})
     groups = distinct_stages(req.trace_spec())
     sliced = {group.stages[0] for group in groups
               if not req.full_trace and req.profiler == "simulated" and slice_pays(group.num_layers)}
-    traces = {group.stages[0]: [_slice_trace(req, group.stages[0], layers, dump_root) for layers in SLICE_LAYERS]
-              if group.stages[0] in sliced else [_full_trace(req, group.stages[0], dump_root)] for group in groups}
+    slice_at: dict[StageRole, int] = {}
+    for group in groups:
+        if group.stages[0] in sliced and group.role not in role_slices:
+            slice_at.setdefault(group.role, group.stages[0])
+    traces = {stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
+              for stage in slice_at.values()}
+    traces.update({group.stages[0]: [_full_trace(req, group.stages[0], dump_root)]
+                   for group in groups if group.stages[0] not in sliced})
     dumps = _run_traces(traces)
-    paths: dict[int, dict[str, Path]] = {}
+    role_slices.update({role: dumps[stage] for role, stage in slice_at.items()})
+    paths = {group.stages[0]: dumps[group.stages[0]][0] for group in groups if group.stages[0] not in sliced}
     for group in groups:
         stage = group.stages[0]
         if stage not in sliced:
-            paths[stage] = dumps[stage][0]
             continue
         try:
-            paths[stage] = _extend_slices(stage, group.num_layers, *dumps[stage], dump_root)
+            paths[stage] = _extend_slices(stage, group.num_layers, *role_slices[group.role], dump_root)
         except SliceNotRepresentativeError as err:
             warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
-    retraced = _run_traces({stage: [_full_trace(req, stage, dump_root)] for stage in traces if stage not in paths})
+    retraced = _run_traces({group.stages[0]: [_full_trace(req, group.stages[0], dump_root)]
+                            for group in groups if group.stages[0] not in paths})
     paths.update({stage: stage_dumps[0] for stage, stage_dumps in retraced.items()})
     return [stage_graphs_from_dumps(tuple(group.stages), paths[group.stages[0]]["nanobatched"],
                                     paths[group.stages[0]]["sequential"],
@@ -387,7 +457,7 @@ def _run_traces(traces: Mapping[int, Sequence[functools.partial]]) -> dict[int, 
 def _slice_trace(req: PlanRequest, stage: int, layers: int, dump_root: Path) -> functools.partial:
     """The trace of stage ``stage`` with ``layers`` layers in its role: every stage of a pipeline of
     ``layers * pp`` layers has ``layers``."""
-    return _trace(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp), dump_root,
+    return _trace(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp, stage_layers=None), dump_root,
                   f"stage{stage}-{{kind}}-slice{layers}")
 
 
@@ -407,6 +477,7 @@ def _extend_slices(stage: int, num_layers: int, short: Mapping[str, Path], long:
     """Dumps of stage ``stage`` at ``num_layers`` layers, extended from the dumps of its
     ``SLICE_LAYERS`` slices (``layer_slice.py``), nanobatched and sequential."""
     paths = {}
+    dump_root.mkdir(parents=True, exist_ok=True)
     for kind in ("nanobatched", "sequential"):
         paths[kind] = dump_root / f"stage{stage}-{kind}-extended.json"
         extended = extend_dump(load_dump(short[kind]), load_dump(long[kind]), SLICE_LAYERS[1], num_layers,
@@ -758,11 +829,10 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
             "metrics": composed.metrics[m]}
         for m in METHODS
     }
-    layers = req.layers
-    if layers is None and req.model != LIVE_GRAPH_MODEL:
-        from kareus_fx.models import get_config
-
-        layers = get_config(req.model).num_layers
+    live = req.model == LIVE_GRAPH_MODEL
+    layers = req.layers if live else _model_layers(req)
+    stage_layers = (None if live else list(req.stage_layers) if isinstance(req.stage_layers, tuple)
+                    else even_layer_counts(layers, req.pp))
     return {
         "format": PLAN_FORMAT,
         "schema_version": PLAN_SCHEMA_VERSION,
@@ -770,7 +840,7 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "workload": {"model": req.model, "tp": req.tp, "cp": req.cp, "pp": req.pp,
                      "microbatches": req.microbatches, "mbs": req.mbs, "seq": req.seq, "layers": layers,
-                     "world_size": req.world_size, "preset": req.preset, "dtype": req.dtype},
+                     "stage_layers": stage_layers, "world_size": req.world_size, "preset": req.preset, "dtype": req.dtype},
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,
         "simulated": req.profiler == "simulated",

@@ -1,0 +1,122 @@
+"""Balanced pipeline stages (``plan/stage_balance.py``): the split, and the planner resolving it.
+
+Stage times come from the simulated A100 (a calibrated cost model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kareus_fx import cli
+from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
+from kareus_fx.errors import ParallelConfigError
+from kareus_fx.models.pipeline import stage_role
+from kareus_fx.plan.layer_slice import SLICE_LAYERS
+from kareus_fx.plan.planner import PlanRequest, _trace_stages, plan_request_from_preset, trace_plan_stages
+from kareus_fx.plan.presets import PRESETS
+from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
+
+ROLES = ("single", "first", "middle", "last")
+
+
+def _compositions(total: int, parts: int):
+    """Every split of ``total`` layers over ``parts`` stages, each at least one."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield tuple(b - a for a, b in zip(edges, edges[1:]))
+
+
+def _bottleneck_s(counts, costs) -> float:
+    return max(costs[stage_role(i, len(counts))].time_s(n) for i, n in enumerate(counts))
+
+
+costs_strategy = st.fixed_dictionaries({
+    role: st.builds(StageCost, st.floats(0.0, 5.0), st.floats(0.05, 2.0)) for role in ROLES})
+
+
+@settings(max_examples=200, deadline=None)
+@given(costs=costs_strategy, stages=st.integers(1, 5), extra=st.integers(0, 12))
+def test_balanced_split_has_the_least_bottleneck_of_every_split(costs, stages, extra):
+    layers = stages + extra
+    counts = balanced_layer_counts(layers, costs, stages)
+    assert len(counts) == stages and sum(counts) == layers and min(counts) >= 1
+    best = min(_bottleneck_s(c, costs) for c in _compositions(layers, stages))
+    assert _bottleneck_s(counts, costs) == pytest.approx(best, rel=1e-8)
+
+
+def test_a_heavy_last_stage_gets_fewer_layers_and_ties_go_to_the_later_stage():
+    layer = StageCost(0.0, 1.0)
+    head = StageCost(2.0, 1.0)  # the LM head and loss cost two layers
+    assert balanced_layer_counts(28, {"first": layer, "last": head}, 2) == (15, 13)
+    # 16 layers + a 2-layer head over 2 stages: 9/7 both cost 9; the slower stage is not made faster
+    assert balanced_layer_counts(16, {"first": layer, "last": head}, 2) == (9, 7)
+    # no fixed costs and an odd count: the later stage has the fewer layers, as Megatron-LM's even split
+    assert balanced_layer_counts(7, {"first": layer, "middle": layer, "last": layer}, 3) == (3, 2, 2)
+
+
+def test_costs_come_from_two_slices_and_a_free_layer_is_refused():
+    cost = cost_from_slices(short_s=5.0, long_s=7.0, short_layers=2)
+    assert (cost.fixed_s, cost.per_layer_s) == (1.0, 2.0)
+    with pytest.raises(ValueError, match="not slower"):
+        cost_from_slices(short_s=5.0, long_s=5.0, short_layers=2)
+
+
+def test_every_preset_is_balanced_and_an_explicit_split_is_checked():
+    assert {p.stage_layers for p in PRESETS.values()} == {"balanced"}
+    assert plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k").stage_layers == "balanced"
+    with pytest.raises(ParallelConfigError, match=r"add up to the model's 28 layers; e.g. \[14, 14\]"):
+        trace_plan_stages(plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k", stage_layers=(15, 12)), None)
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("15,12", "add up to the model's 28 layers"),
+    ("10,10,8", "3 stage layer counts [10, 10, 8] for a 2-stage pipeline"),
+    ("lopsided", "expected even, balanced or one layer count per stage"),
+])
+def test_cli_refuses_a_bad_stage_split_before_tracing(no_tracing, tmp_path, capsys, value, message):
+    argv = ["plan", "--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--stage-layers", value, "--out", str(tmp_path)]
+    try:
+        status = cli.main(argv)
+    except SystemExit as stop:  # argparse's own refusal of a value it cannot parse
+        status = stop.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+# Llama-3.2-3B's shapes at TP8 with 14 layers: the 128k-word LM head and loss weigh more than a
+# layer, and every split from 6 to 8 layers a stage extends the same slices (no full trace).
+SMALL = PlanRequest(model="llama3.2-3b", tp=8, cp=1, pp=2, microbatches=4, mbs=4, seq=2048, layers=14,
+                    stage_layers="balanced")
+KINDS = ("nanobatched", "sequential")
+
+
+def _megatron_bottleneck_s(traced) -> float:
+    """The slowest stage's forward + backward, un-split, at the maximum clock (the plan's Megatron-LM)."""
+    profiler = SimulatedProfiler(SMALL.gpu)
+    top = profiler.simulator.spec.clock_max_mhz
+    return max(sum(profiler.measure_sequence(g.ops, g.collectives, top).time_s for g in stage.sequential.values())
+               for stage in traced)
+
+
+def test_planner_resolves_balanced_to_the_split_whose_full_stages_are_most_even(tmp_path):
+    """The split chosen from the slices' costs is, among the splits, the one whose extended
+    full-size stage graphs have the fastest slowest stage; it is not the even split here."""
+    req, traced = trace_plan_stages(SMALL, tmp_path / "balanced")
+    assert isinstance(req.stage_layers, tuple) and req.stage_layers != (7, 7)
+    assert [len(t.stages) for t in traced] == [1, 1]
+    slices = {role: [{kind: next((tmp_path / "balanced" / f"stage{stage}-{kind}-slice{k}").glob("*.json"))
+                      for kind in KINDS} for k in SLICE_LAYERS]
+              for role, stage in (("first", 0), ("last", 1))}
+    bottleneck = {split: _megatron_bottleneck_s(_trace_stages(dataclasses.replace(req, stage_layers=split),
+                                                              tmp_path / str(split[0]), slices))
+                  for split in ((6, 8), (7, 7), (8, 6))}
+    assert req.stage_layers == min(bottleneck, key=bottleneck.get)
+    assert bottleneck[req.stage_layers] == pytest.approx(_megatron_bottleneck_s(traced), rel=1e-12)
+
