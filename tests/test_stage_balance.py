@@ -15,14 +15,11 @@ from hypothesis import strategies as st
 from kareus_fx import cli
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import ParallelConfigError
-from kareus_fx.models.pipeline import stage_role
 from kareus_fx.plan.layer_slice import SLICE_LAYERS
 from kareus_fx.plan.planner import PlanRequest, _trace_stages, plan_request_from_preset, trace_plan_stages
 from kareus_fx.plan.presets import PRESETS
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
-
-ROLES = ("single", "first", "middle", "last")
-
+from kareus_fx.plan.stage_transfer import stage_transfer_s
 
 def _compositions(total: int, parts: int):
     """Every split of ``total`` layers over ``parts`` stages, each at least one."""
@@ -32,31 +29,33 @@ def _compositions(total: int, parts: int):
 
 
 def _bottleneck_s(counts, costs) -> float:
-    return max(costs[stage_role(i, len(counts))].time_s(n) for i, n in enumerate(counts))
+    return max(cost.time_s(n) for cost, n in zip(costs, counts, strict=True))
 
 
-costs_strategy = st.fixed_dictionaries({
-    role: st.builds(StageCost, st.floats(0.0, 5.0), st.floats(0.05, 2.0)) for role in ROLES})
+stage_cost = st.builds(StageCost, st.floats(0.0, 5.0), st.floats(0.05, 2.0))
 
 
 @settings(max_examples=200, deadline=None)
-@given(costs=costs_strategy, stages=st.integers(1, 5), extra=st.integers(0, 12))
-def test_balanced_split_has_the_least_bottleneck_of_every_split(costs, stages, extra):
-    layers = stages + extra
-    counts = balanced_layer_counts(layers, costs, stages)
-    assert len(counts) == stages and sum(counts) == layers and min(counts) >= 1
-    best = min(_bottleneck_s(c, costs) for c in _compositions(layers, stages))
+@given(costs=st.lists(stage_cost, min_size=1, max_size=5), extra=st.integers(0, 12))
+def test_balanced_split_has_the_least_bottleneck_of_every_split(costs, extra):
+    layers = len(costs) + extra
+    counts = balanced_layer_counts(layers, costs)
+    assert len(counts) == len(costs) and sum(counts) == layers and min(counts) >= 1
+    best = min(_bottleneck_s(c, costs) for c in _compositions(layers, len(costs)))
     assert _bottleneck_s(counts, costs) == pytest.approx(best, rel=1e-8)
 
 
 def test_a_heavy_last_stage_gets_fewer_layers_and_ties_go_to_the_later_stage():
     layer = StageCost(0.0, 1.0)
     head = StageCost(2.0, 1.0)  # the LM head and loss cost two layers
-    assert balanced_layer_counts(28, {"first": layer, "last": head}, 2) == (15, 13)
+    assert balanced_layer_counts(28, [layer, head]) == (15, 13)
     # 16 layers + a 2-layer head over 2 stages: 9/7 both cost 9; the slower stage is not made faster
-    assert balanced_layer_counts(16, {"first": layer, "last": head}, 2) == (9, 7)
+    assert balanced_layer_counts(16, [layer, head]) == (9, 7)
     # no fixed costs and an odd count: the later stage has the fewer layers, as Megatron-LM's even split
-    assert balanced_layer_counts(7, {"first": layer, "middle": layer, "last": layer}, 3) == (3, 2, 2)
+    assert balanced_layer_counts(7, [layer, layer, layer]) == (3, 2, 2)
+    # a light head does not take a layer off the last stage when a middle stage would need it
+    light_head, sends_both_ways = StageCost(0.9, 1.0), StageCost(0.2, 1.0)
+    assert balanced_layer_counts(12, [layer, sends_both_ways, light_head]) == (4, 4, 4)
 
 
 def test_costs_come_from_two_slices_and_a_free_layer_is_refused():
@@ -90,33 +89,37 @@ def test_cli_refuses_a_bad_stage_split_before_tracing(no_tracing, tmp_path, caps
     assert "Traceback" not in err
 
 
-# Llama-3.2-3B's shapes at TP8 with 14 layers: the 128k-word LM head and loss weigh more than a
-# layer, and every split from 6 to 8 layers a stage extends the same slices (no full trace).
-SMALL = PlanRequest(model="llama3.2-3b", tp=8, cp=1, pp=2, microbatches=4, mbs=4, seq=2048, layers=14,
+# Llama-3.2-3B's shapes at TP8 with 20 layers over 3 stages: the 128k-word LM head and loss weigh
+# about a layer, a middle stage sends both ways, and every split from 6 to 8 layers a stage extends
+# the same slices (no full trace).
+SMALL = PlanRequest(model="llama3.2-3b", tp=8, cp=1, pp=3, microbatches=4, mbs=4, seq=2048, layers=20,
                     stage_layers="balanced")
 KINDS = ("nanobatched", "sequential")
 
 
 def _megatron_bottleneck_s(traced) -> float:
-    """The slowest stage's forward + backward, un-split, at the maximum clock (the plan's Megatron-LM)."""
+    """The slowest stage's Megatron-LM microbatch as the plan prices it: forward + backward,
+    un-split, at the maximum clock, each ending with its pipeline send."""
     profiler = SimulatedProfiler(SMALL.gpu)
-    top = profiler.simulator.spec.clock_max_mhz
-    return max(sum(profiler.measure_sequence(g.ops, g.collectives, top).time_s for g in stage.sequential.values())
-               for stage in traced)
+    spec = profiler.simulator.spec
+    stage_of = {s: t for t in traced for s in t.stages}
+    sends = stage_transfer_s([stage_of[s].sent_bytes for s in range(SMALL.pp)], SMALL.tp, SMALL.cp, spec)
+    return max(sum(profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz).time_s + sends[(s, name)]
+                   for name, g in stage_of[s].sequential.items())
+               for s in range(SMALL.pp))
 
 
 def test_planner_resolves_balanced_to_the_split_whose_full_stages_are_most_even(tmp_path):
     """The split chosen from the slices' costs is, among the splits, the one whose extended
-    full-size stage graphs have the fastest slowest stage; it is not the even split here."""
+    full-size stage graphs have the fastest slowest stage (sends included)."""
     req, traced = trace_plan_stages(SMALL, tmp_path / "balanced")
-    assert isinstance(req.stage_layers, tuple) and req.stage_layers != (7, 7)
-    assert [len(t.stages) for t in traced] == [1, 1]
+    assert isinstance(req.stage_layers, tuple) and sum(req.stage_layers) == 20
     slices = {role: [{kind: next((tmp_path / "balanced" / f"stage{stage}-{kind}-slice{k}").glob("*.json"))
                       for kind in KINDS} for k in SLICE_LAYERS]
-              for role, stage in (("first", 0), ("last", 1))}
+              for role, stage in (("first", 0), ("middle", 1), ("last", 2))}
+    splits = [split for split in _compositions(20, 3) if min(split) >= 6]
     bottleneck = {split: _megatron_bottleneck_s(_trace_stages(dataclasses.replace(req, stage_layers=split),
-                                                              tmp_path / str(split[0]), slices))
-                  for split in ((6, 8), (7, 7), (8, 6))}
-    assert req.stage_layers == min(bottleneck, key=bottleneck.get)
+                                                              tmp_path / "-".join(map(str, split)), slices))
+                  for split in splits}
+    assert req.stage_layers == min(bottleneck, key=bottleneck.get), bottleneck
     assert bottleneck[req.stage_layers] == pytest.approx(_megatron_bottleneck_s(traced), rel=1e-12)
-

@@ -64,7 +64,7 @@ from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraph
 from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, extend_dump, slice_pays
-from kareus_fx.plan.stage_balance import balanced_layer_counts, cost_from_slices
+from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.methods import (
     BASELINES,
     METHODS,
@@ -384,17 +384,23 @@ def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, l
 
 def _balanced_stage_layers(req: PlanRequest, role_slices: Mapping[StageRole, Sequence[Mapping[str, Path]]],
                            ) -> tuple[int, ...]:
-    """The balanced split (``stage_balance.py``) priced from each role's un-split slice dumps."""
+    """The balanced split (``stage_balance.py``): each role's cost priced from its un-split slice
+    dumps, each stage's plus the pipeline sends it ends with (``stage_transfer.py``)."""
     profiler = SimulatedProfiler(canonical_gpu_name(req.gpu))
-    top_mhz = profiler.simulator.spec.clock_max_mhz
+    spec = profiler.simulator.spec
+    dumps = {role: [load_dump(kinds["sequential"]) for kinds in slices] for role, slices in role_slices.items()}
 
-    def step_s(dumps: Mapping[str, Path]) -> float:
-        graphs = sequential_graphs(load_dump(dumps["sequential"])).values()
-        return sum(profiler.measure_sequence(g.ops, g.collectives, top_mhz).time_s for g in graphs)
+    def step_s(dump: Mapping[str, Any]) -> float:
+        return sum(profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz).time_s
+                   for g in sequential_graphs(dump).values())
 
-    costs = {role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0])
-             for role, (short, long) in role_slices.items()}
-    return balanced_layer_counts(_model_layers(req), costs, req.pp)
+    role_costs = {role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0])
+                  for role, (short, long) in dumps.items()}
+    roles = [stage_role(s, req.pp) for s in range(req.pp)]
+    sends = stage_transfer_s([boundary_bytes(dumps[role][0]) for role in roles], req.tp, req.cp, spec)
+    return balanced_layer_counts(_model_layers(req), [
+        StageCost(role_costs[role].fixed_s + sends[(s, "forward")] + sends[(s, "backward")], role_costs[role].per_layer_s)
+        for s, role in enumerate(roles)])
 
 
 def _model_layers(req: PlanRequest) -> int:

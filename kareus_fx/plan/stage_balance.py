@@ -9,11 +9,13 @@ idle time. Planning the testbed's workloads on an even split plans a different p
 one the paper measured.
 
 Cost of a stage: ``fixed_s + layers x per_layer_s``, Megatron-LM's forward plus backward of one
-microbatch at the GPU's maximum clock (the work the split is balanced for). Each role's two terms
-come from the planner's slice traces of that role (``layer_slice.SLICE_LAYERS``: 2 and 3 layers):
-the third layer's cost is the per-layer cost, what is left of the 2-layer slice is the role's
-fixed cost. Times are the simulated GPU's (``cost_models``), whatever profiler tunes the plan: the
-split is chosen before anything is measured. A user who runs another split passes it
+microbatch at the GPU's maximum clock plus the pipeline sends they end with
+(``stage_transfer.py``: a middle stage sends both ways, the first and last stage one way each):
+what the plan's Megatron-LM options cost. Each role's two terms come from the planner's slice
+traces of that role (``layer_slice.SLICE_LAYERS``: 2 and 3 layers): the third layer's cost is the
+per-layer cost, what is left of the 2-layer slice is the role's fixed cost, to which each stage
+adds its sends. Times are the simulated GPU's (``cost_models``), whatever profiler tunes the plan:
+the split is chosen before anything is measured. A user who runs another split passes it
 (``--stage-layers 15,13``); the plan's graphs must match the job's.
 
 The split minimises the slowest stage's time (the pipeline's step time at maximum throughput in
@@ -24,10 +26,8 @@ later one first on a tie (Megatron-LM's even split also gives the last stage the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-from kareus_fx.models.pipeline import StageRole, stage_role
 
 
 @dataclass(frozen=True)
@@ -53,15 +53,12 @@ def cost_from_slices(short_s: float, long_s: float, short_layers: int) -> StageC
     return StageCost(fixed_s=short_s - short_layers * per_layer_s, per_layer_s=per_layer_s)
 
 
-def balanced_layer_counts(num_layers: int, costs: Mapping[StageRole, StageCost], num_stages: int) -> tuple[int, ...]:
-    """The split of ``num_layers`` layers over ``num_stages`` stages (each role's cost in ``costs``)
+def balanced_layer_counts(num_layers: int, stage_costs: Sequence[StageCost]) -> tuple[int, ...]:
+    """The split of ``num_layers`` layers over the stages (``stage_costs``: one per stage, in order)
     that minimises the slowest stage (module docstring). Every stage gets at least one layer."""
+    num_stages = len(stage_costs)
     if not 1 <= num_stages <= num_layers:
         raise ValueError(f"cannot split {num_layers} layers over {num_stages} stages (1..{num_layers})")
-    if num_stages == 1:
-        return (num_layers,)
-    roles = [stage_role(i, num_stages) for i in range(num_stages)]
-    stage_costs = [costs[role] for role in roles]
     most = num_layers - (num_stages - 1)
 
     def capacity(bound_s: float) -> list[int]:
@@ -77,4 +74,3 @@ def balanced_layer_counts(num_layers: int, costs: Mapping[StageRole, StageCost],
                       key=lambda i: (stage_costs[i].time_s(counts[i]), i))
         counts[slowest] -= 1
     return tuple(counts)
-
