@@ -1,6 +1,7 @@
 """End-to-end fidelity: the simulated plans beside the paper's measured testbed results.
 
     python bench/validate_end_to_end.py [--json | --markdown] [--rerun] [--rows calibration|validation|all]
+                                        [--stage-layers even|balanced --results FILE]
 
 For every row of the paper's testbed tables it plans the row's preset on the simulated profiler
 (A100-SXM4-40GB, seed 0, ``kareus plan`` in-process) and compares each method's metrics with the
@@ -22,8 +23,10 @@ half a point of zero). NA cells (OOM or lost in the PDF extraction, or a metric 
 not reach: listed in ``ours_na_where_paper_has_value``) are skipped and counted. ``kareus_not_below`` lists the rows where the paper has
 Kareus >= N+P and >= M+P (time and energy) but ours does not.
 
-Plans are cached in ``bench/results/end_to_end.json`` (``--rerun`` plans again). Our numbers are
-cost-model predictions of a simulated GPU, not measurements.
+Plans are cached in ``bench/results/end_to_end.json`` (``--rerun`` plans again). Every preset's
+pipeline is balanced as the paper's testbed (``kareus plan --stage-layers``); ``--stage-layers even
+--results FILE`` plans Megatron-LM's even split instead, for comparison. Our numbers are cost-model
+predictions of a simulated GPU, not measurements.
 """
 
 from __future__ import annotations
@@ -81,13 +84,16 @@ def _number(cell: str) -> float | None:
     return None if cell in ("", "NA") else float(cell)
 
 
-def plan_metrics(key: str) -> dict:
-    """Plan one results key (a preset, or a preset + ``MAX_CLOCK_SUFFIX``) and keep its metrics."""
+def plan_metrics(key: str, stage_layers: str | None = None) -> dict:
+    """Plan one results key (a preset, or a preset + ``MAX_CLOCK_SUFFIX``) and keep its metrics;
+    ``stage_layers`` overrides the preset's stage split (``kareus plan --stage-layers``)."""
     started = time.perf_counter()
     preset = key.removesuffix(MAX_CLOCK_SUFFIX)
-    outcome = make_plan(plan_request_from_preset(preset, max_clock_only=key != preset), progress=False)
+    split = {} if stage_layers is None else {"stage_layers": stage_layers}
+    outcome = make_plan(plan_request_from_preset(preset, max_clock_only=key != preset, **split), progress=False)
     return {"metrics": {m: d["metrics"] for m, d in outcome.data["methods"].items()},
-            "profiler": outcome.data["profiler"], "wall_s": time.perf_counter() - started}
+            "profiler": outcome.data["profiler"], "stage_layers": outcome.data["workload"]["stage_layers"],
+            "wall_s": time.perf_counter() - started}
 
 
 def _ours_pct(metrics: dict, method: str, metric: str) -> float | None:
@@ -203,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
     parser.add_argument("--rows", choices=("calibration", "validation", "all"), default="all")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
+    parser.add_argument("--stage-layers", choices=("even", "balanced"), default=None,
+                        help="plan every preset with this stage split instead of its own (balanced, as the paper's "
+                        "testbed); with --results elsewhere, to compare")
     args = parser.parse_args(argv)
+    if args.stage_layers is not None and args.results == DEFAULT_RESULTS:
+        parser.error("--stage-layers plans another pipeline than the presets': give --results FILE for its results")
 
     calibration_rows = _read_csv(CALIBRATION_CSV) if args.rows != "validation" else []
     validation_rows: list[dict[str, str]] = []
@@ -221,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         if key in plans and not args.rerun:
             continue
         print(f"planning {key} ...", file=sys.stderr, flush=True)
-        plans[key] = plan_metrics(key)
+        plans[key] = plan_metrics(key, args.stage_layers)
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps({**stored, "plans": plans}, indent=1, sort_keys=True))
 

@@ -51,7 +51,7 @@ def test_tuning_the_live_graph_writes_and_deploys_a_plan(tmp_path):
     plan = load_plan(plan_out)
     assert plan.workload | {"layers": plan.workload["layers"]} == {
         "model": "live-graph", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": MBS, "seq": SEQ,
-        "layers": None, "world_size": 2, "preset": None, "dtype": "float32"}
+        "layers": None, "stage_layers": None, "world_size": 2, "preset": None, "dtype": "float32"}
     assert plan.data["simulated"] and plan.data["partition_types"]
     point = plan.point_index("max-throughput")
     for graphs in results:
