@@ -3,7 +3,7 @@
 The Kareus paper's testbed partitions its pipelines by hand "such that stages are as balanced as
 possible, following Perseus" (section 6.1). An even split is not: the first stage also runs the
 embedding and the last one the final norm, the LM head and the loss (a 152k-word vocabulary's
-head costs about two decoder layers of Qwen3-1.7B at TP8), so the other stages idle for part of
+head costs about three decoder layers of Qwen3-1.7B at TP8), so the other stages idle for part of
 every step, and Perseus's energy savings at maximum throughput come mostly from slowing into that
 idle time. Planning the testbed's workloads on an even split plans a different pipeline than the
 one the paper measured.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage role's time per microbatch as a function of its layer count."""
+    """One stage's time per microbatch as a function of its layer count."""
 
     fixed_s: float
     """Work that does not grow with the layer count (embedding, LM head, loss), seconds."""
