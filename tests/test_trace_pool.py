@@ -78,6 +78,19 @@ def test_fork_only_where_this_is_the_only_thread():
     assert result.stdout.split() == ["fork", "spawn"]
 
 
+def test_this_processs_own_traces_leave_no_thread_that_stops_a_later_fork():
+    """torch.fx's interpreter opens a tqdm bar on every run, and tqdm's monitor thread outlived it:
+    after a first pool had traced here, every later pool spawned. With the pool's tqdm switch the
+    process stays single-threaded (without it: 2 threads and ``spawn``)."""
+    probe = ("import threading, torch, torch.fx\n"
+             "from kareus_fx.capture.trace_pool import run_calls, start_method\n"
+             "run_calls([], 1)\n"
+             "torch.fx.Interpreter(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))).run(torch.ones(1, 2))\n"
+             "print(threading.active_count(), start_method())\n")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert result.stdout.split() == ["1", "fork"]
+
+
 def test_results_come_back_in_the_calls_order(tmp_path):
     marker = tmp_path / "worker-ran"
     calls = [functools.partial(_mark_pid, marker), functools.partial(_after, marker)]
