@@ -65,6 +65,12 @@ def start_method(request, monkeypatch) -> str:
     return request.param
 
 
+def _fresh_process_prints(probe: str) -> list[str]:
+    """The words ``probe`` prints, run in a fresh Python process."""
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    return result.stdout.split()
+
+
 def test_fork_only_where_this_is_the_only_thread():
     """In a fresh process (as ``kareus plan`` traces), fork; once another thread runs, spawn."""
     probe = ("import threading\n"
@@ -74,8 +80,7 @@ def test_fork_only_where_this_is_the_only_thread():
              "threading.Thread(target=release.wait).start()\n"
              "print(alone, start_method())\n"
              "release.set()\n")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
-    assert result.stdout.split() == ["fork", "spawn"]
+    assert _fresh_process_prints(probe) == ["fork", "spawn"]
 
 
 def test_this_processs_own_traces_leave_no_thread_that_stops_a_later_fork():
@@ -87,8 +92,7 @@ def test_this_processs_own_traces_leave_no_thread_that_stops_a_later_fork():
              "run_calls([], 1)\n"
              "torch.fx.Interpreter(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))).run(torch.ones(1, 2))\n"
              "print(threading.active_count(), start_method())\n")
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
-    assert result.stdout.split() == ["1", "fork"]
+    assert _fresh_process_prints(probe) == ["1", "fork"]
 
 
 def test_results_come_back_in_the_calls_order(tmp_path):

@@ -116,13 +116,11 @@ def stage_layer_range(num_layers: int, num_stages: int, index: int,
     or the even split (see the module docstring)."""
     check_stage_layers(num_layers, num_stages)
     PipelineStage(index, num_stages, None if layer_counts is None else tuple(layer_counts))  # validates
-    if layer_counts is not None:
-        check_layer_counts(num_layers, layer_counts)
-        start = sum(layer_counts[:index])
-        return range(start, start + layer_counts[index])
-    base, extra = divmod(num_layers, num_stages)
-    start = index * base + min(index, extra)
-    return range(start, start + base + (1 if index < extra else 0))
+    if layer_counts is None:
+        layer_counts = even_layer_counts(num_layers, num_stages)
+    check_layer_counts(num_layers, layer_counts)
+    start = sum(layer_counts[:index])
+    return range(start, start + layer_counts[index])
 
 
 @dataclass(frozen=True)
