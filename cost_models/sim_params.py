@@ -78,8 +78,12 @@ class SimParams:
     comm_factor_reduce_scatter: float = 1.0
     comm_factor_all_to_all: float = 1.0
     """Per-SM bus rate of each kind relative to all-reduce."""
-    default_comm_sms: int = 16
-    """SMs a collective gets outside a tuned partition (non-partitioned parts, sequential runs)."""
+    default_comm_sms: int = 24
+    """SMs a collective gets outside a tuned partition (non-partitioned parts, sequential runs, the
+    Megatron-LM and nanobatching baselines): NCCL's channel count, one CTA per SM per channel
+    (NVIDIA/nccl issue 689). NCCL sets up 24 channels on 8 A100-SXM GPUs behind NVSwitch
+    (NVIDIA/nccl-tests issue 100, the ``Channel 23/24`` log lines). A prior, not a fit: assumed the
+    same for the 2- and 4-GPU groups inside a node, whose per-GPU NVLink bandwidth is the same."""
     # Power (energy = static + busy + SM-active + per-FLOP + per-byte terms).
     busy_power_w: float = 25.0
     """Power above static while the GPU runs a workload (clocks, uncore), at max clock and voltage."""
