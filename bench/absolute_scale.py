@@ -24,20 +24,24 @@ Table 1 are validation data: reported here, never fitted.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
+from validate_end_to_end import (
+    CALIBRATION_CSV,
+    VALIDATION_DIR,
+    csv_number,
+    read_csv_rows,
+)
 
 from kareus_fx.models.configs import ModelConfig, get_config
 from kareus_fx.plan.planner import make_plan, plan_request_from_preset
 
-ROOT = Path(__file__).resolve().parent.parent
-CALIBRATION_CSV = ROOT / "cost_models" / "data" / "calibration" / "kareus_paper_testbed" / "llama3.2-3b.csv"
-VALIDATION_CSV = Path("/work/shared/data/validation/kareus_paper_testbed/qwen3-1.7b.csv")
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "absolute_scale.json"
 
 TABLE1_PRESET = "qwen3-1.7b-cp2tp4-mbs16-seq4k"
@@ -75,12 +79,11 @@ def plan_absolute(preset: str) -> dict:
 
 
 def _rows() -> list[dict[str, str]]:
-    rows = []
-    for path in (CALIBRATION_CSV, VALIDATION_CSV):
-        with path.open() as f:
-            rows += [dict(r, data="calibration" if path == CALIBRATION_CSV else "validation")
-                     for r in csv.DictReader(line for line in f if not line.startswith("#"))]
-    return [r for r in rows if r["kareus_tflops_per_gpu"] not in ("", "NA")]
+    """The calibration and validation rows that give Kareus's TFLOPS per GPU."""
+    rows = [dict(r, data=data) for data, path in (("calibration", CALIBRATION_CSV),
+                                                   ("validation", VALIDATION_DIR / "qwen3-1.7b.csv"))
+            for r in read_csv_rows(path)]
+    return [r for r in rows if csv_number(r["kareus_tflops_per_gpu"]) is not None]
 
 
 def tflops_rows(plans: dict) -> list[dict]:
@@ -108,12 +111,13 @@ def table1(plans: dict) -> list[dict]:
     for method, (t, static, dynamic, total) in TABLE1.items():
         ours = p["fastest"][method]
         ours_static = static_w * ours["time_s"]
+        ours_dynamic = ours["energy_j"] - ours_static
         out.append({"method": method,
                     "paper": {"time_s": t, "static_j": static, "dynamic_j": dynamic, "total_j": total},
                     "ours": {"time_s": ours["time_s"], "static_j": ours_static,
-                             "dynamic_j": ours["energy_j"] - ours_static, "total_j": ours["energy_j"]},
-                    "paper_over_ours": {"time": t / ours["time_s"], "dynamic": dynamic / (ours["energy_j"] - ours_static),
-                                        "dynamic_power": (dynamic / t) / ((ours["energy_j"] - ours_static) / ours["time_s"])}})
+                             "dynamic_j": ours_dynamic, "total_j": ours["energy_j"]},
+                    "paper_over_ours": {"time": t / ours["time_s"], "dynamic": dynamic / ours_dynamic,
+                                        "dynamic_power": (dynamic / t) / (ours_dynamic / ours["time_s"])}})
     return out
 
 
@@ -131,14 +135,16 @@ def main(argv: list[str] | None = None) -> int:
             plans[preset] = plan_absolute(preset)
     result = {"note": "ours: simulated A100-SXM4-40GB (cost model); paper: measured on 16 A100-SXM4-40GB",
               "plans": plans, "table1": table1(plans), "tflops": tflops_rows(plans)}
-    ratios = [r["with_recompute"]["paper_over_ours"] for r in result["tflops"]]
+
+    def ratio_range(convention: str) -> list[float]:
+        ratios = [r[convention]["paper_over_ours"] for r in result["tflops"]]
+        return [round(min(ratios), 3), round(max(ratios), 3)]
+
     result["summary"] = {"table1_time_paper_over_ours": [round(r["paper_over_ours"]["time"], 3) for r in result["table1"]],
                          "table1_dynamic_power_paper_over_ours": [round(r["paper_over_ours"]["dynamic_power"], 3)
                                                                   for r in result["table1"]],
-                         "kareus_time_paper_over_ours_with_recompute": [round(min(ratios), 3), round(max(ratios), 3)],
-                         "kareus_time_paper_over_ours_model_flops": [
-                             round(min(r["model_flops"]["paper_over_ours"] for r in result["tflops"]), 3),
-                             round(max(r["model_flops"]["paper_over_ours"] for r in result["tflops"]), 3)]}
+                         "kareus_time_paper_over_ours_with_recompute": ratio_range("with_recompute"),
+                         "kareus_time_paper_over_ours_model_flops": ratio_range("model_flops")}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     if args.json:

@@ -74,12 +74,12 @@ ABLATION_METHODS = {
 }
 
 
-def _read_csv(path: Path) -> list[dict[str, str]]:
+def read_csv_rows(path: Path) -> list[dict[str, str]]:
     with path.open() as f:
         return [row for row in csv.DictReader(line for line in f if not line.startswith("#"))]
 
 
-def _number(cell: str) -> float | None:
+def csv_number(cell: str) -> float | None:
     cell = cell.strip()
     return None if cell in ("", "NA") else float(cell)
 
@@ -112,7 +112,7 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
     for row in rows:
         metrics = plans[row["preset"]]["metrics"]
         for column, (method, metric, group) in COLUMNS.items():
-            paper = _number(row[column])
+            paper = csv_number(row[column])
             ours = _ours_pct(metrics, method, metric)
             if paper is None or ours is None:
                 na += 1
@@ -126,9 +126,9 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
                 worst[group] = max(worst[group], abs(err))
                 compared[group] += 1
         for kind in ("time", "energy"):
-            k_paper, k_ours = _number(row[f"kareus_{kind}_red"]), _ours_pct(metrics, "kareus", f"max_throughput_{kind}_reduction")
+            k_paper, k_ours = csv_number(row[f"kareus_{kind}_red"]), _ours_pct(metrics, "kareus", f"max_throughput_{kind}_reduction")
             for other, method in (("np", "nanobatching+perseus"), ("mp", "megatron+perseus")):
-                o_paper = _number(row[f"{other}_{kind}_red"])
+                o_paper = csv_number(row[f"{other}_{kind}_red"])
                 if k_paper is None or o_paper is None or k_paper < o_paper:
                     continue
                 o_ours = _ours_pct(metrics, method, f"max_throughput_{kind}_reduction")
@@ -157,7 +157,7 @@ def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict
     cells, worst, na, compared = [], 0.0, 0, 0
     for row in rows:
         for i, kind in enumerate(("time", "energy")):
-            paper = _number(row[f"{kind}_increase_vs_kareus"])
+            paper = csv_number(row[f"{kind}_increase_vs_kareus"])
             mine = ours.get(row["variant"], (None, None))[i]
             if paper is None or mine is None:
                 na += 1
@@ -225,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage_layers is not None and args.results == DEFAULT_RESULTS:
         parser.error("--stage-layers plans another pipeline than the presets': give --results FILE for its results")
 
-    calibration_rows = _read_csv(CALIBRATION_CSV) if args.rows != "validation" else []
+    calibration_rows = read_csv_rows(CALIBRATION_CSV) if args.rows != "validation" else []
     validation_rows: list[dict[str, str]] = []
     ablation_rows: list[dict[str, str]] = []
     if args.rows != "calibration" and VALIDATION_DIR.is_dir():
-        validation_rows = _read_csv(VALIDATION_DIR / "qwen3-1.7b.csv")
-        ablation_rows = _read_csv(VALIDATION_DIR / f"{ABLATION_PRESET}_ablation.csv")
+        validation_rows = read_csv_rows(VALIDATION_DIR / "qwen3-1.7b.csv")
+        ablation_rows = read_csv_rows(VALIDATION_DIR / f"{ABLATION_PRESET}_ablation.csv")
 
     stored = json.loads(args.results.read_text()) if args.results.exists() else {}
     plans = stored.get("plans", {})
