@@ -19,7 +19,8 @@ N+P and Kareus; ``energy`` = max-throughput energy reduction of M+P, N+P and Kar
 iso-time energy and iso-energy time reduction of N+P and Kareus; ``ablation`` = table 8's time and
 energy increases over Kareus (``ABLATION_METHODS``; "Kareus without frequency scaling" is a second
 plan of the preset made with ``--max-clock-only``). ``mp_time_red`` is printed but in no group (the paper's is within
-half a point of zero). NA cells (OOM or lost in the PDF extraction, or a metric our frontier does
+half a point of zero). ``within_target`` counts the compared cells within the issue's target of
+their group (``TARGET_PP``: 3 pp for time, energy and ablation, 5 pp for iso). NA cells (OOM or lost in the PDF extraction, or a metric our frontier does
 not reach: listed in ``ours_na_where_paper_has_value``) are skipped and counted. ``kareus_not_below`` lists the rows where the paper has
 Kareus >= N+P and >= M+P (time and energy) but ours does not.
 
@@ -60,6 +61,8 @@ COLUMNS = {
     "kareus_iso_energy_time_red": ("kareus", "iso_energy_time_reduction", "iso"),
 }
 GROUPS = ("time", "energy", "iso", "ablation")
+TARGET_PP = {"time": 3.0, "energy": 3.0, "iso": 5.0, "ablation": 3.0}
+"""The issue's targets per group: a compared cell is within its target at this absolute error (pp)."""
 ABLATION_PRESET = "qwen3-1.7b-tp8-mbs8-seq4k"
 MAX_CLOCK_SUFFIX = "+max-clock-only"
 """Results key suffix of a plan made with ``max_clock_only`` (``kareus plan --max-clock-only``)."""
@@ -106,6 +109,7 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
     cells: list[dict] = []
     worst = {g: 0.0 for g in GROUPS}
     compared = {g: 0 for g in GROUPS}
+    within = {g: 0 for g in GROUPS}
     na = 0
     ours_missing: list[str] = []
     not_below: list[str] = []
@@ -125,6 +129,7 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
             if group is not None:
                 worst[group] = max(worst[group], abs(err))
                 compared[group] += 1
+                within[group] += abs(err) <= TARGET_PP[group]
         for kind in ("time", "energy"):
             k_paper, k_ours = csv_number(row[f"kareus_{kind}_red"]), _ours_pct(metrics, "kareus", f"max_throughput_{kind}_reduction")
             for other, method in (("np", "nanobatching+perseus"), ("mp", "megatron+perseus")):
@@ -137,6 +142,7 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
     grouped = [abs(c["err_pp"]) for c in cells if c["err_pp"] is not None and COLUMNS[c["metric"]][2] is not None]
     summary = {"rows": len(rows), "compared": {g: compared[g] for g in GROUPS if g != "ablation"},
                "max_abs_err_pp": {g: round(worst[g], 2) for g in GROUPS if g != "ablation"},
+               "within_target": {g: within[g] for g in GROUPS if g != "ablation"},
                "mean_abs_err_pp": _mean_abs(grouped),
                "na_cells": na, "ours_na_where_paper_has_value": ours_missing, "kareus_not_below": not_below}
     return cells, summary
@@ -154,7 +160,7 @@ def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict
     kareus = plans[ABLATION_PRESET]["metrics"]["kareus"]
     ours = {variant: tuple(_increase_pct(plans[key]["metrics"][method], kareus, kind) for kind in ("time", "energy"))
             for variant, (key, method) in ABLATION_METHODS.items()}
-    cells, worst, na, compared = [], 0.0, 0, 0
+    cells, worst, na, compared, within = [], 0.0, 0, 0, 0
     for row in rows:
         for i, kind in enumerate(("time", "energy")):
             paper = csv_number(row[f"{kind}_increase_vs_kareus"])
@@ -167,7 +173,8 @@ def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict
             cells.append({"variant": row["variant"], "metric": f"{kind}_increase", "paper": paper, "ours": mine,
                           "err_pp": mine - paper})
             worst, compared = max(worst, abs(mine - paper)), compared + 1
-    return cells, {"rows": len(rows), "compared": compared, "max_abs_err_pp": round(worst, 2),
+            within += abs(mine - paper) <= TARGET_PP["ablation"]
+    return cells, {"rows": len(rows), "compared": compared, "max_abs_err_pp": round(worst, 2), "within_target": within,
                    "mean_abs_err_pp": _mean_abs([abs(c["err_pp"]) for c in cells if c["err_pp"] is not None]),
                    "na_cells": na}
 
