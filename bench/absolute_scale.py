@@ -32,12 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
-from validate_end_to_end import (
-    CALIBRATION_CSV,
-    VALIDATION_DIR,
-    csv_number,
-    read_csv_rows,
-)
+from validate_end_to_end import csv_number, labelled_testbed_rows
 
 from kareus_fx.models.configs import ModelConfig, get_config
 from kareus_fx.plan.planner import make_plan, plan_request_from_preset
@@ -80,10 +75,7 @@ def plan_absolute(preset: str) -> dict:
 
 def _rows() -> list[dict[str, str]]:
     """The calibration and validation rows that give Kareus's TFLOPS per GPU."""
-    rows = [dict(r, data=data) for data, path in (("calibration", CALIBRATION_CSV),
-                                                   ("validation", VALIDATION_DIR / "qwen3-1.7b.csv"))
-            for r in read_csv_rows(path)]
-    return [r for r in rows if csv_number(r["kareus_tflops_per_gpu"]) is not None]
+    return [r for r in labelled_testbed_rows() if csv_number(r["kareus_tflops_per_gpu"]) is not None]
 
 
 def tflops_rows(plans: dict) -> list[dict]:

@@ -31,12 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from validate_end_to_end import (
-    CALIBRATION_CSV,
-    VALIDATION_DIR,
-    csv_number,
-    read_csv_rows,
-)
+from validate_end_to_end import csv_number, labelled_testbed_rows
 
 from kareus_fx.plan.planner import make_plan, plan_request_from_preset
 
@@ -45,13 +40,8 @@ DEFAULT_RESULTS = Path(__file__).parent / "results" / "stage_slack.json"
 
 def testbed_rows() -> list[dict]:
     """Rows with a measured Megatron-LM + Perseus energy reduction (percent), calibration first."""
-    rows = []
-    for data, path in (("calibration", CALIBRATION_CSV), ("validation", VALIDATION_DIR / "qwen3-1.7b.csv")):
-        for row in read_csv_rows(path):
-            paper = csv_number(row["mp_energy_red"])
-            if paper is not None:
-                rows.append({"preset": row["preset"], "data": data, "paper_mp_energy_red_pct": paper})
-    return rows
+    return [{"preset": row["preset"], "data": row["data"], "paper_mp_energy_red_pct": csv_number(row["mp_energy_red"])}
+            for row in labelled_testbed_rows() if csv_number(row["mp_energy_red"]) is not None]
 
 
 def idle_share(megatron_options: dict) -> float:

@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path("/work/shared/data")
 CALIBRATION_CSV = ROOT / "cost_models" / "data" / "calibration" / "kareus_paper_testbed" / "llama3.2-3b.csv"
 VALIDATION_DIR = SHARED_DATA / "validation" / "kareus_paper_testbed"
+VALIDATION_CSV = VALIDATION_DIR / "qwen3-1.7b.csv"
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "end_to_end.json"
 
 # CSV column -> (method, metric of metrics.frontier_metrics, summary group or None)
@@ -80,6 +81,12 @@ ABLATION_METHODS = {
 def read_csv_rows(path: Path) -> list[dict[str, str]]:
     with path.open() as f:
         return [row for row in csv.DictReader(line for line in f if not line.startswith("#"))]
+
+
+def labelled_testbed_rows() -> list[dict[str, str]]:
+    """Every testbed row, calibration then validation, each with ``data`` naming its set."""
+    return [dict(row, data=data) for data, path in (("calibration", CALIBRATION_CSV), ("validation", VALIDATION_CSV))
+            for row in read_csv_rows(path)]
 
 
 def csv_number(cell: str) -> float | None:
@@ -236,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     validation_rows: list[dict[str, str]] = []
     ablation_rows: list[dict[str, str]] = []
     if args.rows != "calibration" and VALIDATION_DIR.is_dir():
-        validation_rows = read_csv_rows(VALIDATION_DIR / "qwen3-1.7b.csv")
+        validation_rows = read_csv_rows(VALIDATION_CSV)
         ablation_rows = read_csv_rows(VALIDATION_DIR / f"{ABLATION_PRESET}_ablation.csv")
 
     stored = json.loads(args.results.read_text()) if args.results.exists() else {}
