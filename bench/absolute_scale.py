@@ -31,9 +31,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from validate_end_to_end import csv_number, labelled_testbed_rows
 
+from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.models.configs import ModelConfig, get_config
 from kareus_fx.plan.planner import make_plan, plan_request_from_preset
 
@@ -67,10 +67,17 @@ def plan_absolute(preset: str) -> dict:
     req = plan_request_from_preset(preset)
     outcome = make_plan(req, progress=False)
     fastest = {m: min(d["frontier"]) for m, d in outcome.data["methods"].items()}
-    return {"fastest": {m: {"time_s": t, "energy_j": e} for m, (t, e) in fastest.items()},
-            "gpus": req.tp * req.cp * req.pp, "model": req.model, "microbatches": req.microbatches,
-            "mbs": req.mbs, "seq": req.seq, "gpu": canonical_gpu_name(req.gpu),
-            "profiler": outcome.data["profiler"], "wall_s": time.perf_counter() - started}
+    return {
+        "fastest": {m: {"time_s": t, "energy_j": e} for m, (t, e) in fastest.items()},
+        "gpus": req.tp * req.cp * req.pp,
+        "model": req.model,
+        "microbatches": req.microbatches,
+        "mbs": req.mbs,
+        "seq": req.seq,
+        "gpu": canonical_gpu_name(req.gpu),
+        "profiler": outcome.data["profiler"],
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def _rows() -> list[dict[str, str]]:
@@ -86,8 +93,12 @@ def tflops_rows(plans: dict) -> list[dict]:
         cfg = get_config(p["model"])
         sequences = p["microbatches"] * p["mbs"]
         ours_s = p["fastest"]["kareus"]["time_s"]
-        entry = {"preset": row["preset"], "data": row["data"], "paper_tflops_per_gpu": float(row["kareus_tflops_per_gpu"]),
-                 "ours_kareus_time_s": ours_s}
+        entry = {
+            "preset": row["preset"],
+            "data": row["data"],
+            "paper_tflops_per_gpu": float(row["kareus_tflops_per_gpu"]),
+            "ours_kareus_time_s": ours_s,
+        }
         for name, passes in (("model_flops", 3), ("with_recompute", 4)):
             paper_s = model_flops(cfg, sequences, p["seq"], passes) / (p["gpus"] * entry["paper_tflops_per_gpu"] * 1e12)
             entry[name] = {"paper_time_s": paper_s, "paper_over_ours": paper_s / ours_s}
@@ -104,12 +115,23 @@ def table1(plans: dict) -> list[dict]:
         ours = p["fastest"][method]
         ours_static = static_w * ours["time_s"]
         ours_dynamic = ours["energy_j"] - ours_static
-        out.append({"method": method,
-                    "paper": {"time_s": t, "static_j": static, "dynamic_j": dynamic, "total_j": total},
-                    "ours": {"time_s": ours["time_s"], "static_j": ours_static,
-                             "dynamic_j": ours_dynamic, "total_j": ours["energy_j"]},
-                    "paper_over_ours": {"time": t / ours["time_s"], "dynamic": dynamic / ours_dynamic,
-                                        "dynamic_power": (dynamic / t) / (ours_dynamic / ours["time_s"])}})
+        out.append(
+            {
+                "method": method,
+                "paper": {"time_s": t, "static_j": static, "dynamic_j": dynamic, "total_j": total},
+                "ours": {
+                    "time_s": ours["time_s"],
+                    "static_j": ours_static,
+                    "dynamic_j": ours_dynamic,
+                    "total_j": ours["energy_j"],
+                },
+                "paper_over_ours": {
+                    "time": t / ours["time_s"],
+                    "dynamic": dynamic / ours_dynamic,
+                    "dynamic_power": (dynamic / t) / (ours_dynamic / ours["time_s"]),
+                },
+            }
+        )
     return out
 
 
@@ -125,18 +147,25 @@ def main(argv: list[str] | None = None) -> int:
         if preset not in plans:
             print(f"planning {preset} ...", file=sys.stderr, flush=True)
             plans[preset] = plan_absolute(preset)
-    result = {"note": "ours: simulated A100-SXM4-40GB (cost model); paper: measured on 16 A100-SXM4-40GB",
-              "plans": plans, "table1": table1(plans), "tflops": tflops_rows(plans)}
+    result = {
+        "note": "ours: simulated A100-SXM4-40GB (cost model); paper: measured on 16 A100-SXM4-40GB",
+        "plans": plans,
+        "table1": table1(plans),
+        "tflops": tflops_rows(plans),
+    }
 
     def ratio_range(convention: str) -> list[float]:
         ratios = [r[convention]["paper_over_ours"] for r in result["tflops"]]
         return [round(min(ratios), 3), round(max(ratios), 3)]
 
-    result["summary"] = {"table1_time_paper_over_ours": [round(r["paper_over_ours"]["time"], 3) for r in result["table1"]],
-                         "table1_dynamic_power_paper_over_ours": [round(r["paper_over_ours"]["dynamic_power"], 3)
-                                                                  for r in result["table1"]],
-                         "kareus_time_paper_over_ours_with_recompute": ratio_range("with_recompute"),
-                         "kareus_time_paper_over_ours_model_flops": ratio_range("model_flops")}
+    result["summary"] = {
+        "table1_time_paper_over_ours": [round(r["paper_over_ours"]["time"], 3) for r in result["table1"]],
+        "table1_dynamic_power_paper_over_ours": [
+            round(r["paper_over_ours"]["dynamic_power"], 3) for r in result["table1"]
+        ],
+        "kareus_time_paper_over_ours_with_recompute": ratio_range("with_recompute"),
+        "kareus_time_paper_over_ours_model_flops": ratio_range("model_flops"),
+    }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     if args.json:
@@ -145,15 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     print("Table 1 (Qwen3-1.7B CP2 x TP4 mbs16 4K, 16 GPUs): paper / ours")
     for r in result["table1"]:
         pa, us = r["paper"], r["ours"]
-        print(f"  {r['method']:22s} time {pa['time_s']:.2f} / {us['time_s']:.2f} s   static {pa['static_j']:.0f} / "
-              f"{us['static_j']:.0f} J   dynamic {pa['dynamic_j']:.0f} / {us['dynamic_j']:.0f} J   total "
-              f"{pa['total_j']:.0f} / {us['total_j']:.0f} J")
+        print(
+            f"  {r['method']:22s} time {pa['time_s']:.2f} / {us['time_s']:.2f} s   static {pa['static_j']:.0f} / "
+            f"{us['static_j']:.0f} J   dynamic {pa['dynamic_j']:.0f} / {us['dynamic_j']:.0f} J   total "
+            f"{pa['total_j']:.0f} / {us['total_j']:.0f} J"
+        )
     print("Kareus iteration time, testbed (from its TFLOPS per GPU) / ours:")
     for r in result["tflops"]:
-        print(f"  {r['preset']:32s} ({r['data']}) {r['paper_tflops_per_gpu']:6.1f} TFLOPS: "
-              f"{r['model_flops']['paper_time_s']:.2f} s (model FLOPs) or {r['with_recompute']['paper_time_s']:.2f} s "
-              f"(recompute counted) / ours {r['ours_kareus_time_s']:.2f} s: x{r['model_flops']['paper_over_ours']:.2f} "
-              f"or x{r['with_recompute']['paper_over_ours']:.2f}")
+        print(
+            f"  {r['preset']:32s} ({r['data']}) {r['paper_tflops_per_gpu']:6.1f} TFLOPS: "
+            f"{r['model_flops']['paper_time_s']:.2f} s (model FLOPs) or {r['with_recompute']['paper_time_s']:.2f} s "
+            f"(recompute counted) / ours {r['ours_kareus_time_s']:.2f} s: x{r['model_flops']['paper_over_ours']:.2f} "
+            f"or x{r['with_recompute']['paper_over_ours']:.2f}"
+        )
     print("summary:", json.dumps(result["summary"]))
     return 0
 

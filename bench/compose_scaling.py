@@ -89,8 +89,7 @@ def synthetic_options(case: Case, num_options: int, seed: int = 0):
             times_s = base_s * rng.uniform(0.95, 1.05) * (MAX_CLOCK_MHZ / clocks_mhz) ** 0.9
             energies_j = times_s * (150.0 + 320.0 * (clocks_mhz / MAX_CLOCK_MHZ) ** 3)
             options[(stage, instruction)] = [
-                InstructionOption(float(t), float(e), knob=int(c))
-                for t, e, c in zip(times_s, energies_j, clocks_mhz)
+                InstructionOption(float(t), float(e), knob=int(c)) for t, e, c in zip(times_s, energies_j, clocks_mhz)
             ]
     return options
 
@@ -128,29 +127,21 @@ def probe_steps(limit: int) -> Iterator[list[tuple[float, float]]]:
 
 def timed_compose(options, case: Case, **kwargs) -> tuple[IterationFrontier, float, float]:
     start, start_cpu = time.perf_counter(), time.process_time()
-    frontier = compose_iteration(
-        options, case.num_microbatches, blocking_power_w=BLOCKING_POWER_W, **kwargs
-    )
+    frontier = compose_iteration(options, case.num_microbatches, blocking_power_w=BLOCKING_POWER_W, **kwargs)
     return frontier, time.perf_counter() - start, time.process_time() - start_cpu
 
 
-def estimate_compose_s(
-    options, case: Case, steps: int, probe: int, **kwargs
-) -> tuple[float, float]:
+def estimate_compose_s(options, case: Case, steps: int, probe: int, **kwargs) -> tuple[float, float]:
     """Wall and CPU seconds: setup + ``steps`` x mean probed step time (see module doc)."""
     start, start_cpu = time.perf_counter(), time.process_time()
     with probe_steps(probe) as step_times_s:
         try:
-            compose_iteration(
-                options, case.num_microbatches, blocking_power_w=BLOCKING_POWER_W, **kwargs
-            )
+            compose_iteration(options, case.num_microbatches, blocking_power_w=BLOCKING_POWER_W, **kwargs)
         except _StopProbe:
             pass
     elapsed = (time.perf_counter() - start, time.process_time() - start_cpu)
     per_step = np.array(step_times_s)
-    return tuple(
-        elapsed[i] - per_step[:, i].sum() + steps * per_step[:, i].mean() for i in range(2)
-    )
+    return tuple(elapsed[i] - per_step[:, i].sum() + steps * per_step[:, i].mean() for i in range(2))
 
 
 def least_energy_within(frontier: IterationFrontier, times_s: np.ndarray) -> np.ndarray:
@@ -198,9 +189,7 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
             if loop == "fast":
                 reference = frontier
         else:
-            wall_s, cpu_s = estimate_compose_s(
-                options, case, steps_1ms, args.probe_steps, solver_loop=loop
-            )
+            wall_s, cpu_s = estimate_compose_s(options, case, steps_1ms, args.probe_steps, solver_loop=loop)
             row["methods"][name] = {
                 "wall_s": wall_s,
                 "cpu_s": cpu_s,
@@ -231,12 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", nargs="+", default=["2x8", "8x24", "10x16", "10x128"])
     parser.add_argument("--steps", type=int, nargs="+", default=[250, 500, 1000])
     parser.add_argument("--options", type=int, default=20, help="clocks per instruction")
-    parser.add_argument(
-        "--max-baseline-steps", type=int, default=2000, help="lowtime 1ms solves run to the end"
-    )
-    parser.add_argument(
-        "--max-reference-steps", type=int, default=5000, help="fast 1ms solves run to the end"
-    )
+    parser.add_argument("--max-baseline-steps", type=int, default=2000, help="lowtime 1ms solves run to the end")
+    parser.add_argument("--max-reference-steps", type=int, default=5000, help="fast 1ms solves run to the end")
     parser.add_argument("--probe-steps", type=int, default=10)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

@@ -31,8 +31,9 @@ from kareus_fx.models import build_model
 _NOT_KERNELS = ("kareus.clock_hook", "kareus.comm_", "_c10d_functional.")
 
 
-def _step_kernels(model_name: str, layers: int, mbs: int, seq: int,
-                  dtype: torch.dtype = torch.float32) -> dict[str, dict[str, float]]:
+def _step_kernels(
+    model_name: str, layers: int, mbs: int, seq: int, dtype: torch.dtype = torch.float32
+) -> dict[str, dict[str, float]]:
     """Analysis and Inductor kernel counts and bytes of one training step, per graph."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -62,8 +63,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["tiny-llama", "tiny-qwen"])
     parser.add_argument("--mbs", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the models' dtype (bfloat16: the casts around norms and softmax are real nodes)")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the models' dtype (bfloat16: the casts around norms and softmax are real nodes)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -72,22 +77,35 @@ def main() -> None:
         one, two = (_step_kernels(model_name, layers, args.mbs, args.seq, dtype) for layers in (1, 2))
         for graph in ("forward", "backward"):
             per_layer = {key: two[graph][key] - one[graph][key] for key in two[graph]}
-            rows.append({
-                "model": model_name, "graph": graph, **per_layer,
-                "count_err": abs(per_layer["analysis_kernels"] - per_layer["inductor_kernels"]) / per_layer["inductor_kernels"],
-                "bytes_err": abs(per_layer["analysis_bytes"] - per_layer["inductor_bytes"]) / per_layer["inductor_bytes"],
-            })
-    summary = {"per_layer": rows, "max_count_err": max(r["count_err"] for r in rows),
-               "max_bytes_err": max(r["bytes_err"] for r in rows)}
+            rows.append(
+                {
+                    "model": model_name,
+                    "graph": graph,
+                    **per_layer,
+                    "count_err": abs(per_layer["analysis_kernels"] - per_layer["inductor_kernels"])
+                    / per_layer["inductor_kernels"],
+                    "bytes_err": abs(per_layer["analysis_bytes"] - per_layer["inductor_bytes"])
+                    / per_layer["inductor_bytes"],
+                }
+            )
+    summary = {
+        "per_layer": rows,
+        "max_count_err": max(r["count_err"] for r in rows),
+        "max_bytes_err": max(r["bytes_err"] for r in rows),
+    }
     if args.json:
         print(json.dumps(summary, indent=2))
         return
     for r in rows:
-        print(f"{r['model']:>12} {r['graph']:>8}: kernels/layer analysis {r['analysis_kernels']:.0f} vs inductor "
-              f"{r['inductor_kernels']:.0f} (err {r['count_err']:.2f}); bytes/layer {r['analysis_bytes'] / 1e6:.2f} MB "
-              f"vs {r['inductor_bytes'] / 1e6:.2f} MB (err {r['bytes_err']:.2f})")
-    print(f"max_count_err {summary['max_count_err']:.3f} (target <= 0.10), "
-          f"max_bytes_err {summary['max_bytes_err']:.3f} (target <= 0.15)")
+        print(
+            f"{r['model']:>12} {r['graph']:>8}: kernels/layer analysis {r['analysis_kernels']:.0f} vs inductor "
+            f"{r['inductor_kernels']:.0f} (err {r['count_err']:.2f}); bytes/layer {r['analysis_bytes'] / 1e6:.2f} MB "
+            f"vs {r['inductor_bytes'] / 1e6:.2f} MB (err {r['bytes_err']:.2f})"
+        )
+    print(
+        f"max_count_err {summary['max_count_err']:.3f} (target <= 0.10), "
+        f"max_bytes_err {summary['max_bytes_err']:.3f} (target <= 0.15)"
+    )
 
 
 if __name__ == "__main__":

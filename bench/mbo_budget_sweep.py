@@ -25,8 +25,9 @@ from mbo_quality import DEFAULT_CACHE_DIR, evaluate_type, load_types
 from kareus_fx.tuner.mbo import Budget, MBOSettings, size_class
 
 
-def _budgets(small: tuple[int, int, int], medium: tuple[int, int, int], large: tuple[int, int, int]
-             ) -> dict[str, Budget]:
+def _budgets(
+    small: tuple[int, int, int], medium: tuple[int, int, int], large: tuple[int, int, int]
+) -> dict[str, Budget]:
     return {"small": Budget(*small), "medium": Budget(*medium), "large": Budget(*large)}
 
 
@@ -78,9 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         if not args.json:
             o = out[name]
-            print(f"{args.preset} {name:12s} measured {o['measured']:6.1f}  worst mean {min(o['hv_ratio']):.4f}"
-                  f"  worst seed {min(o['hv_ratio_min']):.4f}  per type {o['hv_ratio']}  random {o['random_hv_ratio']}"
-                  f"  wins {o['beats_random']}  n {o['measured_per_type']}", flush=True)
+            print(
+                f"{args.preset} {name:12s} measured {o['measured']:6.1f}  worst mean {min(o['hv_ratio']):.4f}"
+                f"  worst seed {min(o['hv_ratio_min']):.4f}  per type {o['hv_ratio']}  random {o['random_hv_ratio']}"
+                f"  wins {o['beats_random']}  n {o['measured_per_type']}",
+                flush=True,
+            )
     if args.json:
         json.dump({"preset": args.preset, "seeds": args.seeds, "settings": out}, sys.stdout, indent=1)
         print()

@@ -81,13 +81,19 @@ def _tracing_code_hash() -> str:
 
     import torch
 
-    for name in ("kareus_fx.capture.backend", "kareus_fx.capture.tracing", "kareus_fx.capture.dump", "kareus_fx.models"):
+    for name in (
+        "kareus_fx.capture.backend",
+        "kareus_fx.capture.tracing",
+        "kareus_fx.capture.dump",
+        "kareus_fx.models",
+    ):
         importlib.import_module(name)
     files = sorted(
         {
             Path(module.__file__)
             for name, module in list(sys.modules.items())
-            if name.startswith("kareus_fx") and not name.startswith("kareus_fx.tuner")
+            if name.startswith("kareus_fx")
+            and not name.startswith("kareus_fx.tuner")
             and getattr(module, "__file__", None)
         }
     )
@@ -134,7 +140,9 @@ def traced_types(preset_name: str, gpu: str, layers: int, cache_dir: Path | None
     return [LabelledType(t, labels[tid]) for tid, t in types.items()]
 
 
-def verify_layer_independence(preset_name: str, gpu: str, layers: int, more_layers: int, cache_dir: Path | None) -> None:
+def verify_layer_independence(
+    preset_name: str, gpu: str, layers: int, more_layers: int, cache_dir: Path | None
+) -> None:
     """Check that tracing ``more_layers`` layers gives the same partition types (ids, structure,
     launch slots); raise ``SystemExit`` naming the difference otherwise."""
     from kareus_fx.cost_models.profile_db import fingerprint
@@ -149,12 +157,14 @@ def verify_layer_independence(preset_name: str, gpu: str, layers: int, more_laye
             f"{preset_name}: partition types differ between {layers} and {more_layers} layers: "
             f"{sorted(set(few.items()) ^ set(many.items()))}"
         )
-    print(f"{preset_name}: {len(few)} partition types, identical with {layers} and {more_layers} layers",
-          file=sys.stderr)
+    print(
+        f"{preset_name}: {len(few)} partition types, identical with {layers} and {more_layers} layers", file=sys.stderr
+    )
 
 
-def load_types(preset: str, gpu: str, noise: float, layers: int, cache_dir: Path | None
-               ) -> tuple[list[LabelledType], Profiler]:
+def load_types(
+    preset: str, gpu: str, noise: float, layers: int, cache_dir: Path | None
+) -> tuple[list[LabelledType], Profiler]:
     if preset == SYNTHETIC:
         from kareus_fx.tuner.synthetic import SyntheticProfiler, synthetic_partition_types
 
@@ -177,9 +187,7 @@ def evaluate_type(
     of ``settings``' (a coarser clock grid); the HV ratios are against ``settings``' exhaustive frontier."""
     tune_settings = tune_settings or settings
     exhaustive = exhaustive_search(ptype, profiler, settings=settings)
-    table = TableProfiler(
-        profiler.gpu_name, {(ptype.type_id, p.config): p.measurement for p in exhaustive.points}
-    )
+    table = TableProfiler(profiler.gpu_name, {(ptype.type_id, p.config): p.measurement for p in exhaustive.points})
     strict, loose, measured, rnd, rnd_loose, acq, batches, stops, wins = [], [], [], [], [], [], [], [], 0
     sources: dict[str, list[float]] = {}
     for seed in range(seeds):
@@ -236,29 +244,40 @@ def _print_row(row: dict, label: str) -> None:
         flush=True,
     )
     stops = {s: row["stop_reasons"].count(s) for s in dict.fromkeys(row["stop_reasons"])}
-    print(f"{'':33s}batches {row['batches']:.1f}, stops: "
-          + ", ".join(f"{s} x{n}" for s, n in stops.items()), flush=True)
+    print(
+        f"{'':33s}batches {row['batches']:.1f}, stops: " + ", ".join(f"{s} x{n}" for s, n in stops.items()), flush=True
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     from kareus_fx.plan.presets import PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=[SYNTHETIC, *PRESETS], required=True, metavar="NAME",
-                        help=f"a preset of kareus_fx.plan.presets (e.g. llama3.2-3b-tp8-mbs8-seq4k) or {SYNTHETIC}")
+    parser.add_argument(
+        "--preset",
+        choices=[SYNTHETIC, *PRESETS],
+        required=True,
+        metavar="NAME",
+        help=f"a preset of kareus_fx.plan.presets (e.g. llama3.2-3b-tp8-mbs8-seq4k) or {SYNTHETIC}",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--gpu", default="A100-SXM4-40GB")
     parser.add_argument("--seeds", type=int, default=5, help="MBO seeds per type")
     parser.add_argument("--random-seeds", type=int, default=5, help="random-search draws per MBO seed")
     parser.add_argument("--noise", type=float, default=0.0, help="profiler noise std (relative)")
     parser.add_argument("--layers", type=int, default=4, help="layers to trace (types do not depend on it)")
-    parser.add_argument("--verify-layers", type=int, metavar="N",
-                        help="also trace N layers and check the partition types are the same")
+    parser.add_argument(
+        "--verify-layers", type=int, metavar="N", help="also trace N layers and check the partition types are the same"
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="where traced dumps are kept")
     parser.add_argument("--retrace", action="store_true", help="trace even if a cached dump exists")
-    parser.add_argument("--tune-clock-stride", type=int, metavar="MHZ",
-                        help="MBO and random search on this clock grid (e.g. 60, kareus plan --clock-stride), "
-                             "scored against the exhaustive search of the paper's 30 MHz grid")
+    parser.add_argument(
+        "--tune-clock-stride",
+        type=int,
+        metavar="MHZ",
+        help="MBO and random search on this clock grid (e.g. 60, kareus plan --clock-stride), "
+        "scored against the exhaustive search of the paper's 30 MHz grid",
+    )
     args = parser.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -267,11 +286,14 @@ def main(argv: list[str] | None = None) -> int:
         verify_layer_independence(args.preset, args.gpu, args.layers, args.verify_layers, cache_dir)
     types, profiler = load_types(args.preset, args.gpu, args.noise, args.layers, cache_dir)
     settings = MBOSettings()
-    tune_settings = (dataclasses.replace(settings, clock_stride_mhz=args.tune_clock_stride)
-                     if args.tune_clock_stride else settings)
+    tune_settings = (
+        dataclasses.replace(settings, clock_stride_mhz=args.tune_clock_stride) if args.tune_clock_stride else settings
+    )
     if not args.json:
-        print(f"{args.preset} on the {'analytic' if args.preset == SYNTHETIC else 'simulated'} "
-              f"{profiler.gpu_name}, {args.seeds} MBO seeds x {args.random_seeds} random draws")
+        print(
+            f"{args.preset} on the {'analytic' if args.preset == SYNTHETIC else 'simulated'} "
+            f"{profiler.gpu_name}, {args.seeds} MBO seeds x {args.random_seeds} random draws"
+        )
         print(f"{'type':30s} sl space  meas. share    HV mean  min     random  min     wins")
     rows = []
     for lt in types:
@@ -301,10 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(summary, sys.stdout, indent=2)
         print()
         return 0
-    print("share of the final frontier by pass (mean over types and seeds): "
-          + ", ".join(f"{k} {100 * v:.0f} %" for k, v in shares.items()))
-    print(f"surrogate + acquisition {summary['acq_seconds_per_batch']:.2f} s/batch on average "
-          f"(max {summary['acq_seconds_per_batch_max']:.2f}); {summary['wall_seconds']:.0f} s in all")
+    print(
+        "share of the final frontier by pass (mean over types and seeds): "
+        + ", ".join(f"{k} {100 * v:.0f} %" for k, v in shares.items())
+    )
+    print(
+        f"surrogate + acquisition {summary['acq_seconds_per_batch']:.2f} s/batch on average "
+        f"(max {summary['acq_seconds_per_batch_max']:.2f}); {summary['wall_seconds']:.0f} s in all"
+    )
     return 0
 
 

@@ -93,7 +93,10 @@ def run_preset(name: str) -> dict:
 
 
 def _table3_rows(results: dict) -> list[str]:
-    rows = ["| preset | time M+P | N+P | Kareus | energy M+P | N+P | Kareus |  (ours / paper, %)", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| preset | time M+P | N+P | Kareus | energy M+P | N+P | Kareus |  (ours / paper, %)",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, paper in PAPER_TABLE3.items():
         if name not in results:
             continue
@@ -110,13 +113,19 @@ def _table3_rows(results: dict) -> list[str]:
 
 
 def _table4_rows(results: dict) -> list[str]:
-    rows = ["| preset | iso-time energy N+P | Kareus | iso-energy time N+P | Kareus |  (ours / paper, %)", "|---|---|---|---|---|"]
+    rows = [
+        "| preset | iso-time energy N+P | Kareus | iso-energy time N+P | Kareus |  (ours / paper, %)",
+        "|---|---|---|---|---|",
+    ]
     for name, paper in PAPER_TABLE4.items():
         if name not in results:
             continue
         m = results[name]["metrics"]
-        ours = [_ours(m[x][k]) for k in ("iso_time_energy_reduction", "iso_energy_time_reduction")
-                for x in ("nanobatching+perseus", "kareus")]
+        ours = [
+            _ours(m[x][k])
+            for k in ("iso_time_energy_reduction", "iso_energy_time_reduction")
+            for x in ("nanobatching+perseus", "kareus")
+        ]
         papers = [None] * 4 if paper == "OOM" else [*paper[0], *paper[1]]
         tag = " (paper: OOM)" if paper == "OOM" else ""
         rows.append(f"| {name}{tag} | " + " | ".join(f"{o} / {_pct(p)}" for o, p in zip(ours, papers)) + " |")
@@ -124,19 +133,23 @@ def _table4_rows(results: dict) -> list[str]:
 
 
 def _table67_rows(results: dict) -> list[str]:
-    rows = ["| microbatches | time M+P | Kareus | energy M+P | Kareus | iso-time energy | iso-energy time |  (ours / paper, %)",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| microbatches | time M+P | Kareus | energy M+P | Kareus | iso-time energy | iso-energy time |  (ours / paper, %)",
+        "|---|---|---|---|---|---|---|",
+    ]
     for microbatches, paper in PAPER_TABLE67.items():
         name = f"llama3.3-70b-pp10tp8-mb{microbatches}"
         if name not in results:
             continue
         m = results[name]["metrics"]
-        ours = [_ours(m["megatron+perseus"]["max_throughput_time_reduction"]),
-                _ours(m["kareus"]["max_throughput_time_reduction"]),
-                _ours(m["megatron+perseus"]["max_throughput_energy_reduction"]),
-                _ours(m["kareus"]["max_throughput_energy_reduction"]),
-                _ours(m["kareus"]["iso_time_energy_reduction"]),
-                _ours(m["kareus"]["iso_energy_time_reduction"])]
+        ours = [
+            _ours(m["megatron+perseus"]["max_throughput_time_reduction"]),
+            _ours(m["kareus"]["max_throughput_time_reduction"]),
+            _ours(m["megatron+perseus"]["max_throughput_energy_reduction"]),
+            _ours(m["kareus"]["max_throughput_energy_reduction"]),
+            _ours(m["kareus"]["iso_time_energy_reduction"]),
+            _ours(m["kareus"]["iso_energy_time_reduction"]),
+        ]
         papers = [*paper[0], *paper[1], paper[2], paper[3]]
         rows.append(f"| {microbatches} | " + " | ".join(f"{o} / {_pct(p)}" for o, p in zip(ours, papers)) + " |")
     return rows
@@ -163,9 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(results))
         return 0
     print("Ours: simulated A100 (cost model) on our traced graphs; paper: measured A100s / Perseus emulator.")
-    for title, rows in (("Table 3: max-throughput reductions vs Megatron-LM", _table3_rows(results)),
-                        ("Table 4: frontier improvement vs Megatron-LM + Perseus", _table4_rows(results)),
-                        ("Tables 6 and 7: Llama-3.3-70B emulation", _table67_rows(results))):
+    for title, rows in (
+        ("Table 3: max-throughput reductions vs Megatron-LM", _table3_rows(results)),
+        ("Table 4: frontier improvement vs Megatron-LM + Perseus", _table4_rows(results)),
+        ("Tables 6 and 7: Llama-3.3-70B emulation", _table67_rows(results)),
+    ):
         print(f"\n{title}")
         print("\n".join(rows))
     return 0

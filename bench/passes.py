@@ -15,7 +15,8 @@ import functools
 import json
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import kareus_fx.capture.compile_step as compile_step
 from kareus_fx.capture.tracing import BENCH_TRACE_SPEC, add_trace_arguments, trace_full_size, trace_spec_from_args
@@ -65,7 +66,9 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print(f"trace of {result['spec']} with backend='kareus' (Dynamo + aot_autograd + passes, fwd + bwd): {trace_s:.1f} s")
+    print(
+        f"trace of {result['spec']} with backend='kareus' (Dynamo + aot_autograd + passes, fwd + bwd): {trace_s:.1f} s"
+    )
     for name in _TIMED:
         print(f"  {name:20s} {totals_s[name]:6.2f} s")
     ratio = result["ratio_passes_over_trace"]

@@ -48,9 +48,12 @@ def _summary(parts: list[tuple[Prediction, int]]) -> dict[str, float]:
     """Time-averaged clock and throttled share of the parts (each prediction ``count`` times)."""
     total = sum((p.terms.scaled(n) for p, n in parts), ZERO_TERMS)
     throttled_s = sum(p.terms.time_s * n for p, n in parts if p.throttled)
-    return {"time_s": total.time_s, "average_clock_mhz": total.average_clock_mhz,
-            "throttled_share": throttled_s / total.time_s,
-            "average_power_w": sum(p.measurement.energy_j * n for p, n in parts) / total.time_s}
+    return {
+        "time_s": total.time_s,
+        "average_clock_mhz": total.average_clock_mhz,
+        "throttled_share": throttled_s / total.time_s,
+        "average_power_w": sum(p.measurement.energy_j * n for p, n in parts) / total.time_s,
+    }
 
 
 def _nanobatched(sim: Simulator, graph: PartitionedGraph, clock_mhz: int, sms: int) -> list[tuple[Prediction, int]]:
@@ -69,8 +72,9 @@ def _kareus_mlp(sim: Simulator, uncapped: Simulator, graph: PartitionedGraph) ->
     if not mlp:
         return None
     summary = _summary([(sim.predict(t, PAPER_KAREUS_MLP_CONFIG), t.count) for t in mlp])
-    summary["uncapped_power_w"] = _summary([(uncapped.predict(t, PAPER_KAREUS_MLP_CONFIG), t.count)
-                                            for t in mlp])["average_power_w"]
+    summary["uncapped_power_w"] = _summary([(uncapped.predict(t, PAPER_KAREUS_MLP_CONFIG), t.count) for t in mlp])[
+        "average_power_w"
+    ]
     return summary
 
 
@@ -90,22 +94,34 @@ def check(preset: str, clock_mhz: int) -> dict:
     for stage in traced:
         for name in ("forward", "backward"):
             seq = stage.sequential[name]
-            row = {"stages": list(stage.stages), "instruction": name,
-                   "megatron": _summary([(sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=clock_mhz), 1)])}
+            row = {
+                "stages": list(stage.stages),
+                "instruction": name,
+                "megatron": _summary([(sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=clock_mhz), 1)]),
+            }
             if stage.partitioned is not None:
                 graph = stage.partitioned[name]
                 row["nanobatching"] = _summary(_nanobatched(sim, graph, clock_mhz, sms))
-                row["nanobatching"]["uncapped_power_w"] = _summary(_nanobatched(uncapped, graph, clock_mhz, sms))["average_power_w"]
+                row["nanobatching"]["uncapped_power_w"] = _summary(_nanobatched(uncapped, graph, clock_mhz, sms))[
+                    "average_power_w"
+                ]
                 row["nanobatching"]["uncapped_power_at_paper_clock_w"] = _summary(
-                    _nanobatched(uncapped, graph, int(PAPER_NANOBATCHING_CLOCK_MHZ), sms))["average_power_w"]
+                    _nanobatched(uncapped, graph, int(PAPER_NANOBATCHING_CLOCK_MHZ), sms)
+                )["average_power_w"]
                 kareus_mlp = _kareus_mlp(sim, uncapped, graph)
                 if kareus_mlp is not None:
                     row["kareus_mlp_testbed_schedule"] = kareus_mlp
             rows.append(row)
-    return {"preset": preset, "gpu": gpu, "tdp_w": gpu_spec(gpu).tdp_w, "requested_clock_mhz": clock_mhz,
-            "paper_nanobatching_average_clock_mhz": PAPER_NANOBATCHING_CLOCK_MHZ,
-            "paper_kareus_mlp_config": dataclasses.asdict(PAPER_KAREUS_MLP_CONFIG), "rows": rows,
-            "note": "simulated (cost-model predictions); the paper's value is a measurement"}
+    return {
+        "preset": preset,
+        "gpu": gpu,
+        "tdp_w": gpu_spec(gpu).tdp_w,
+        "requested_clock_mhz": clock_mhz,
+        "paper_nanobatching_average_clock_mhz": PAPER_NANOBATCHING_CLOCK_MHZ,
+        "paper_kareus_mlp_config": dataclasses.asdict(PAPER_KAREUS_MLP_CONFIG),
+        "rows": rows,
+        "note": "simulated (cost-model predictions); the paper's value is a measurement",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,17 +140,25 @@ def main(argv: list[str] | None = None) -> int:
         for method in ("megatron", "nanobatching"):
             if method in row:
                 s = row[method]
-                print(f"  stages {row['stages']} {row['instruction']:8s} {method:12s} avg clock {s['average_clock_mhz']:7.1f} MHz"
-                      f"  throttled {100 * s['throttled_share']:5.1f} % of {1e3 * s['time_s']:.1f} ms"
-                      f"  avg power {s['average_power_w']:.0f} W"
-                      + (f" (uncapped: {s['uncapped_power_w']:.0f} W; at {PAPER_NANOBATCHING_CLOCK_MHZ:.0f} MHz "
-                         f"{s['uncapped_power_at_paper_clock_w']:.0f} W)" if "uncapped_power_w" in s else ""))
+                print(
+                    f"  stages {row['stages']} {row['instruction']:8s} {method:12s} avg clock {s['average_clock_mhz']:7.1f} MHz"
+                    f"  throttled {100 * s['throttled_share']:5.1f} % of {1e3 * s['time_s']:.1f} ms"
+                    f"  avg power {s['average_power_w']:.0f} W"
+                    + (
+                        f" (uncapped: {s['uncapped_power_w']:.0f} W; at {PAPER_NANOBATCHING_CLOCK_MHZ:.0f} MHz "
+                        f"{s['uncapped_power_at_paper_clock_w']:.0f} W)"
+                        if "uncapped_power_w" in s
+                        else ""
+                    )
+                )
         if "kareus_mlp_testbed_schedule" in row:
             s = row["kareus_mlp_testbed_schedule"]
-            print(f"  stages {row['stages']} {row['instruction']:8s} Kareus MLP partitions on the testbed's schedule "
-                  f"(section 6.2.1, Qwen TP8 mbs8 4K: 1,350 MHz, 6 SMs, overlap from the start, not throttled there): avg clock "
-                  f"{s['average_clock_mhz']:7.1f} MHz  throttled {100 * s['throttled_share']:5.1f} %  "
-                  f"uncapped power {s['uncapped_power_w']:.0f} W")
+            print(
+                f"  stages {row['stages']} {row['instruction']:8s} Kareus MLP partitions on the testbed's schedule "
+                f"(section 6.2.1, Qwen TP8 mbs8 4K: 1,350 MHz, 6 SMs, overlap from the start, not throttled there): avg clock "
+                f"{s['average_clock_mhz']:7.1f} MHz  throttled {100 * s['throttled_share']:5.1f} %  "
+                f"uncapped power {s['uncapped_power_w']:.0f} W"
+            )
     return 0
 
 

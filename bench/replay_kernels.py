@@ -14,11 +14,10 @@ import argparse
 import json
 import tempfile
 
-from kareus_fx.runtime.device_profiler import kernel_signature, node_tables_from_dump
-
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.capture.tracing import TraceSpec, trace_full_size
 from kareus_fx.plan.graph_workload import sequential_graphs
+from kareus_fx.runtime.device_profiler import kernel_signature, node_tables_from_dump
 
 
 def main() -> None:

@@ -16,10 +16,9 @@ import argparse
 import json
 import tempfile
 
-from kareus_fx.cost_models.simulator import Simulator
-
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.plan.graph_workload import partitioned_graphs
 from kareus_fx.workload import PartitionConfig, PartitionType
 
@@ -50,12 +49,19 @@ def main() -> None:
     slots = {s: f"{s}:{ptype.slots[s].bound}" for s in ptype.launch_slots}
     result: dict = {"tp": args.tp, "launch_slots": slots, "clocks": {}}
     for clock in args.clocks:
-        energy = {n: {s: sim.measure(ptype, PartitionConfig(clock, n, s)).energy_j for s in ptype.launch_slots}
-                  for n in args.sms}
-        best_j, best_sms, best_slot = min((sim.measure(ptype, PartitionConfig(clock, n, s)).energy_j, n, s)
-                                          for n in range(3, 31, 3) for s in ptype.launch_slots)
-        result["clocks"][clock] = {"energy_j": energy,
-                                   "optimum": {"energy_j": best_j, "comm_sms": best_sms, "launch_slot": best_slot}}
+        energy = {
+            n: {s: sim.measure(ptype, PartitionConfig(clock, n, s)).energy_j for s in ptype.launch_slots}
+            for n in args.sms
+        }
+        best_j, best_sms, best_slot = min(
+            (sim.measure(ptype, PartitionConfig(clock, n, s)).energy_j, n, s)
+            for n in range(3, 31, 3)
+            for s in ptype.launch_slots
+        )
+        result["clocks"][clock] = {
+            "energy_j": energy,
+            "optimum": {"energy_j": best_j, "comm_sms": best_sms, "launch_slot": best_slot},
+        }
     if args.json:
         print(json.dumps(result, indent=1))
         return
@@ -65,8 +71,10 @@ def main() -> None:
         for n, row in entry["energy_j"].items():
             print(f"  {n:>2} SMs: " + "  ".join(f"{row[s]:.4f}" for s in ptype.launch_slots))
         best = entry["optimum"]
-        print(f"  optimum over 3..30 SMs: {best['comm_sms']} SMs at slot {slots[best['launch_slot']]}, "
-              f"{best['energy_j']:.4f} J")
+        print(
+            f"  optimum over 3..30 SMs: {best['comm_sms']} SMs at slot {slots[best['launch_slot']]}, "
+            f"{best['energy_j']:.4f} J"
+        )
 
 
 if __name__ == "__main__":

@@ -40,8 +40,11 @@ DEFAULT_RESULTS = Path(__file__).parent / "results" / "stage_slack.json"
 
 def testbed_rows() -> list[dict]:
     """Rows with a measured Megatron-LM + Perseus energy reduction (percent), calibration first."""
-    return [{"preset": row["preset"], "data": row["data"], "paper_mp_energy_red_pct": csv_number(row["mp_energy_red"])}
-            for row in labelled_testbed_rows() if csv_number(row["mp_energy_red"]) is not None]
+    return [
+        {"preset": row["preset"], "data": row["data"], "paper_mp_energy_red_pct": csv_number(row["mp_energy_red"])}
+        for row in labelled_testbed_rows()
+        if csv_number(row["mp_energy_red"]) is not None
+    ]
 
 
 def idle_share(megatron_options: dict) -> float:
@@ -58,9 +61,12 @@ def plan_split(preset: str, stage_layers: tuple[int, ...] | str) -> dict:
     started = time.perf_counter()
     outcome = make_plan(plan_request_from_preset(preset, stage_layers=stage_layers), progress=False)
     reduction = outcome.data["methods"]["megatron+perseus"]["metrics"]["max_throughput_energy_reduction"]
-    return {"stage_layers": outcome.data["workload"]["stage_layers"],
-            "idle_share_pct": 100.0 * idle_share(outcome.iteration["megatron"].options),
-            "ours_mp_energy_red_pct": 100.0 * reduction, "wall_s": time.perf_counter() - started}
+    return {
+        "stage_layers": outcome.data["workload"]["stage_layers"],
+        "idle_share_pct": 100.0 * idle_share(outcome.iteration["megatron"].options),
+        "ours_mp_energy_red_pct": 100.0 * reduction,
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def splits_between(even: list[int], balanced: list[int]) -> list[tuple[int, int]]:
@@ -101,31 +107,49 @@ def main(argv: list[str] | None = None) -> int:
                 per_preset[rule] = plan_split(preset, rule)
         for split in splits_between(per_preset["even"]["stage_layers"], per_preset["balanced"]["stage_layers"]):
             key = ",".join(map(str, split))
-            if key not in per_preset and list(split) not in (per_preset["even"]["stage_layers"],
-                                                             per_preset["balanced"]["stage_layers"]):
+            if key not in per_preset and list(split) not in (
+                per_preset["even"]["stage_layers"],
+                per_preset["balanced"]["stage_layers"],
+            ):
                 print(f"planning {preset} ({key}) ...", file=sys.stderr, flush=True)
                 per_preset[key] = plan_split(preset, split)
         points = sorted(per_preset.values(), key=lambda p: p["stage_layers"])
         unique = list({tuple(p["stage_layers"]): p for p in points}.values())
-        report.append({**row, "splits": [{k: p[k] for k in ("stage_layers", "idle_share_pct", "ours_mp_energy_red_pct")}
-                                          for p in unique],
-                       "idle_share_pct_matching_paper": matching_idle_share(unique, row["paper_mp_energy_red_pct"]),
-                       "balanced_idle_share_pct": per_preset["balanced"]["idle_share_pct"]})
-    result = {"note": "ours: simulated A100-SXM4-40GB (cost model); paper: measured on 16 A100-SXM4-40GB",
-              "plans": plans, "rows": report}
+        report.append(
+            {
+                **row,
+                "splits": [
+                    {k: p[k] for k in ("stage_layers", "idle_share_pct", "ours_mp_energy_red_pct")} for p in unique
+                ],
+                "idle_share_pct_matching_paper": matching_idle_share(unique, row["paper_mp_energy_red_pct"]),
+                "balanced_idle_share_pct": per_preset["balanced"]["idle_share_pct"],
+            }
+        )
+    result = {
+        "note": "ours: simulated A100-SXM4-40GB (cost model); paper: measured on 16 A100-SXM4-40GB",
+        "plans": plans,
+        "rows": report,
+    }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    print("Megatron-LM + Perseus max-throughput energy reduction against the faster stage's idle share "
-          "(ours: simulated; paper: measured)")
+    print(
+        "Megatron-LM + Perseus max-throughput energy reduction against the faster stage's idle share "
+        "(ours: simulated; paper: measured)"
+    )
     for r in report:
-        cells = "  ".join(f"{'+'.join(map(str, s['stage_layers']))}: idle {s['idle_share_pct']:4.1f} % -> "
-                          f"{s['ours_mp_energy_red_pct']:4.1f} %" for s in r["splits"])
+        cells = "  ".join(
+            f"{'+'.join(map(str, s['stage_layers']))}: idle {s['idle_share_pct']:4.1f} % -> "
+            f"{s['ours_mp_energy_red_pct']:4.1f} %"
+            for s in r["splits"]
+        )
         match = r["idle_share_pct_matching_paper"]
-        print(f"  {r['preset']:32s} paper {r['paper_mp_energy_red_pct']:4.1f} %  {cells}  "
-              f"paper's at idle {'n/a' if match is None else f'{match:.1f} %'}")
+        print(
+            f"  {r['preset']:32s} paper {r['paper_mp_energy_red_pct']:4.1f} %  {cells}  "
+            f"paper's at idle {'n/a' if match is None else f'{match:.1f} %'}"
+        )
     return 0
 
 

@@ -39,9 +39,19 @@ VERSIONS = ("eager", "inductor", "kareus", "kareus_nanobatched")
 
 
 def _config(layers: int) -> ModelConfig:
-    return ModelConfig(name="gpt2-size", hidden_size=512, num_layers=layers, num_heads=8, num_kv_heads=8,
-                       head_dim=64, ffn_size=2048, vocab_size=8192, norm_eps=1e-5, rope_theta=10000.0,
-                       tie_embeddings=False)
+    return ModelConfig(
+        name="gpt2-size",
+        hidden_size=512,
+        num_layers=layers,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=64,
+        ffn_size=2048,
+        vocab_size=8192,
+        norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_embeddings=False,
+    )
 
 
 def _step_s(fn, model, batch) -> float:
@@ -58,12 +68,14 @@ def _compiled(version: str, model: torch.nn.Module):
         return model
     if version == "inductor":
         return torch.compile(model, fullgraph=True)
-    return torch.compile(model, backend="kareus", fullgraph=True,
-                         options={"nanobatch": version == "kareus_nanobatched"})
+    return torch.compile(
+        model, backend="kareus", fullgraph=True, options={"nanobatch": version == "kareus_nanobatched"}
+    )
 
 
-def _rank(rank: int, world_size: int, port: int, args: argparse.Namespace, versions: tuple[str, ...], steps: int,
-          results) -> None:
+def _rank(
+    rank: int, world_size: int, port: int, args: argparse.Namespace, versions: tuple[str, ...], steps: int, results
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch._inductor.config.fx_graph_cache = False
@@ -109,7 +121,9 @@ def _summary(args: argparse.Namespace) -> dict:
         compile_s[version] = cold["first_s"][version] - cold["median_step_s"][version]
     median_s = _run(args, VERSIONS, steps=args.steps)["median_step_s"]
     return {
-        "median_step_s": median_s, "compile_s": compile_s, "steps": args.steps,
+        "median_step_s": median_s,
+        "compile_s": compile_s,
+        "steps": args.steps,
         "kareus_over_inductor": median_s["kareus"] / median_s["inductor"],
         "kareus_nanobatched_over_inductor": median_s["kareus_nanobatched"] / median_s["inductor"],
         "eager_over_inductor": median_s["eager"] / median_s["inductor"],
@@ -131,9 +145,11 @@ def main() -> None:
         return
     for name, value in summary["median_step_s"].items():
         print(f"{name:>20}: median step {value * 1e3:.1f} ms")
-    print(f"kareus/inductor {summary['kareus_over_inductor']:.3f} (target <= 1.03), nanobatched/inductor "
-          f"{summary['kareus_nanobatched_over_inductor']:.3f}, eager/inductor {summary['eager_over_inductor']:.3f}, "
-          f"compile kareus/inductor {summary['compile_kareus_over_inductor']:.2f} (target <= 1.3)")
+    print(
+        f"kareus/inductor {summary['kareus_over_inductor']:.3f} (target <= 1.03), nanobatched/inductor "
+        f"{summary['kareus_nanobatched_over_inductor']:.3f}, eager/inductor {summary['eager_over_inductor']:.3f}, "
+        f"compile kareus/inductor {summary['compile_kareus_over_inductor']:.2f} (target <= 1.3)"
+    )
 
 
 if __name__ == "__main__":

@@ -68,9 +68,7 @@ def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
     return float(np.interp(x, xs, ys))
 
 
-def frontier_deviation(
-    ours: list[tuple[float, float]], reference: list[tuple[float, float]]
-) -> dict[str, float]:
+def frontier_deviation(ours: list[tuple[float, float]], reference: list[tuple[float, float]]) -> dict[str, float]:
     """Max relative time and energy gaps of ``ours`` at each reference point (see module doc)."""
     ours = sorted(pareto_front(ours, key=lambda p: p))
     ref = sorted(pareto_front(reference, key=lambda p: p))
@@ -112,14 +110,10 @@ def frontier_deviation(
     }
 
 
-def solver_step_deviation(
-    solver: list[tuple[float, float]], reference: list[tuple[float, float]]
-) -> dict[str, float]:
+def solver_step_deviation(solver: list[tuple[float, float]], reference: list[tuple[float, float]]) -> dict[str, float]:
     """lowtime's own (time, energy) per step against the planner's, matched on the 1 ms grid."""
     ours = {round(t / UNIT_TIME_S): e for t, e in solver}
-    matched = [
-        (ours[round(t / UNIT_TIME_S)], e) for t, e in reference if round(t / UNIT_TIME_S) in ours
-    ]
+    matched = [(ours[round(t / UNIT_TIME_S)], e) for t, e in reference if round(t / UNIT_TIME_S) in ours]
     devs = [abs(a - b) / b for a, b in matched]
     return {
         "matched_steps": len(matched),
@@ -169,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     missing = [
         p
-        for p in [args.data / PROFILE]
-        + [args.data / REFERENCE.format(n=n) for n in args.microbatches]
+        for p in [args.data / PROFILE] + [args.data / REFERENCE.format(n=n) for n in args.microbatches]
         if not p.is_file()
     ]
     if missing:
@@ -184,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.jobs > 1:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            futures = [
-                pool.submit(run_case, n, args.data, args.cost_model) for n in args.microbatches
-            ]
+            futures = [pool.submit(run_case, n, args.data, args.cost_model) for n in args.microbatches]
             cases = [f.result() for f in futures]
     else:
         cases = []
@@ -239,10 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{f['min_energy_j']['ours']:>9.1f}/{f['min_energy_j']['reference']:<9.1f}"
         )
     verdict = "within" if result["within_target"] else "MISSES"
-    print(
-        f"overall: time dev {max_time_dev:.3%}, energy dev {max_energy_dev:.3%} "
-        f"({verdict} the {TARGET:.0%} target)"
-    )
+    print(f"overall: time dev {max_time_dev:.3%}, energy dev {max_energy_dev:.3%} ({verdict} the {TARGET:.0%} target)")
     return 0
 
 

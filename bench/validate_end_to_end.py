@@ -80,13 +80,16 @@ ABLATION_METHODS = {
 
 def read_csv_rows(path: Path) -> list[dict[str, str]]:
     with path.open() as f:
-        return [row for row in csv.DictReader(line for line in f if not line.startswith("#"))]
+        return list(csv.DictReader(line for line in f if not line.startswith("#")))
 
 
 def labelled_testbed_rows() -> list[dict[str, str]]:
     """Every testbed row, calibration then validation, each with ``data`` naming its set."""
-    return [dict(row, data=data) for data, path in (("calibration", CALIBRATION_CSV), ("validation", VALIDATION_CSV))
-            for row in read_csv_rows(path)]
+    return [
+        dict(row, data=data)
+        for data, path in (("calibration", CALIBRATION_CSV), ("validation", VALIDATION_CSV))
+        for row in read_csv_rows(path)
+    ]
 
 
 def csv_number(cell: str) -> float | None:
@@ -101,9 +104,12 @@ def plan_metrics(key: str, stage_layers: str | None = None) -> dict:
     preset = key.removesuffix(MAX_CLOCK_SUFFIX)
     split = {} if stage_layers is None else {"stage_layers": stage_layers}
     outcome = make_plan(plan_request_from_preset(preset, max_clock_only=key != preset, **split), progress=False)
-    return {"metrics": {m: d["metrics"] for m, d in outcome.data["methods"].items()},
-            "profiler": outcome.data["profiler"], "stage_layers": outcome.data["workload"]["stage_layers"],
-            "wall_s": time.perf_counter() - started}
+    return {
+        "metrics": {m: d["metrics"] for m, d in outcome.data["methods"].items()},
+        "profiler": outcome.data["profiler"],
+        "stage_layers": outcome.data["workload"]["stage_layers"],
+        "wall_s": time.perf_counter() - started,
+    }
 
 
 def _ours_pct(metrics: dict, method: str, metric: str) -> float | None:
@@ -114,9 +120,9 @@ def _ours_pct(metrics: dict, method: str, metric: str) -> float | None:
 def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], dict]:
     """Per row and metric the paper's value and ours; the row set's summary."""
     cells: list[dict] = []
-    worst = {g: 0.0 for g in GROUPS}
-    compared = {g: 0 for g in GROUPS}
-    within = {g: 0 for g in GROUPS}
+    worst = dict.fromkeys(GROUPS, 0.0)
+    compared = dict.fromkeys(GROUPS, 0)
+    within = dict.fromkeys(GROUPS, 0)
     na = 0
     ours_missing: list[str] = []
     not_below: list[str] = []
@@ -138,7 +144,10 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
                 compared[group] += 1
                 within[group] += abs(err) <= TARGET_PP[group]
         for kind in ("time", "energy"):
-            k_paper, k_ours = csv_number(row[f"kareus_{kind}_red"]), _ours_pct(metrics, "kareus", f"max_throughput_{kind}_reduction")
+            k_paper, k_ours = (
+                csv_number(row[f"kareus_{kind}_red"]),
+                _ours_pct(metrics, "kareus", f"max_throughput_{kind}_reduction"),
+            )
             for other, method in (("np", "nanobatching+perseus"), ("mp", "megatron+perseus")):
                 o_paper = csv_number(row[f"{other}_{kind}_red"])
                 if k_paper is None or o_paper is None or k_paper < o_paper:
@@ -147,11 +156,16 @@ def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], d
                 if k_ours is not None and o_ours is not None and k_ours < o_ours - 1e-9:
                     not_below.append(f"{row['preset']}: kareus {kind} {k_ours:.1f} < {other} {o_ours:.1f}")
     grouped = [abs(c["err_pp"]) for c in cells if c["err_pp"] is not None and COLUMNS[c["metric"]][2] is not None]
-    summary = {"rows": len(rows), "compared": {g: compared[g] for g in GROUPS if g != "ablation"},
-               "max_abs_err_pp": {g: round(worst[g], 2) for g in GROUPS if g != "ablation"},
-               "within_target": {g: within[g] for g in GROUPS if g != "ablation"},
-               "mean_abs_err_pp": _mean_abs(grouped),
-               "na_cells": na, "ours_na_where_paper_has_value": ours_missing, "kareus_not_below": not_below}
+    summary = {
+        "rows": len(rows),
+        "compared": {g: compared[g] for g in GROUPS if g != "ablation"},
+        "max_abs_err_pp": {g: round(worst[g], 2) for g in GROUPS if g != "ablation"},
+        "within_target": {g: within[g] for g in GROUPS if g != "ablation"},
+        "mean_abs_err_pp": _mean_abs(grouped),
+        "na_cells": na,
+        "ours_na_where_paper_has_value": ours_missing,
+        "kareus_not_below": not_below,
+    }
     return cells, summary
 
 
@@ -165,8 +179,10 @@ def _increase_pct(variant: dict, kareus: dict, kind: str) -> float:
 def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], dict]:
     """Table 8: time and energy increase over Kareus of each ablated variant."""
     kareus = plans[ABLATION_PRESET]["metrics"]["kareus"]
-    ours = {variant: tuple(_increase_pct(plans[key]["metrics"][method], kareus, kind) for kind in ("time", "energy"))
-            for variant, (key, method) in ABLATION_METHODS.items()}
+    ours = {
+        variant: tuple(_increase_pct(plans[key]["metrics"][method], kareus, kind) for kind in ("time", "energy"))
+        for variant, (key, method) in ABLATION_METHODS.items()
+    }
     cells, worst, na, compared, within = [], 0.0, 0, 0, 0
     for row in rows:
         for i, kind in enumerate(("time", "energy")):
@@ -174,16 +190,35 @@ def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict
             mine = ours.get(row["variant"], (None, None))[i]
             if paper is None or mine is None:
                 na += 1
-                cells.append({"variant": row["variant"], "metric": f"{kind}_increase", "paper": paper, "ours": mine,
-                              "err_pp": None})
+                cells.append(
+                    {
+                        "variant": row["variant"],
+                        "metric": f"{kind}_increase",
+                        "paper": paper,
+                        "ours": mine,
+                        "err_pp": None,
+                    }
+                )
                 continue
-            cells.append({"variant": row["variant"], "metric": f"{kind}_increase", "paper": paper, "ours": mine,
-                          "err_pp": mine - paper})
+            cells.append(
+                {
+                    "variant": row["variant"],
+                    "metric": f"{kind}_increase",
+                    "paper": paper,
+                    "ours": mine,
+                    "err_pp": mine - paper,
+                }
+            )
             worst, compared = max(worst, abs(mine - paper)), compared + 1
             within += abs(mine - paper) <= TARGET_PP["ablation"]
-    return cells, {"rows": len(rows), "compared": compared, "max_abs_err_pp": round(worst, 2), "within_target": within,
-                   "mean_abs_err_pp": _mean_abs([abs(c["err_pp"]) for c in cells if c["err_pp"] is not None]),
-                   "na_cells": na}
+    return cells, {
+        "rows": len(rows),
+        "compared": compared,
+        "max_abs_err_pp": round(worst, 2),
+        "within_target": within,
+        "mean_abs_err_pp": _mean_abs([abs(c["err_pp"]) for c in cells if c["err_pp"] is not None]),
+        "na_cells": na,
+    }
 
 
 def _mean_abs(errors_pp: list[float]) -> float | None:
@@ -195,10 +230,18 @@ def _fmt(value: float | None) -> str:
     return "NA" if value is None else f"{value:.1f}"
 
 
-_SHORT = {"mp_time_red": "M+P t", "np_time_red": "N+P t", "kareus_time_red": "K t", "mp_energy_red": "M+P e",
-          "np_energy_red": "N+P e", "kareus_energy_red": "K e", "np_iso_time_energy_red": "N+P iso-t e",
-          "kareus_iso_time_energy_red": "K iso-t e", "np_iso_energy_time_red": "N+P iso-e t",
-          "kareus_iso_energy_time_red": "K iso-e t"}
+_SHORT = {
+    "mp_time_red": "M+P t",
+    "np_time_red": "N+P t",
+    "kareus_time_red": "K t",
+    "mp_energy_red": "M+P e",
+    "np_energy_red": "N+P e",
+    "kareus_energy_red": "K e",
+    "np_iso_time_energy_red": "N+P iso-t e",
+    "kareus_iso_time_energy_red": "K iso-t e",
+    "np_iso_energy_time_red": "N+P iso-e t",
+    "kareus_iso_energy_time_red": "K iso-e t",
+}
 
 
 def markdown(report: dict) -> str:
@@ -208,20 +251,35 @@ def markdown(report: dict) -> str:
         cells = report.get(f"{part}_cells")
         if not cells:
             continue
-        lines += [f"{part} rows (paper / ours, %):", "",
-                  "| preset | " + " | ".join(_SHORT.values()) + " |", "|---" * (len(_SHORT) + 1) + "|"]
+        lines += [
+            f"{part} rows (paper / ours, %):",
+            "",
+            "| preset | " + " | ".join(_SHORT.values()) + " |",
+            "|---" * (len(_SHORT) + 1) + "|",
+        ]
         for preset in dict.fromkeys(c["preset"] for c in cells):
             by_metric = {c["metric"]: c for c in cells if c["preset"] == preset}
-            lines.append(f"| {preset} | " + " | ".join(
-                f"{_fmt(by_metric[m]['paper'])} / {_fmt(by_metric[m]['ours'])}" for m in _SHORT) + " |")
+            lines.append(
+                f"| {preset} | "
+                + " | ".join(f"{_fmt(by_metric[m]['paper'])} / {_fmt(by_metric[m]['ours'])}" for m in _SHORT)
+                + " |"
+            )
         lines += ["", f"summary: `{json.dumps({k: v for k, v in report[part].items() if k != 'ablation'})}`", ""]
     if report.get("ablation_cells"):
-        lines += ["Table 8 ablation (increase over Kareus, paper / ours, %):", "", "| variant | time | energy |",
-                  "|---|---|---|"]
+        lines += [
+            "Table 8 ablation (increase over Kareus, paper / ours, %):",
+            "",
+            "| variant | time | energy |",
+            "|---|---|---|",
+        ]
         for variant in dict.fromkeys(c["variant"] for c in report["ablation_cells"]):
-            t, e = (next(c for c in report["ablation_cells"] if c["variant"] == variant and c["metric"] == f"{k}_increase")
-                    for k in ("time", "energy"))
-            lines.append(f"| {variant} | {_fmt(t['paper'])} / {_fmt(t['ours'])} | {_fmt(e['paper'])} / {_fmt(e['ours'])} |")
+            t, e = (
+                next(c for c in report["ablation_cells"] if c["variant"] == variant and c["metric"] == f"{k}_increase")
+                for k in ("time", "energy")
+            )
+            lines.append(
+                f"| {variant} | {_fmt(t['paper'])} / {_fmt(t['ours'])} | {_fmt(e['paper'])} / {_fmt(e['ours'])} |"
+            )
     return "\n".join(lines)
 
 
@@ -232,9 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
     parser.add_argument("--rows", choices=("calibration", "validation", "all"), default="all")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
-    parser.add_argument("--stage-layers", choices=("even", "balanced"), default=None,
-                        help="plan every preset with this stage split instead of its own (balanced, as the paper's "
-                        "testbed); with --results elsewhere, to compare")
+    parser.add_argument(
+        "--stage-layers",
+        choices=("even", "balanced"),
+        default=None,
+        help="plan every preset with this stage split instead of its own (balanced, as the paper's "
+        "testbed); with --results elsewhere, to compare",
+    )
     args = parser.parse_args(argv)
     if args.stage_layers is not None and args.results == DEFAULT_RESULTS:
         parser.error("--stage-layers plans another pipeline than the presets': give --results FILE for its results")
@@ -269,8 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         report["validation"]["ablation"] = ablation
     elif args.rows != "calibration":
         report["validation"] = {"skipped": f"{VALIDATION_DIR} not found"}
-    args.results.write_text(json.dumps({**stored, "plans": plans,
-                                        **{k: v for k, v in report.items() if k != "note"}}, indent=1, sort_keys=True))
+    args.results.write_text(
+        json.dumps(
+            {**stored, "plans": plans, **{k: v for k, v in report.items() if k != "note"}}, indent=1, sort_keys=True
+        )
+    )
     if args.json:
         print(json.dumps(report, indent=1))
         return 0

@@ -29,18 +29,35 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from kareus_fx.cost_models.analytic_workloads import (
-    BLOOM_176B, GPT3_175B, GPTShape, llama_attention_partition, transformer_stage_ops,
+    BLOOM_176B,
+    GPT3_175B,
+    GPTShape,
+    llama_attention_partition,
+    transformer_stage_ops,
 )
 from kareus_fx.cost_models.calibration import (
-    KAREUS_FILE, PERSEUS_A100_FILE, PERSEUS_A40_FILE, OverlapRow, load_harness, load_overlap, load_stage_profile,
-    parse_overlap, parse_stage_profile, predict_overlap_row,
+    KAREUS_FILE,
+    PERSEUS_A40_FILE,
+    PERSEUS_A100_FILE,
+    OverlapRow,
+    load_harness,
+    load_overlap,
+    load_stage_profile,
+    parse_overlap,
+    parse_stage_profile,
+    predict_overlap_row,
 )
 from kareus_fx.cost_models.sim_params import PARAMS_RESOURCE, gpu_params
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.workload import PartitionConfig
 
-TARGETS = {"frequency_mape": 0.05, "overlap_time_mape": 0.10, "overlap_energy_mape": 0.10,
-           "overlap_time_spearman": 0.9, "overlap_energy_spearman": 0.9}
+TARGETS = {
+    "frequency_mape": 0.05,
+    "overlap_time_mape": 0.10,
+    "overlap_energy_mape": 0.10,
+    "overlap_time_spearman": 0.9,
+    "overlap_energy_spearman": 0.9,
+}
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
@@ -75,10 +92,14 @@ def frequency_errors(sim: Simulator, shape: GPTShape, measured: dict) -> dict[st
                 t_err.append((m.time_s / m0.time_s) / (t / t0) - 1)
                 p_err.append((m.energy_j / m.time_s) / (m0.energy_j / m0.time_s) / ((e / t) / (e0 / t0)) - 1)
     t_err, p_err = np.array(t_err), np.array(p_err)
-    return {"time_ratio_mape": float(np.mean(np.abs(t_err))), "power_ratio_mape": float(np.mean(np.abs(p_err))),
-            "time_ratio_max_abs_error": float(np.max(np.abs(t_err))),
-            "power_ratio_max_abs_error": float(np.max(np.abs(p_err))), "points": int(len(t_err)),
-            "_errors": np.concatenate([t_err, p_err])}
+    return {
+        "time_ratio_mape": float(np.mean(np.abs(t_err))),
+        "power_ratio_mape": float(np.mean(np.abs(p_err))),
+        "time_ratio_max_abs_error": float(np.max(np.abs(t_err))),
+        "power_ratio_max_abs_error": float(np.max(np.abs(p_err))),
+        "points": len(t_err),
+        "_errors": np.concatenate([t_err, p_err]),
+    }
 
 
 def overlap_errors(rows: list[OverlapRow], clock_mhz: float) -> dict[str, Any]:
@@ -91,12 +112,16 @@ def overlap_errors(rows: list[OverlapRow], clock_mhz: float) -> dict[str, Any]:
     e_pred = np.array([m.energy_j for m in pred])
     t_err, e_err = t_pred / t_meas - 1, e_pred / e_meas - 1
     return {
-        "time_mape": float(np.mean(np.abs(t_err))), "energy_mape": float(np.mean(np.abs(e_err))),
+        "time_mape": float(np.mean(np.abs(t_err))),
+        "energy_mape": float(np.mean(np.abs(e_err))),
         "time_spearman": float(spearmanr(t_pred, t_meas).statistic),
         "energy_spearman": float(spearmanr(e_pred, e_meas).statistic),
-        "time_max_abs_error": float(np.max(np.abs(t_err))), "energy_max_abs_error": float(np.max(np.abs(e_err))),
-        "points": len(rows), "clock_mhz": clock_mhz,
-        "per_window_time_mape": _per_window(rows, t_err), "per_window_energy_mape": _per_window(rows, e_err),
+        "time_max_abs_error": float(np.max(np.abs(t_err))),
+        "energy_max_abs_error": float(np.max(np.abs(e_err))),
+        "points": len(rows),
+        "clock_mhz": clock_mhz,
+        "per_window_time_mape": _per_window(rows, t_err),
+        "per_window_energy_mape": _per_window(rows, e_err),
     }
 
 
@@ -113,8 +138,12 @@ def simulator_speed() -> dict[str, float]:
     the first pass (caches cold for each clock and SM count) and a repeat pass."""
     ptype = llama_attention_partition()
     sim = Simulator("A100-SXM4-40GB")
-    configs = [PartitionConfig(f, n, s) for f in range(1410, 899, -30) for n in range(3, 31, 3)
-               for s in (None, *ptype.launch_slots)]
+    configs = [
+        PartitionConfig(f, n, s)
+        for f in range(1410, 899, -30)
+        for n in range(3, 31, 3)
+        for s in (None, *ptype.launch_slots)
+    ]
     out = {"configs": len(configs)}
     for name in ("first_pass_us", "repeat_us"):
         start = time.perf_counter()
@@ -134,8 +163,10 @@ def evaluate(data: Path | None) -> dict[str, Any]:
         pooled = np.concatenate([freq_a100.pop("_errors"), freq_a40.pop("_errors")])
         return {
             "frequency_mape": float(np.mean(np.abs(pooled))),
-            "overlap_time_mape": overlap["time_mape"], "overlap_energy_mape": overlap["energy_mape"],
-            "overlap_time_spearman": overlap["time_spearman"], "overlap_energy_spearman": overlap["energy_spearman"],
+            "overlap_time_mape": overlap["time_mape"],
+            "overlap_energy_mape": overlap["energy_mape"],
+            "overlap_time_spearman": overlap["time_spearman"],
+            "overlap_energy_spearman": overlap["energy_spearman"],
             "details": {"frequency_a100": freq_a100, "frequency_a40": freq_a40, "overlap": overlap},
         }
 
@@ -153,11 +184,16 @@ def evaluate(data: Path | None) -> dict[str, Any]:
             bloom_a40 = parse_stage_profile(f)
         with open(val / "kareus_attention_overlap_a100/locked_1200mhz.csv") as f:
             locked = parse_overlap(f)
-        result = summary(frequency_errors(a100_board, BLOOM_176B, bloom_a100),
-                         frequency_errors(a40, BLOOM_176B, bloom_a40), overlap_errors(locked, 1200.0))
-        result["details"]["files"] = ["validation/perseus_stage_profiles/bloom_a100_sxm.csv",
-                                      "validation/perseus_stage_profiles/bloom_a40.csv",
-                                      "validation/kareus_attention_overlap_a100/locked_1200mhz.csv"]
+        result = summary(
+            frequency_errors(a100_board, BLOOM_176B, bloom_a100),
+            frequency_errors(a40, BLOOM_176B, bloom_a40),
+            overlap_errors(locked, 1200.0),
+        )
+        result["details"]["files"] = [
+            "validation/perseus_stage_profiles/bloom_a100_sxm.csv",
+            "validation/perseus_stage_profiles/bloom_a40.csv",
+            "validation/kareus_attention_overlap_a100/locked_1200mhz.csv",
+        ]
     result["calibration"] = cal
     result["simulator_us_per_call"] = simulator_speed()
     return result
@@ -193,15 +229,19 @@ def main(argv: list[str] | None = None) -> int:
         if not block:
             continue
         fa, f40, ov = block["frequency_a100"], block["frequency_a40"], block["overlap"]
-        print(f"\n{name}: frequency A100 time/power MAPE {fa['time_ratio_mape']:.4f}/{fa['power_ratio_mape']:.4f}, "
-              f"A40 {f40['time_ratio_mape']:.4f}/{f40['power_ratio_mape']:.4f}; overlap at {ov['clock_mhz']:.0f} MHz "
-              f"({ov['points']} configs) time/energy max error {ov['time_max_abs_error']:.3f}/"
-              f"{ov['energy_max_abs_error']:.3f}")
+        print(
+            f"\n{name}: frequency A100 time/power MAPE {fa['time_ratio_mape']:.4f}/{fa['power_ratio_mape']:.4f}, "
+            f"A40 {f40['time_ratio_mape']:.4f}/{f40['power_ratio_mape']:.4f}; overlap at {ov['clock_mhz']:.0f} MHz "
+            f"({ov['points']} configs) time/energy max error {ov['time_max_abs_error']:.3f}/"
+            f"{ov['energy_max_abs_error']:.3f}"
+        )
         print(f"  per-window time MAPE {ov['per_window_time_mape']}")
         print(f"  per-window energy MAPE {ov['per_window_energy_mape']}")
     speed = result["simulator_us_per_call"]
-    print(f"\nsimulator: {speed['first_pass_us']} us/call first pass, {speed['repeat_us']} us/call repeat "
-          f"({speed['configs']} configs of the Llama-3.2-3B TP=4 attention partition)")
+    print(
+        f"\nsimulator: {speed['first_pass_us']} us/call first pass, {speed['repeat_us']} us/call repeat "
+        f"({speed['configs']} configs of the Llama-3.2-3B TP=4 attention partition)"
+    )
     print(f"({result['seconds']} s)")
     return 0
 

@@ -42,8 +42,15 @@ def elementwise(
 
 
 def flash_attention(
-    name: str, batch: int, heads: int, kv_heads: int, seq: int, head_dim: int, causal: bool = True,
-    dtype_bytes: int = 2, backward: bool = False,
+    name: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq: int,
+    head_dim: int,
+    causal: bool = True,
+    dtype_bytes: int = 2,
+    backward: bool = False,
 ) -> OpCost:
     """Fused (flash) attention: 4*b*h*s^2*d FLOPs forward (halved when causal), 2.5x that backward."""
     flops = 4.0 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
@@ -91,16 +98,27 @@ def kareus_attention_tp2(count: int = 1) -> PartitionType:
         SlotSpec((elementwise("layernorm", n_hidden, 1, 1, 2, "aten.native_layer_norm.default"),)),
         SlotSpec((gemm("linear_qkv", tokens, hidden, qkv_out, bias=True),)),
         # split of the fused QKV output into contiguous q, k, v.
-        SlotSpec(tuple(elementwise(f"qkv_split.{t}", tokens * local_heads * head_dim, 1, 1, 2, "aten.clone.default")
-                       for t in "qkv")),
-        SlotSpec(unfused_rope("rope_q", tokens, local_heads, head_dim) + unfused_rope("rope_k", tokens, local_heads, head_dim)),
+        SlotSpec(
+            tuple(
+                elementwise(f"qkv_split.{t}", tokens * local_heads * head_dim, 1, 1, 2, "aten.clone.default")
+                for t in "qkv"
+            )
+        ),
+        SlotSpec(
+            unfused_rope("rope_q", tokens, local_heads, head_dim)
+            + unfused_rope("rope_k", tokens, local_heads, head_dim)
+        ),
         SlotSpec((flash_attention("attention", nano, local_heads, local_heads, seq, head_dim, causal=True),)),
         SlotSpec((gemm("linear_proj", tokens, hidden // tp, hidden, bias=True),)),
     )
     collective = CollectiveSpec("all_reduce", float(2 * n_hidden), group_size=tp)
     return PartitionType(
-        type_id="kareus_attention_tp2_fwd", graph="forward", slots=slots, collective=collective,
-        count=count, launch_slots=tuple(range(len(slots))),
+        type_id="kareus_attention_tp2_fwd",
+        graph="forward",
+        slots=slots,
+        collective=collective,
+        count=count,
+        launch_slots=tuple(range(len(slots))),
     )
 
 
@@ -122,7 +140,11 @@ LLAMA_3_2_3B = LlamaShape(hidden=3072, heads=24, kv_heads=8, ffn=8192)
 
 
 def llama_attention_partition(
-    shape: LlamaShape = LLAMA_3_2_3B, tp: int = 4, nanobatch: int = 4, seq: int = 4096, count: int = 1,
+    shape: LlamaShape = LLAMA_3_2_3B,
+    tp: int = 4,
+    nanobatch: int = 4,
+    seq: int = 4096,
+    count: int = 1,
 ) -> PartitionType:
     """Attention sub-layer of one nanobatch (RMSNorm, QKV, RoPE, flash attention, output projection)
     plus the all-reduce of the other nanobatch's attention output (paper Figure 3)."""
@@ -139,14 +161,21 @@ def llama_attention_partition(
         SlotSpec((gemm("linear_out", tokens, q_heads * shape.head_dim, shape.hidden),)),
     )
     return PartitionType(
-        type_id=f"llama_attn_tp{tp}_fwd", graph="forward", slots=slots,
+        type_id=f"llama_attn_tp{tp}_fwd",
+        graph="forward",
+        slots=slots,
         collective=CollectiveSpec("all_reduce", float(2 * n_hidden), group_size=tp),
-        count=count, launch_slots=tuple(range(len(slots))),
+        count=count,
+        launch_slots=tuple(range(len(slots))),
     )
 
 
 def llama_mlp_partition(
-    shape: LlamaShape = LLAMA_3_2_3B, tp: int = 4, nanobatch: int = 4, seq: int = 4096, count: int = 1,
+    shape: LlamaShape = LLAMA_3_2_3B,
+    tp: int = 4,
+    nanobatch: int = 4,
+    seq: int = 4096,
+    count: int = 1,
 ) -> PartitionType:
     """MLP sub-layer of one nanobatch (RMSNorm, gate/up, SwiGLU, down) plus the other nanobatch's all-reduce."""
     tokens = nanobatch * seq
@@ -159,9 +188,12 @@ def llama_mlp_partition(
         SlotSpec((gemm("linear_down", tokens, ffn, shape.hidden),)),
     )
     return PartitionType(
-        type_id=f"llama_mlp_tp{tp}_fwd", graph="forward", slots=slots,
+        type_id=f"llama_mlp_tp{tp}_fwd",
+        graph="forward",
+        slots=slots,
         collective=CollectiveSpec("all_reduce", float(2 * n_hidden), group_size=tp),
-        count=count, launch_slots=tuple(range(len(slots))),
+        count=count,
+        launch_slots=tuple(range(len(slots))),
     )
 
 
@@ -239,15 +271,24 @@ def _gpt_layer_forward(shape: GPTShape, tokens: int, batch: int, seq: int, tp: i
 def _backward_of(op: OpCost) -> list[OpCost]:
     """Backward kernels of a forward op: data and weight gradient GEMMs, or a 2x elementwise pass."""
     if op.target.startswith("aten._scaled_dot_product"):
-        return [OpCost(op.name + ".bwd", op.target.replace(".default", "_backward.default"), 2.5 * op.flops, 2.5 * op.bytes)]
+        return [
+            OpCost(op.name + ".bwd", op.target.replace(".default", "_backward.default"), 2.5 * op.flops, 2.5 * op.bytes)
+        ]
     if op.target in ("aten.addmm.default", "aten.mm.default", "aten.bmm.default", "aten.baddbmm.default"):
-        return [OpCost(op.name + ".dgrad", "aten.mm.default", op.flops, op.bytes),
-                OpCost(op.name + ".wgrad", "aten.mm.default", op.flops, op.bytes)]
+        return [
+            OpCost(op.name + ".dgrad", "aten.mm.default", op.flops, op.bytes),
+            OpCost(op.name + ".wgrad", "aten.mm.default", op.flops, op.bytes),
+        ]
     return [OpCost(op.name + ".bwd", op.target, 2 * op.flops, 2 * op.bytes)]
 
 
 def transformer_stage_ops(
-    shape: GPTShape, stage: int, stages: int = 8, tp: int = 8, batch: int = 1, seq: int = 2048,
+    shape: GPTShape,
+    stage: int,
+    stages: int = 8,
+    tp: int = 8,
+    batch: int = 1,
+    seq: int = 2048,
     backward: bool = False,
 ) -> tuple[list[OpCost], list[CollectiveSpec]]:
     """One GPU's kernels of one pipeline stage (layers split evenly; the last stage adds the LM head

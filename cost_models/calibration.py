@@ -45,13 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy.optimize import least_squares, minimize, nnls
+
 from kareus_fx.cost_models.analytic_workloads import GPT3_175B, kareus_attention_tp2, transformer_stage_ops
 from kareus_fx.cost_models.hardware import GPUSpec, gpu_spec
 from kareus_fx.cost_models.kernel_model import smooth_min
 from kareus_fx.cost_models.sim_params import PARAMS_RESOURCE, SimParams, derive_params
 from kareus_fx.cost_models.simulator import Prediction, Simulator
-from scipy.optimize import least_squares, minimize, nnls
-
 from kareus_fx.workload import OpCost, PartitionConfig
 
 DATA = "data/calibration"
@@ -72,10 +72,19 @@ PERSEUS_A100_TDP_W = 500.0
 PERSEUS_STAGES = (0, 7)  # stages 1-6 are identical to stage 0 in the profiles
 
 A40_SPEC = GPUSpec(
-    name="A40", sm_count=84, clock_min_mhz=210, clock_max_mhz=1740, clock_step_mhz=15,
-    tuning_clock_min_mhz=900, peak_clock_mhz=1740, hbm_bandwidth_bytes_per_s=695.8e9,
-    bf16_peak_flops_per_s=149.7e12, tdp_w=300.0, static_power_w=A40_BLOCKING_POWER_W,
-    blocking_power_w=A40_BLOCKING_POWER_W, nvlink_bandwidth_bytes_per_s=56.25e9,
+    name="A40",
+    sm_count=84,
+    clock_min_mhz=210,
+    clock_max_mhz=1740,
+    clock_step_mhz=15,
+    tuning_clock_min_mhz=900,
+    peak_clock_mhz=1740,
+    hbm_bandwidth_bytes_per_s=695.8e9,
+    bf16_peak_flops_per_s=149.7e12,
+    tdp_w=300.0,
+    static_power_w=A40_BLOCKING_POWER_W,
+    blocking_power_w=A40_BLOCKING_POWER_W,
+    nvlink_bandwidth_bytes_per_s=56.25e9,
     sources={
         "sm_count": "gpu.spicedreamphone.com/en/gpu/nvidia/a40-pcie (84 SMs, GA102)",
         "clock_max_mhz": "same page: boost clock 1740 MHz; Perseus A40 profile spans 855-1740 MHz",
@@ -85,7 +94,7 @@ A40_SPEC = GPUSpec(
         "bf16_peak_flops_per_s": "hmc-tech.com/gpu/nvidia-a100-vs-nvidia-a40: BF16 149.67 TFLOPS tensor (dense)",
         "tdp_w": "same pages: 300 W; NVIDIA A40 product brief (relationship-nepal.org/900-2g133-0000-000.html)",
         "static_power_w": "Perseus artifact blocking power 70.38 W (ml-energy/zeus@38cb3f90 evaluation notebook); "
-                          "no P0 ready-state figure found (idle out of P0 is about 30 W, NVIDIA/open-gpu-kernel-modules#874)",
+        "no P0 ready-state figure found (idle out of P0 is about 30 W, NVIDIA/open-gpu-kernel-modules#874)",
         "nvlink_bandwidth_bytes_per_s": "NVLink bridge 112.5 GB/s bidirectional (A40 product brief), per direction",
         "tuning_clock_min_mhz": "assumed like A100 (Kareus appendix B floor)",
     },
@@ -119,15 +128,25 @@ def parse_overlap(lines: Iterable[str], gpus: int = 2) -> list[OverlapRow]:
     for r in csv.DictReader(lines):
         times = [float(r[f"{i}:time (s)"]) for i in range(3) if r.get(f"{i}:time (s)")]
         energies = [float(r[f"{i}:total energy (J)"]) for i in range(3) if r.get(f"{i}:total energy (J)")]
-        rows.append(OverlapRow(int(r["overlap_start"]), int(r["overlap_end"]), int(r["comm_sm_number"]),
-                               int(r["comm_block_size"]), float(np.mean(times)), float(np.mean(energies)) / gpus))
+        rows.append(
+            OverlapRow(
+                int(r["overlap_start"]),
+                int(r["overlap_end"]),
+                int(r["comm_sm_number"]),
+                int(r["comm_block_size"]),
+                float(np.mean(times)),
+                float(np.mean(energies)) / gpus,
+            )
+        )
     return rows
 
 
 def parse_stage_profile(lines: Iterable[str]) -> dict[tuple[int, str, int], tuple[float, float]]:
     """Perseus stage profile: (stage, instruction, MHz) -> (time, energy) as stored."""
-    return {(int(r["stage"]), r["instruction"], int(r["frequency"])): (float(r["time"]), float(r["energy"]))
-            for r in csv.DictReader(lines)}
+    return {
+        (int(r["stage"]), r["instruction"], int(r["frequency"])): (float(r["time"]), float(r["energy"]))
+        for r in csv.DictReader(lines)
+    }
 
 
 def load_overlap() -> list[OverlapRow]:
@@ -150,8 +169,9 @@ class OverlapHarness:
     """Host work at the end of each iteration; the collective may still run meanwhile."""
 
 
-def predict_overlap_row(sim: Simulator, row: OverlapRow, harness: OverlapHarness, clock_mhz: float,
-                        ptype=None, timeline: bool = False) -> Prediction:
+def predict_overlap_row(
+    sim: Simulator, row: OverlapRow, harness: OverlapHarness, clock_mhz: float, ptype=None, timeline: bool = False
+) -> Prediction:
     """The simulator's prediction of one Kareus overlap measurement.
 
     Window (-1, -1) is sequential: the script runs the all-reduce first, waits, then the seven ops.
@@ -165,8 +185,14 @@ def predict_overlap_row(sim: Simulator, row: OverlapRow, harness: OverlapHarness
         launch, join = 0, 0
     else:
         launch, join = row.start, (row.end + 1 if row.end + 1 < n_slots else None)
-    return sim.predict(ptype, PartitionConfig(int(clock_mhz), row.sms, launch), join_slot=join,
-                       comm_rate_scale=scale, tail_s=harness.tail_s, timeline=timeline)
+    return sim.predict(
+        ptype,
+        PartitionConfig(int(clock_mhz), row.sms, launch),
+        join_slot=join,
+        comm_rate_scale=scale,
+        tail_s=harness.tail_s,
+        timeline=timeline,
+    )
 
 
 _KAREUS_PTYPE = kareus_attention_tp2()
@@ -175,7 +201,7 @@ _KAREUS_PTYPE = kareus_attention_tp2()
 # ----- step 1: memory-bound kernels ----------------------------------------------------------------
 def fit_memory_curve(prior: SimParams) -> tuple[dict[str, float], dict[str, Any]]:
     spec = gpu_spec(A100_80)
-    rows = [r for r in _read_csv(NANOFLOW_MEM_FILE)]
+    rows = list(_read_csv(NANOFLOW_MEM_FILE))
     longest = max(int(r["seqlen"]) for r in rows)
     data = {}
     for r in rows:
@@ -189,13 +215,22 @@ def fit_memory_curve(prior: SimParams) -> tuple[dict[str, float], dict[str, Any]
         return np.array([smooth_min(per_sm * b, eff * spec.hbm_bandwidth_bytes_per_s, knee) for b in blocks])
 
     z0 = np.array([prior.mem_bw_per_sm_bytes_per_s, prior.mem_bw_efficiency, prior.mem_knee])
-    sol = least_squares(lambda z: np.log(model(z)) - np.log(bw), z0, x_scale=z0,
-                        bounds=([1e9, 0.3, 0.5], [200e9, 1.0, 20.0]))
+    sol = least_squares(
+        lambda z: np.log(model(z)) - np.log(bw), z0, x_scale=z0, bounds=([1e9, 0.3, 0.5], [200e9, 1.0, 20.0])
+    )
     err = model(sol.x) / bw - 1
-    values = {"mem_bw_per_sm_bytes_per_s": float(sol.x[0]), "mem_bw_efficiency": float(sol.x[1]),
-              "mem_knee": float(sol.x[2])}
-    prov = {"file": NANOFLOW_MEM_FILE, "rows": f"seqlen={longest} (steady state), blocks 4-108",
-            "points": len(blocks), "mape": _mape(err), "max_abs_rel_error": float(np.max(np.abs(err)))}
+    values = {
+        "mem_bw_per_sm_bytes_per_s": float(sol.x[0]),
+        "mem_bw_efficiency": float(sol.x[1]),
+        "mem_knee": float(sol.x[2]),
+    }
+    prov = {
+        "file": NANOFLOW_MEM_FILE,
+        "rows": f"seqlen={longest} (steady state), blocks 4-108",
+        "points": len(blocks),
+        "mape": _mape(err),
+        "max_abs_rel_error": float(np.max(np.abs(err))),
+    }
     return values, prov
 
 
@@ -220,19 +255,24 @@ def fit_collective_shape(prior: SimParams) -> tuple[dict[str, float], dict[str, 
         return np.array([smooth_min(per_sm * b, cap, knee) for b in ctas])
 
     z0 = np.array([bws[0] / 8, bws[-1] * 1.2, prior.comm_knee])
-    sol = least_squares(lambda z: np.log(model(z)) - np.log(bws), z0, x_scale=z0,
-                        bounds=([1e8, 1e9, 0.5], [1e11, 1e12, 20.0]))
+    sol = least_squares(
+        lambda z: np.log(model(z)) - np.log(bws), z0, x_scale=z0, bounds=([1e8, 1e9, 0.5], [1e11, 1e12, 20.0])
+    )
     err = model(sol.x) / bws - 1
     rs8, ag8 = per_file[("reduce_scatter", 8)][1], per_file[("all_gather", 8)][1]
     # An all-reduce is a reduce-scatter then an all-gather of the same bus bytes: its per-SM rate is
     # the harmonic mean of theirs. Kind factors are relative to the all-reduce's rate.
     ar8 = 2.0 / (1.0 / rs8 + 1.0 / ag8)
-    values = {"comm_knee": float(sol.x[2]), "comm_factor_reduce_scatter": float(rs8 / ar8),
-              "comm_factor_all_gather": float(ag8 / ar8), "comm_factor_all_to_all": float(ag8 / ar8)}
+    values = {
+        "comm_knee": float(sol.x[2]),
+        "comm_factor_reduce_scatter": float(rs8 / ar8),
+        "comm_factor_all_gather": float(ag8 / ar8),
+        "comm_factor_all_to_all": float(ag8 / ar8),
+    }
     prov = {
         "files": [NANOFLOW_COLL.format(kind=k, blocks=b) for k, b in per_file],
         "method": "per file: time = latency + bus bytes / bandwidth over 8-32 MiB; knee: smooth min of "
-                  "per-CTA rate x CTAs and a cap through the 8/16/32-CTA reduce-scatter bandwidths",
+        "per-CTA rate x CTAs and a cap through the 8/16/32-CTA reduce-scatter bandwidths",
         "bus_bandwidth_GBps": {f"{k}_{b}": round(v[1] / 1e9, 1) for (k, b), v in per_file.items()},
         "knee_fit_max_abs_rel_error": float(np.max(np.abs(err))),
         "nccl_reduce_scatter_curve": {"per_cta_bytes_per_s": float(sol.x[0]), "cap_bytes_per_s": float(sol.x[1])},
@@ -278,32 +318,50 @@ def fit_compute_contention(params: SimParams, coll_prov: dict[str, Any]) -> tupl
     u, excess = np.array(utils), np.array(slowdowns) - 1.0
     kappa = float(max(0.0, np.dot(u, excess) / np.dot(u, u)))
     err = (1.0 + kappa * u) / np.array(slowdowns) - 1.0
-    prov = {"file": NANOFLOW_NET_FILE, "gemm_mkn_assumed": list(NANOFLOW_GEMM_MKN),
-            "method": "slowdown S = NCCL curve(R) / curve(all) / P; least squares of S - 1 = kappa * GEMM HBM utilisation",
-            "rows": [{"R": sh, "slowdown": round(sl, 3), "gemm_hbm_util": round(ut, 3), "simulated": round(1 + kappa * ut, 3)}
-                     for sh, sl, ut in zip(shares, slowdowns, utils)],
-            "max_abs_rel_error": float(np.max(np.abs(err)))}
+    prov = {
+        "file": NANOFLOW_NET_FILE,
+        "gemm_mkn_assumed": list(NANOFLOW_GEMM_MKN),
+        "method": "slowdown S = NCCL curve(R) / curve(all) / P; least squares of S - 1 = kappa * GEMM HBM utilisation",
+        "rows": [
+            {"R": sh, "slowdown": round(sl, 3), "gemm_hbm_util": round(ut, 3), "simulated": round(1 + kappa * ut, 3)}
+            for sh, sl, ut in zip(shares, slowdowns, utils)
+        ],
+        "max_abs_rel_error": float(np.max(np.abs(err))),
+    }
     return {"comm_contention_compute": kappa}, prov
 
 
 # ----- step 3: partition timing --------------------------------------------------------------------
-_TIME_FIT = ("gemm_efficiency", "kernel_overhead_s", "comm_bus_bw_per_sm_bytes_per_s",
-             "comm_bus_bw_cap_bytes_per_s", "comm_latency_s", "comm_contention")
-_TIME_BOUNDS = {"gemm_efficiency": (0.2, 1.0), "kernel_overhead_s": (0.0, 200e-6),
-                "comm_bus_bw_per_sm_bytes_per_s": (0.5e9, 50e9), "comm_bus_bw_cap_bytes_per_s": (10e9, 600e9),
-                "comm_latency_s": (0.0, 1e-3), "comm_contention": (0.0, 20.0)}
+_TIME_FIT = (
+    "gemm_efficiency",
+    "kernel_overhead_s",
+    "comm_bus_bw_per_sm_bytes_per_s",
+    "comm_bus_bw_cap_bytes_per_s",
+    "comm_latency_s",
+    "comm_contention",
+)
+_TIME_BOUNDS = {
+    "gemm_efficiency": (0.2, 1.0),
+    "kernel_overhead_s": (0.0, 200e-6),
+    "comm_bus_bw_per_sm_bytes_per_s": (0.5e9, 50e9),
+    "comm_bus_bw_cap_bytes_per_s": (10e9, 600e9),
+    "comm_latency_s": (0.0, 1e-3),
+    "comm_contention": (0.0, 20.0),
+}
 _HARNESS_BOUNDS = {"block512_rate_factor": (0.2, 1.5), "tail_s": (0.0, 3e-3)}
 
 
-def _overlap_predictions(params: SimParams, harness: OverlapHarness, rows: Sequence[OverlapRow],
-                         spec: GPUSpec) -> list[Prediction]:
+def _overlap_predictions(
+    params: SimParams, harness: OverlapHarness, rows: Sequence[OverlapRow], spec: GPUSpec
+) -> list[Prediction]:
     """Predictions at the unlocked clock: the max clock, throttled by the simulator if over the cap."""
     sim = Simulator(spec, params)
     return [predict_overlap_row(sim, r, harness, spec.clock_max_mhz) for r in rows]
 
 
-def fit_partition_timing(params: SimParams, rows: Sequence[OverlapRow], harness0: OverlapHarness,
-                         spec: GPUSpec, power_capped: bool = False) -> tuple[SimParams, OverlapHarness, dict[str, Any]]:
+def fit_partition_timing(
+    params: SimParams, rows: Sequence[OverlapRow], harness0: OverlapHarness, spec: GPUSpec, power_capped: bool = False
+) -> tuple[SimParams, OverlapHarness, dict[str, Any]]:
     """Timing parameters and harness terms on log time. Without ``power_capped`` no power cap applies
     (the power coefficients are not fitted yet); with it, phases throttle at the spec's TDP."""
     names = list(_TIME_FIT) + list(_HARNESS_BOUNDS)
@@ -316,8 +374,8 @@ def fit_partition_timing(params: SimParams, rows: Sequence[OverlapRow], harness0
 
     def unpack(z: np.ndarray) -> tuple[SimParams, OverlapHarness]:
         x = z * scale
-        p = replace(params, **dict(zip(_TIME_FIT, map(float, x[:len(_TIME_FIT)]))))
-        h = OverlapHarness(*map(float, x[len(_TIME_FIT):]))
+        p = replace(params, **dict(zip(_TIME_FIT, map(float, x[: len(_TIME_FIT)]))))
+        h = OverlapHarness(*map(float, x[len(_TIME_FIT) :]))
         return p, h
 
     def residuals(z: np.ndarray) -> np.ndarray:
@@ -329,11 +387,16 @@ def fit_partition_timing(params: SimParams, rows: Sequence[OverlapRow], harness0
     sol = least_squares(residuals, z0, bounds=(lo, hi), diff_step=1e-3, x_scale=1.0)
     fitted, harness = unpack(sol.x)
     err = np.exp(residuals(sol.x)) - 1
-    prov = {"file": KAREUS_FILE, "points": len(rows), "fitted": names,
-            "clock": "unlocked = max clock unless the power cap binds", "power_capped": power_capped,
-            "time_mape": _mape(err),
-            "time_max_abs_rel_error": float(np.max(np.abs(err))),
-            "workload": "analytic_workloads.kareus_attention_tp2 (7 slots, 32 MiB all-reduce, TP=2)"}
+    prov = {
+        "file": KAREUS_FILE,
+        "points": len(rows),
+        "fitted": names,
+        "clock": "unlocked = max clock unless the power cap binds",
+        "power_capped": power_capped,
+        "time_mape": _mape(err),
+        "time_max_abs_rel_error": float(np.max(np.abs(err))),
+        "workload": "analytic_workloads.kareus_attention_tp2 (7 slots, 32 MiB all-reduce, TP=2)",
+    }
     return fitted, harness, prov
 
 
@@ -384,9 +447,15 @@ GDDR6_ENERGY_FACTOR = 2.0
 _POWER_SHAPE = ("voltage_floor", "voltage_knee_frac", "per_sm_clock_exponent")
 
 
-def fit_power_and_clock(params: SimParams, rows: Sequence[OverlapRow], harness: OverlapHarness, spec: GPUSpec,
-                        perseus: dict, perseus_spec: GPUSpec, log: Callable[[str], None] = print,
-                        ) -> tuple[SimParams, dict[str, Any]]:
+def fit_power_and_clock(
+    params: SimParams,
+    rows: Sequence[OverlapRow],
+    harness: OverlapHarness,
+    spec: GPUSpec,
+    perseus: dict,
+    perseus_spec: GPUSpec,
+    log: Callable[[str], None] = print,
+) -> tuple[SimParams, dict[str, Any]]:
     """Power coefficients, voltage curve and the per-SM clock exponent.
 
     For a given (voltage floor, knee, clock exponent) the three fitted power coefficients are a
@@ -412,12 +481,15 @@ def fit_power_and_clock(params: SimParams, rows: Sequence[OverlapRow], harness: 
         stage = stage_predictions(Simulator(free_perseus, p), series, clocks)
         ta = np.array([q.terms.time_s for q in overlap])
         xa = np.array([q.terms.features()[:3] for q in overlap])
-        fixed_a = spec.static_power_w * ta + np.array([hbm * q.terms.hbm_bytes + link * q.terms.link_bytes
-                                                       for q in overlap])
+        fixed_a = spec.static_power_w * ta + np.array(
+            [hbm * q.terms.hbm_bytes + link * q.terms.link_bytes for q in overlap]
+        )
         tb = np.array([stage[k].terms.time_s for k in keys])
         xb = np.array([stage[k].terms.features()[:3] for k in keys]) / tb[:, None]
-        fixed_b = perseus_spec.static_power_w + np.array(
-            [hbm * stage[k].terms.hbm_bytes + link * stage[k].terms.link_bytes for k in keys]) / tb
+        fixed_b = (
+            perseus_spec.static_power_w
+            + np.array([hbm * stage[k].terms.hbm_bytes + link * stage[k].terms.link_bytes for k in keys]) / tb
+        )
         a = np.vstack([xa / e_meas[:, None] * wa, xb / p_meas[:, None] * wb])
         b = np.concatenate([(e_meas - fixed_a) / e_meas * wa, (p_meas - fixed_b) / p_meas * wb])
         scale = np.maximum(np.abs(a).max(axis=0), 1e-30)
@@ -425,10 +497,13 @@ def fit_power_and_clock(params: SimParams, rows: Sequence[OverlapRow], harness: 
         ea = (fixed_a + xa @ c) / e_meas - 1
         eb = (fixed_b + xb @ c) / p_meas - 1
         et, _ = ratio_errors(stage, perseus, perseus_spec.clock_max_mhz)
-        score = float(np.mean(ea ** 2) + np.mean(eb ** 2) + np.mean(et ** 2))
+        score = float(np.mean(ea**2) + np.mean(eb**2) + np.mean(et**2))
         fitted = replace(p, **dict(zip(_POWER_COEFFS, map(float, c))))
-        return fitted, score, {"overlap_energy_mape": _mape(ea), "perseus_power_mape": _mape(eb),
-                               "perseus_time_ratio_mape": _mape(et)}
+        return (
+            fitted,
+            score,
+            {"overlap_energy_mape": _mape(ea), "perseus_power_mape": _mape(eb), "perseus_time_ratio_mape": _mape(et)},
+        )
 
     lo, hi = np.array([0.5, 0.4, 0.0]), np.array([1.0, 0.98, 1.0])
     memo: dict[tuple, float] = {}
@@ -442,8 +517,12 @@ def fit_power_and_clock(params: SimParams, rows: Sequence[OverlapRow], harness: 
 
     z0 = np.array([params.voltage_floor, params.voltage_knee_frac, params.per_sm_clock_exponent])
     simplex = np.array([z0, z0 + [0.1, 0, 0], z0 + [0, 0.1, 0], z0 + [0, 0, 0.3]])
-    result = minimize(objective, z0, method="Nelder-Mead",
-                      options={"xatol": 1e-3, "fatol": 1e-7, "maxfev": 120, "initial_simplex": simplex})
+    result = minimize(
+        objective,
+        z0,
+        method="Nelder-Mead",
+        options={"xatol": 1e-3, "fatol": 1e-7, "maxfev": 120, "initial_simplex": simplex},
+    )
     fitted, score, errors = solve(np.clip(result.x, lo, hi))
     log(f"    Nelder-Mead: {result.nfev} evaluations, score {score:.5f}")
     # With the fitted coefficients and the real caps, nothing may throttle (the fit assumed so).
@@ -451,16 +530,19 @@ def fit_power_and_clock(params: SimParams, rows: Sequence[OverlapRow], harness: 
     stage = stage_predictions(Simulator(perseus_spec, fitted), series, clocks)
     capped_perseus = sum(q.throttled for q in stage.values())
     _, p_err = ratio_errors(stage, perseus, perseus_spec.clock_max_mhz)
-    prov = {"files": [KAREUS_FILE, PERSEUS_A100_FILE],
-            "method": "Nelder-Mead over " + ", ".join(_POWER_SHAPE) + "; for each, non-negative least squares "
-                      "of " + ", ".join(_POWER_COEFFS) + " on relative energy / power errors",
-            **errors, "perseus_power_ratio_mape": _mape(p_err),
-            "throttled_predictions": {"overlap": int(capped_overlap), "perseus": int(capped_perseus)},
-            "perseus_board_tdp_w": perseus_spec.tdp_w,
-            "per_byte_energies": f"priors: HBM {hbm:.3g} J/byte, link {link:.3g} J/byte (not identifiable: every "
-                                 "Kareus row moves the same bytes)",
-            "busy_power_check": f"static + busy = {spec.static_power_w + fitted.busy_power_w:.1f} W vs the Perseus "
-                                f"artifact's blocking power {A100_BLOCKING_POWER_W} W (not fitted)"}
+    prov = {
+        "files": [KAREUS_FILE, PERSEUS_A100_FILE],
+        "method": "Nelder-Mead over " + ", ".join(_POWER_SHAPE) + "; for each, non-negative least squares "
+        "of " + ", ".join(_POWER_COEFFS) + " on relative energy / power errors",
+        **errors,
+        "perseus_power_ratio_mape": _mape(p_err),
+        "throttled_predictions": {"overlap": int(capped_overlap), "perseus": int(capped_perseus)},
+        "perseus_board_tdp_w": perseus_spec.tdp_w,
+        "per_byte_energies": f"priors: HBM {hbm:.3g} J/byte, link {link:.3g} J/byte (not identifiable: every "
+        "Kareus row moves the same bytes)",
+        "busy_power_check": f"static + busy = {spec.static_power_w + fitted.busy_power_w:.1f} W vs the Perseus "
+        f"artifact's blocking power {A100_BLOCKING_POWER_W} W (not fitted)",
+    }
     return fitted, prov
 
 
@@ -476,8 +558,9 @@ def fit_a40(a100: SimParams) -> tuple[SimParams, dict[str, Any]]:
 
     def build(z: np.ndarray) -> SimParams:
         scale, vf, knee = map(float, z)
-        return replace(base, voltage_floor=vf, voltage_knee_frac=knee,
-                       **{n: getattr(base, n) * scale for n in _POWER_COEFFS})
+        return replace(
+            base, voltage_floor=vf, voltage_knee_frac=knee, **{n: getattr(base, n) * scale for n in _POWER_COEFFS}
+        )
 
     def residuals(z: np.ndarray) -> np.ndarray:
         sim = Simulator(A40_SPEC, build(z))
@@ -486,16 +569,24 @@ def fit_a40(a100: SimParams) -> tuple[SimParams, dict[str, Any]]:
         t_err, _ = ratio_errors(pred, measured, A40_SPEC.clock_max_mhz)
         return np.concatenate([np.log(p / p_meas), t_err])
 
-    sol = least_squares(residuals, np.array([1.0, 0.8, 0.6]), bounds=([0.1, 0.5, 0.3], [5.0, 1.0, 0.98]),
-                        diff_step=1e-2)
+    sol = least_squares(
+        residuals, np.array([1.0, 0.8, 0.6]), bounds=([0.1, 0.5, 0.3], [5.0, 1.0, 0.98]), diff_step=1e-2
+    )
     fitted = build(sol.x)
     pred = stage_predictions(Simulator(A40_SPEC, fitted), series, clocks)
     t_err, p_err = ratio_errors(pred, measured, A40_SPEC.clock_max_mhz)
     p = np.array([pred[k].measurement.energy_j / pred[k].measurement.time_s for k in keys])
-    prov = {"file": PERSEUS_A40_FILE, "derived_from": A100, "method": "derive_params spec ratios; then power "
-            "scale, voltage floor and knee by least squares on power and time relative to 1740 MHz",
-            "power_scale": float(sol.x[0]), "power_mape": _mape(p / p_meas - 1),
-            "power_ratio_mape": _mape(p_err), "time_ratio_mape": _mape(t_err), "tdp_w": A40_SPEC.tdp_w}
+    prov = {
+        "file": PERSEUS_A40_FILE,
+        "derived_from": A100,
+        "method": "derive_params spec ratios; then power "
+        "scale, voltage floor and knee by least squares on power and time relative to 1740 MHz",
+        "power_scale": float(sol.x[0]),
+        "power_mape": _mape(p / p_meas - 1),
+        "power_ratio_mape": _mape(p_err),
+        "time_ratio_mape": _mape(t_err),
+        "tdp_w": A40_SPEC.tdp_w,
+    }
     return fitted, prov
 
 
@@ -510,7 +601,8 @@ def interference_check(params: SimParams) -> dict[str, Any]:
         share = float(r["R"])
         sms = max(1, round(share * sim.spec.sm_count))
         rel = sim.kernels.memory_bandwidth(sms, sim.spec.clock_max_mhz) / sim.kernels.memory_bandwidth(
-            sim.spec.sm_count, sim.spec.clock_max_mhz)
+            sim.spec.sm_count, sim.spec.clock_max_mhz
+        )
         out.append({"R": share, "nanoflow_P": float(r["P"]), "simulated": round(rel, 3)})
     return {"file": "nanoflow_a100/memory_bound_interference.csv", "memory_bound": out}
 
@@ -543,8 +635,10 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
     perseus = load_stage_profile(PERSEUS_A100_FILE)
     perseus_spec = replace(gpu_spec(A100_80), tdp_w=PERSEUS_A100_TDP_W)
     params, power_prov = fit_power_and_clock(params, rows, harness, spec, perseus, perseus_spec, log)
-    log(f"    overlap energy MAPE {power_prov['overlap_energy_mape']:.4f}, Perseus power MAPE "
-        f"{power_prov['perseus_power_mape']:.4f}, time-ratio MAPE {power_prov['perseus_time_ratio_mape']:.4f}")
+    log(
+        f"    overlap energy MAPE {power_prov['overlap_energy_mape']:.4f}, Perseus power MAPE "
+        f"{power_prov['perseus_power_mape']:.4f}, time-ratio MAPE {power_prov['perseus_time_ratio_mape']:.4f}"
+    )
     if power_prov["throttled_predictions"]["overlap"]:
         log("    the 400 W cap binds on some Kareus rows: partition timing again, capped")
         params, harness, time_prov = fit_partition_timing(params, rows, harness, spec, power_capped=True)
@@ -554,29 +648,48 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
     log(f"    power MAPE {a40_prov['power_mape']:.4f}, time-ratio MAPE {a40_prov['time_ratio_mape']:.4f}")
 
     fitted = set(mem) | set(coll) | set(contention) | set(_TIME_FIT) | set(_POWER_COEFFS) | set(_POWER_SHAPE)
-    a100_prov = {"calibrated": True, "memory_curve": mem_prov, "collective_shape": coll_prov,
-                 "compute_contention": contention_prov,
-                 "partition_timing": time_prov, "power_and_clock": power_prov,
-                 "priors": sorted(set(params.to_dict()) - fitted),
-                 "checks": interference_check(params)}
+    a100_prov = {
+        "calibrated": True,
+        "memory_curve": mem_prov,
+        "collective_shape": coll_prov,
+        "compute_contention": contention_prov,
+        "partition_timing": time_prov,
+        "power_and_clock": power_prov,
+        "priors": sorted(set(params.to_dict()) - fitted),
+        "checks": interference_check(params),
+    }
     return {
         "schema_version": 1,
         "generated_by": "python -m kareus_fx.cost_models.calibration",
         "fit_seconds": round(time.time() - t_start, 1),
         "gpus": {
             A100: {"params": params.to_dict(), "provenance": a100_prov},
-            A100_80: {"params": params.to_dict(), "provenance": {
-                "calibrated": True, "same_as": A100,
-                "note": "same GA100 die and clocks; the NanoFlow and Perseus data used above are from this board"}},
-            "A40": {"params": a40.to_dict(), "provenance": {"calibrated": True, **a40_prov},
-                    "spec": {"values": {k: v for k, v in asdict(A40_SPEC).items() if k != "sources"},
-                             "sources": A40_SPEC.sources}},
+            A100_80: {
+                "params": params.to_dict(),
+                "provenance": {
+                    "calibrated": True,
+                    "same_as": A100,
+                    "note": "same GA100 die and clocks; the NanoFlow and Perseus data used above are from this board",
+                },
+            },
+            "A40": {
+                "params": a40.to_dict(),
+                "provenance": {"calibrated": True, **a40_prov},
+                "spec": {
+                    "values": {k: v for k, v in asdict(A40_SPEC).items() if k != "sources"},
+                    "sources": A40_SPEC.sources,
+                },
+            },
         },
-        "harness": {"kareus_attention_overlap": {**asdict(harness), "fitted_with": "step 3",
-                                                 "applies_to": KAREUS_FILE},
-                    "perseus_a100_board": {"power_limit_w": PERSEUS_A100_TDP_W, "applies_to": PERSEUS_A100_FILE,
-                                           "note": "inferred: the board averaged 474-480 W at 1410 MHz, above the "
-                                                   "400 W of the standard A100 SXM4 80GB; 500 W boards exist"}},
+        "harness": {
+            "kareus_attention_overlap": {**asdict(harness), "fitted_with": "step 3", "applies_to": KAREUS_FILE},
+            "perseus_a100_board": {
+                "power_limit_w": PERSEUS_A100_TDP_W,
+                "applies_to": PERSEUS_A100_FILE,
+                "note": "inferred: the board averaged 474-480 W at 1410 MHz, above the "
+                "400 W of the standard A100 SXM4 80GB; 500 W boards exist",
+            },
+        },
     }
 
 
@@ -592,7 +705,9 @@ def load_harness() -> OverlapHarness:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kareus_fx.cost_models.calibration", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kareus_fx.cost_models.calibration", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: the package's data file)")
     args = parser.parse_args(argv)
     result = calibrate(log=lambda s: print(s, file=sys.stderr, flush=True))

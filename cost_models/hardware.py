@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 from typing import Any
 
@@ -65,7 +65,8 @@ _SUPPLEMENTS: dict[str, dict[str, dict[str, Any]]] = {
         },
         "peak_clock_mhz": {"value": 1410, "source": "A100 datasheet boost clock"},
         "node_network": {
-            "gpus_per_node": 8, "Gbps": 400,
+            "gpus_per_node": 8,
+            "Gbps": 400,
             "source": "AWS p4d.24xlarge: 8 A100-SXM4-40GB, 400 Gbps EFA (4 x 100 Gbps) shared by the node's GPUs "
             "(aws.amazon.com/ec2/instance-types/p4); the Kareus paper's testbed: two p4d.24xlarge, 400 Gbps "
             "between nodes (../shared/data/README.md)",
@@ -74,14 +75,16 @@ _SUPPLEMENTS: dict[str, dict[str, dict[str, Any]]] = {
     "A100-SXM4-80GB": {
         "static_power_w": {"value": 61.0, "source": "gpu_specs.json idle_power_p0_w (59, 61, 62)"},
         "node_network": {
-            "gpus_per_node": 8, "Gbps": 400,
+            "gpus_per_node": 8,
+            "Gbps": 400,
             "source": "AWS p4de.24xlarge: 8 A100-SXM4-80GB, 400 Gbps EFA (aws.amazon.com/ec2/instance-types/p4)",
         },
     },
     "H100-SXM5-80GB": {
         "static_power_w": {"value": 78.8, "source": "gpu_specs.json idle_power_w"},
         "node_network": {
-            "gpus_per_node": 8, "Gbps": 3200,
+            "gpus_per_node": 8,
+            "Gbps": 3200,
             "source": "AWS p5.48xlarge: 8 H100-SXM, 3200 Gbps EFA (aws.amazon.com/ec2/instance-types/p5)",
         },
         "peak_clock_mhz": {"value": 1830, "source": "gpu_specs.json tensor_clock_used_for_peak_mhz"},
@@ -97,7 +100,8 @@ _SUPPLEMENTS: dict[str, dict[str, dict[str, Any]]] = {
         },
         "sm_clock_step_mhz": {"value": 15, "source": "assumed same grid as H100 (verify with NVML)"},
         "node_network": {
-            "gpus_per_node": 8, "Gbps": 3200,
+            "gpus_per_node": 8,
+            "Gbps": 3200,
             "source": "AWS p5e.48xlarge: 8 H200, 3200 Gbps EFA (aws.amazon.com/ec2/instance-types/p5)",
         },
     },
@@ -149,7 +153,11 @@ def known_gpus() -> list[str]:
 def gpu_name_for_device(device_name: str) -> str | None:
     """The spec of a CUDA device called ``device_name`` (``torch.cuda.get_device_name``, e.g.
     "NVIDIA H100 80GB HBM3"), by family and, for the A100, memory size; None if none matches."""
-    for family, name in (("H200", "h200"), ("H100", "h100"), ("A100", "a100-80gb" if "80GB" in device_name else "a100")):
+    for family, name in (
+        ("H200", "h200"),
+        ("H100", "h100"),
+        ("A100", "a100-80gb" if "80GB" in device_name else "a100"),
+    ):
         if family in device_name:
             return canonical_gpu_name(name)
     return None
@@ -167,7 +175,7 @@ def canonical_gpu_name(name: str) -> str:
     return key
 
 
-@lru_cache(maxsize=None)
+@cache
 def gpu_spec(name: str = DEFAULT_GPU) -> GPUSpec:
     """The :class:`GPUSpec` for ``name`` (canonical name or alias)."""
     key = canonical_gpu_name(name)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.cost_models.sim_params import SimParams
-
 from kareus_fx.workload import CollectiveSpec
 
 
@@ -32,7 +31,7 @@ def smooth_min(x: float, cap: float, sharpness: float) -> float:
     """``min(x, cap)`` with a rounded knee: ``(x^-p + cap^-p)^(-1/p)``."""
     if x <= 0.0:
         return 0.0
-    return (x ** -sharpness + cap ** -sharpness) ** (-1.0 / sharpness)
+    return (x**-sharpness + cap**-sharpness) ** (-1.0 / sharpness)
 
 
 def smooth_max(a: float, b: float, sharpness: float) -> float:
@@ -41,7 +40,7 @@ def smooth_max(a: float, b: float, sharpness: float) -> float:
         return b
     if b <= 0.0:
         return a
-    return (a ** sharpness + b ** sharpness) ** (1.0 / sharpness)
+    return (a**sharpness + b**sharpness) ** (1.0 / sharpness)
 
 
 def memory_share(compute_s: float, memory_s: float, sharpness: float) -> float:
@@ -53,7 +52,7 @@ def memory_share(compute_s: float, memory_s: float, sharpness: float) -> float:
     ratio = compute_s / memory_s
     if sharpness * math.log(ratio) > 700.0:  # ratio ** sharpness would overflow; the share is 0 to double precision
         return 0.0
-    return 1.0 / (1.0 + ratio ** sharpness)
+    return 1.0 / (1.0 + ratio**sharpness)
 
 
 @dataclass(frozen=True)
@@ -107,8 +106,12 @@ class KernelModel:
         busy = float(min(ctas, sms))
         memory_s = nbytes / self.memory_bandwidth(busy, clock_mhz) if nbytes > 0 else 0.0
         time_s = smooth_max(compute_s, memory_s, p.roofline_sharpness)
-        return KernelRates(time_s, nbytes / time_s if time_s > 0 else 0.0, busy,
-                           memory_share(compute_s, memory_s, p.roofline_sharpness))
+        return KernelRates(
+            time_s,
+            nbytes / time_s if time_s > 0 else 0.0,
+            busy,
+            memory_share(compute_s, memory_s, p.roofline_sharpness),
+        )
 
     def comm_contention(self, memory_share_of_kernel: float) -> float:
         """Collective slowdown per unit of HBM utilisation by the kernel beside it (see

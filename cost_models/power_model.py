@@ -47,8 +47,15 @@ class EnergyTerms:
         return EnergyTerms(*(a * k for a in self.as_tuple()))
 
     def as_tuple(self) -> tuple[float, ...]:
-        return (self.time_s, self.clock_s, self.sm_clock_s, self.flops_v2, self.hbm_bytes, self.link_bytes,
-                self.clock_mhz_s)
+        return (
+            self.time_s,
+            self.clock_s,
+            self.sm_clock_s,
+            self.flops_v2,
+            self.hbm_bytes,
+            self.link_bytes,
+            self.clock_mhz_s,
+        )
 
     def features(self) -> tuple[float, float, float, float, float]:
         """Multipliers of (busy W, SM-active W, J/FLOP, J/HBM byte, J/link byte)."""
@@ -83,21 +90,35 @@ class PowerModel:
         v = self.voltage(clock_mhz)
         return clock_mhz / self.spec.clock_max_mhz * v * v
 
-    def phase_power_w(self, clock_mhz: float, busy_sm_frac: float, flops_per_s: float, hbm_bytes_per_s: float,
-                      link_bytes_per_s: float = 0.0) -> float:
+    def phase_power_w(
+        self,
+        clock_mhz: float,
+        busy_sm_frac: float,
+        flops_per_s: float,
+        hbm_bytes_per_s: float,
+        link_bytes_per_s: float = 0.0,
+    ) -> float:
         """Total power of a phase with the given activity rates at ``clock_mhz``."""
         p = self.params
         v = self.voltage(clock_mhz)
         scale = clock_mhz / self.spec.clock_max_mhz * v * v
-        return (self.spec.static_power_w + scale * (p.busy_power_w + p.sm_active_power_w * busy_sm_frac)
-                + p.flop_energy_j * v * v * flops_per_s + p.hbm_energy_j_per_byte * hbm_bytes_per_s
-                + p.link_energy_j_per_byte * link_bytes_per_s)
+        return (
+            self.spec.static_power_w
+            + scale * (p.busy_power_w + p.sm_active_power_w * busy_sm_frac)
+            + p.flop_energy_j * v * v * flops_per_s
+            + p.hbm_energy_j_per_byte * hbm_bytes_per_s
+            + p.link_energy_j_per_byte * link_bytes_per_s
+        )
 
     def dynamic_energy_j(self, terms: EnergyTerms) -> float:
         p = self.params
-        return (p.busy_power_w * terms.clock_s + p.sm_active_power_w * terms.sm_clock_s
-                + p.flop_energy_j * terms.flops_v2 + p.hbm_energy_j_per_byte * terms.hbm_bytes
-                + p.link_energy_j_per_byte * terms.link_bytes)
+        return (
+            p.busy_power_w * terms.clock_s
+            + p.sm_active_power_w * terms.sm_clock_s
+            + p.flop_energy_j * terms.flops_v2
+            + p.hbm_energy_j_per_byte * terms.hbm_bytes
+            + p.link_energy_j_per_byte * terms.link_bytes
+        )
 
     def static_energy_j(self, time_s: float) -> float:
         """Static energy = the GPU's ready-state power x time (DESIGN.md)."""

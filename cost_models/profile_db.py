@@ -67,7 +67,8 @@ MEASUREMENT_FIELDS = ("time_s", "energy_j", "dynamic_energy_j", "static_energy_j
 """The columns that make a :class:`~kareus_fx.workload.Measurement`, in its field order."""
 
 MeasurementRow = create_model(
-    "MeasurementRow", __base__=SchemaModel, **{name: (kind, ...) for name, _, kind in MEASUREMENT_COLUMNS})
+    "MeasurementRow", __base__=SchemaModel, **{name: (kind, ...) for name, _, kind in MEASUREMENT_COLUMNS}
+)
 """One validated ``measurements`` row."""
 
 _TABLE_COLUMNS = {
@@ -155,22 +156,24 @@ class ProfileDB:
 
     def _open(self, timeout_s: float) -> None:
         _check_header(self.path)
-        self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None,
-                                     check_same_thread=False)
+        self._conn = sqlite3.connect(str(self.path), timeout=timeout_s, isolation_level=None, check_same_thread=False)
         try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(timeout_s * 1000)}")
             self._check_readable()  # before anything writes: a refused file is left as it was
             mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
             if str(mode).lower() != "wal":
-                raise ProfileDBError(f"{self.path}: could not switch to WAL mode (got {mode!r}); "
-                                     "is it on a network file system?")
+                raise ProfileDBError(
+                    f"{self.path}: could not switch to WAL mode (got {mode!r}); is it on a network file system?"
+                )
             self._conn.execute("PRAGMA synchronous = NORMAL")  # WAL: a killed process loses nothing committed
             with self._lock:
-                self._write(lambda cur: self._init_schema(cur))
+                self._write(self._init_schema)
         except sqlite3.DatabaseError as err:
             self._conn.close()
-            raise ProfileDBError(f"{self.path} is not a usable profile database ({err}); it was left "
-                                 f"unchanged: move it away or use another file") from None
+            raise ProfileDBError(
+                f"{self.path} is not a usable profile database ({err}); it was left "
+                f"unchanged: move it away or use another file"
+            ) from None
         except BaseException:
             self._conn.close()
             raise
@@ -198,8 +201,10 @@ class ProfileDB:
             if version == SCHEMA_VERSION or (version in _MIGRATES_FROM and table in _TABLES_OF_VERSION_1):
                 found = tuple(row[1] for row in cur.execute(f"PRAGMA table_info({table})"))
                 if found != columns:
-                    self._refuse(f"table {table} has columns {found or 'none'}, expected {columns} "
-                                 f"(not a kareus profile database of version {SCHEMA_VERSION})")
+                    self._refuse(
+                        f"table {table} has columns {found or 'none'}, expected {columns} "
+                        f"(not a kareus profile database of version {SCHEMA_VERSION})"
+                    )
 
     def _init_schema(self, cur: sqlite3.Cursor) -> None:
         version = cur.execute("PRAGMA user_version").fetchone()[0]
@@ -213,8 +218,9 @@ class ProfileDB:
     def _write(self, work) -> Any:
         """Run ``work(cursor)`` in one IMMEDIATE transaction (:func:`write_retrying`)."""
         still_locked = ProfileDBError(f"{self.path}: still locked by another writer after {_MAX_TRIES} tries")
-        return write_retrying(self._conn, work, tries=_MAX_TRIES, first_delay_s=0.01, max_delay_s=1.0,
-                              still_locked=still_locked)
+        return write_retrying(
+            self._conn, work, tries=_MAX_TRIES, first_delay_s=0.01, max_delay_s=1.0, still_locked=still_locked
+        )
 
     # ----- access -------------------------------------------------------------------------------
     @staticmethod
@@ -228,12 +234,18 @@ class ProfileDB:
         try:
             MeasurementRow.model_validate(row)
         except ValidationError as err:
-            raise ProfileDBError(f"{error_text(err, f'{self.path}: row {key}')}; delete that row or use "
-                                 f"another file") from None
+            raise ProfileDBError(
+                f"{error_text(err, f'{self.path}: row {key}')}; delete that row or use another file"
+            ) from None
         return Measurement(*values)
 
-    def get(self, profiler: str, gpu: str, ptype_or_fp: PartitionType | str, config: PartitionConfig,
-            ) -> Measurement | None:
+    def get(
+        self,
+        profiler: str,
+        gpu: str,
+        ptype_or_fp: PartitionType | str,
+        config: PartitionConfig,
+    ) -> Measurement | None:
         """The stored measurement for this key, or None."""
         fp = ptype_or_fp if isinstance(ptype_or_fp, str) else fingerprint(ptype_or_fp)
         key = self._key(profiler, gpu, fp, config)
@@ -241,8 +253,15 @@ class ProfileDB:
             row = self._conn.execute(_SELECT_MEASUREMENT + _WHERE_KEY, key).fetchone()
         return None if row is None else self._measurement(key, row)
 
-    def put(self, profiler: str, gpu: str, ptype: PartitionType, config: PartitionConfig,
-            measurement: Measurement, fp: str | None = None) -> Measurement:
+    def put(
+        self,
+        profiler: str,
+        gpu: str,
+        ptype: PartitionType,
+        config: PartitionConfig,
+        measurement: Measurement,
+        fp: str | None = None,
+    ) -> Measurement:
         """Store a measurement (committed at once); returns the one stored for the key (first wins).
 
         A measurement :class:`MeasurementRow` refuses (NaN, a negative time) raises
@@ -250,8 +269,16 @@ class ProfileDB:
         fp = fp or fingerprint(ptype)
         return self.insert(profiler, gpu, fp, ptype.type_id, structure_of(ptype), config, measurement)[0]
 
-    def insert(self, profiler: str, gpu: str, fp: str, type_id: str, structure: Any, config: PartitionConfig,
-               measurement: Measurement) -> tuple[Measurement, bool]:
+    def insert(
+        self,
+        profiler: str,
+        gpu: str,
+        fp: str,
+        type_id: str,
+        structure: Any,
+        config: PartitionConfig,
+        measurement: Measurement,
+    ) -> tuple[Measurement, bool]:
         """:meth:`put` by fingerprint: ``structure`` (JSON-able) describes what ``fp`` hashes (a
         partition type, or a sequence of ops). Returns the stored measurement and whether this call
         stored it (False: the key was there already, this measurement was a duplicate)."""
@@ -260,10 +287,15 @@ class ProfileDB:
         self._measurement(key, values)
 
         def work(cur: sqlite3.Cursor) -> tuple[Measurement, bool]:
-            cur.execute("INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
-                        (fp, type_id, json.dumps(structure, separators=(",", ":"))))
-            cur.execute(f"INSERT OR IGNORE INTO measurements ({', '.join(_TABLE_COLUMNS['measurements'])}) "
-                        f"VALUES ({', '.join('?' * len(MEASUREMENT_COLUMNS))})", (*key, *values, time.time()))
+            cur.execute(
+                "INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
+                (fp, type_id, json.dumps(structure, separators=(",", ":"))),
+            )
+            cur.execute(
+                f"INSERT OR IGNORE INTO measurements ({', '.join(_TABLE_COLUMNS['measurements'])}) "
+                f"VALUES ({', '.join('?' * len(MEASUREMENT_COLUMNS))})",
+                (*key, *values, time.time()),
+            )
             inserted = cur.rowcount == 1
             return Measurement(*cur.execute(_SELECT_MEASUREMENT + _WHERE_KEY, key).fetchone()), inserted
 
@@ -275,19 +307,26 @@ class ProfileDB:
         with self._lock:
             row = self._conn.execute(
                 "SELECT reason FROM failures WHERE profiler=? AND gpu=? AND fingerprint=? AND clock_mhz=? "
-                "AND comm_sms=? AND launch_slot=?", self._key(profiler, gpu, fp, config)).fetchone()
+                "AND comm_sms=? AND launch_slot=?",
+                self._key(profiler, gpu, fp, config),
+            ).fetchone()
         return None if row is None else str(row[0])
 
-    def put_failure(self, profiler: str, gpu: str, ptype: PartitionType, config: PartitionConfig, reason: str,
-                    fp: str | None = None) -> None:
+    def put_failure(
+        self, profiler: str, gpu: str, ptype: PartitionType, config: PartitionConfig, reason: str, fp: str | None = None
+    ) -> None:
         """Record that ``config`` cannot run, and why (committed at once; the first reason stays)."""
         fp = fp or fingerprint(ptype)
 
         def work(cur: sqlite3.Cursor) -> None:
-            cur.execute("INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
-                        (fp, ptype.type_id, json.dumps(structure_of(ptype), separators=(",", ":"))))
-            cur.execute("INSERT OR IGNORE INTO failures VALUES (?,?,?,?,?,?,?,?)",
-                        (*self._key(profiler, gpu, fp, config), reason, time.time()))
+            cur.execute(
+                "INSERT OR IGNORE INTO partition_types VALUES (?, ?, ?)",
+                (fp, ptype.type_id, json.dumps(structure_of(ptype), separators=(",", ":"))),
+            )
+            cur.execute(
+                "INSERT OR IGNORE INTO failures VALUES (?,?,?,?,?,?,?,?)",
+                (*self._key(profiler, gpu, fp, config), reason, time.time()),
+            )
 
         with self._lock:
             self._write(work)
@@ -298,12 +337,12 @@ class ProfileDB:
         if profiler is not None:
             sql, args = sql + " WHERE profiler=?", [profiler]
         with self._lock:
-            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot",
-                                      args).fetchall()
+            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot", args).fetchall()
         return [(r[0], PartitionConfig(r[1], r[2], None if r[3] == _SEQUENTIAL else r[3]), r[4]) for r in rows]
 
-    def measurements(self, profiler: str | None = None, gpu: str | None = None,
-                     fp: str | None = None) -> list[tuple[str, str, str, PartitionConfig, Measurement]]:
+    def measurements(
+        self, profiler: str | None = None, gpu: str | None = None, fp: str | None = None
+    ) -> list[tuple[str, str, str, PartitionConfig, Measurement]]:
         """Stored rows, optionally filtered: (profiler, gpu, fingerprint, config, measurement)."""
         where, args = [], []
         for column, value in (("profiler", profiler), ("gpu", gpu), ("fingerprint", fp)):
@@ -314,11 +353,18 @@ class ProfileDB:
         if where:
             sql += " WHERE " + " AND ".join(where)
         with self._lock:
-            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot",
-                                      args).fetchall()
+            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot", args).fetchall()
         n = len(KEY_COLUMNS)
-        return [(r[0], r[1], r[2], PartitionConfig(r[3], r[4], None if r[5] == _SEQUENTIAL else r[5]),
-                 self._measurement(r[:n], r[n:])) for r in rows]
+        return [
+            (
+                r[0],
+                r[1],
+                r[2],
+                PartitionConfig(r[3], r[4], None if r[5] == _SEQUENTIAL else r[5]),
+                self._measurement(r[:n], r[n:]),
+            )
+            for r in rows
+        ]
 
     def count(self) -> int:
         with self._lock:
@@ -335,8 +381,9 @@ class ProfileDB:
         self.close()
 
 
-def write_retrying(conn: sqlite3.Connection, work, *, tries: int, first_delay_s: float, max_delay_s: float,
-                   still_locked: KareusError) -> Any:
+def write_retrying(
+    conn: sqlite3.Connection, work, *, tries: int, first_delay_s: float, max_delay_s: float, still_locked: KareusError
+) -> Any:
     """``work(cursor)`` in one IMMEDIATE transaction, retried with doubling sleeps while another
     writer holds the lock (each try already waits up to the connection's busy timeout); raises
     ``still_locked`` after ``tries``."""
@@ -384,9 +431,11 @@ def _check_header(path: Path) -> None:
     except OSError as err:
         raise ProfileDBError(f"cannot read profile database {path}: {err.strerror}") from None
     if head and head != _SQLITE_HEADER:
-        raise ProfileDBError(f"{path} is not an SQLite profile database (it does not start with SQLite's "
-                             f"header: another kind of file, or truncated); it was left unchanged: move it "
-                             f"away or use another file")
+        raise ProfileDBError(
+            f"{path} is not an SQLite profile database (it does not start with SQLite's "
+            f"header: another kind of file, or truncated); it was left unchanged: move it "
+            f"away or use another file"
+        )
 
 
 def measurement_key(profiler: str, gpu: str, fp: str, config: PartitionConfig) -> str:
@@ -408,8 +457,15 @@ class CachedProfiler:
     its class name): measurements of different profilers never mix.
     """
 
-    def __init__(self, inner: Profiler, db: ProfileDB, kind: str | None = None, log: Any | None = None,
-                 run: str = "", rank: int = 0) -> None:
+    def __init__(
+        self,
+        inner: Profiler,
+        db: ProfileDB,
+        kind: str | None = None,
+        log: Any | None = None,
+        run: str = "",
+        rank: int = 0,
+    ) -> None:
         self.inner = inner
         self.db = db
         self.log = log
@@ -448,8 +504,9 @@ class CachedProfiler:
         except MeasurementFailedError as err:
             self.db.put_failure(self.kind, self.gpu_name, ptype, config, err.reason, fp=fp)
             raise
-        stored, inserted = self.db.insert(self.kind, self.gpu_name, fp, ptype.type_id, structure_of(ptype), config,
-                                          measurement)
+        stored, inserted = self.db.insert(
+            self.kind, self.gpu_name, fp, ptype.type_id, structure_of(ptype), config, measurement
+        )
         if self.log is not None:
             self.log.log(measurement_key(self.kind, self.gpu_name, fp, config), self.run, self.rank, inserted)
         return stored

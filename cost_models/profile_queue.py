@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from kareus_fx.cost_models.profile_db import write_retrying
-
 from kareus_fx.errors import KareusError
 
 _SCHEMA = """
@@ -85,15 +84,23 @@ class ProfileQueue:
 
     def _write(self, work) -> Any:
         """``work(cursor)`` in one IMMEDIATE transaction, retried while another writer holds the lock."""
-        return write_retrying(self._conn, work, tries=_MAX_TRIES, first_delay_s=0.005, max_delay_s=0.5,
-                              still_locked=ProfileQueueError(f"{self.path}: still locked by another writer after "
-                                                             f"{_MAX_TRIES} tries"))
+        return write_retrying(
+            self._conn,
+            work,
+            tries=_MAX_TRIES,
+            first_delay_s=0.005,
+            max_delay_s=0.5,
+            still_locked=ProfileQueueError(f"{self.path}: still locked by another writer after {_MAX_TRIES} tries"),
+        )
 
     # ----- the measurement log ---------------------------------------------------------------
     def log(self, key: str, run: str, rank: int, inserted: bool) -> None:
         """Record one measurement made (``inserted``: the profile database did not have the key)."""
-        self._write(lambda cur: cur.execute("INSERT INTO log VALUES (?, ?, ?, ?, ?)",
-                                            (key, run, int(rank), int(inserted), time.time())))
+        self._write(
+            lambda cur: cur.execute(
+                "INSERT INTO log VALUES (?, ?, ?, ?, ?)", (key, run, int(rank), int(inserted), time.time())
+            )
+        )
 
     def logged(self, run: str | None = None) -> list[tuple[str, str, int, bool]]:
         """Logged measurements, optionally of one run: (key, run, rank, inserted)."""
@@ -109,6 +116,7 @@ class ProfileQueue:
     # ----- the work queue --------------------------------------------------------------------
     def start_run(self, run: str, rank: int) -> None:
         """Begin run ``run``: drop every other run's items and heartbeat, beat once."""
+
         def work(cur: sqlite3.Cursor) -> None:
             cur.execute("DELETE FROM items WHERE run<>?", (run,))
             cur.execute("DELETE FROM heartbeat WHERE run<>?", (run,))
@@ -118,8 +126,11 @@ class ProfileQueue:
 
     def beat(self, run: str, rank: int, closed: bool = False) -> None:
         """The coordinator is alive (``closed``: it needs nothing more; workers may stop)."""
-        self._write(lambda cur: cur.execute("INSERT OR REPLACE INTO heartbeat VALUES (?, ?, ?, ?)",
-                                            (run, int(rank), time.time(), int(closed))))
+        self._write(
+            lambda cur: cur.execute(
+                "INSERT OR REPLACE INTO heartbeat VALUES (?, ?, ?, ?)", (run, int(rank), time.time(), int(closed))
+            )
+        )
 
     def heartbeat(self, run: str) -> tuple[float, bool] | None:
         """(seconds since the coordinator's last beat, closed), or None before its first."""
@@ -129,12 +140,15 @@ class ProfileQueue:
     def add(self, run: str, items: dict[str, dict[str, Any]]) -> int:
         """Queue ``items`` (key -> payload) of ``run``; keys already queued are left as they are.
         Returns how many were new."""
+
         def work(cur: sqlite3.Cursor) -> int:
             seq = int(cur.execute("SELECT COALESCE(MAX(seq), 0) FROM items WHERE run=?", (run,)).fetchone()[0])
             new = 0
             for key, payload in items.items():
-                cur.execute("INSERT OR IGNORE INTO items (run, key, payload, status, seq) VALUES (?, ?, ?, 'pending', ?)",
-                            (run, key, json.dumps(payload, sort_keys=True), seq + new + 1))
+                cur.execute(
+                    "INSERT OR IGNORE INTO items (run, key, payload, status, seq) VALUES (?, ?, ?, 'pending', ?)",
+                    (run, key, json.dumps(payload, sort_keys=True), seq + new + 1),
+                )
                 new += cur.rowcount
             return new
 
@@ -142,16 +156,23 @@ class ProfileQueue:
 
     def claim(self, run: str, group_index: int) -> WorkItem | None:
         """The oldest pending item of ``run``, now claimed by ``group_index``; None if none is pending."""
-        if self._conn.execute("SELECT 1 FROM items WHERE run=? AND status='pending' LIMIT 1", (run,)).fetchone() is None:
+        if (
+            self._conn.execute("SELECT 1 FROM items WHERE run=? AND status='pending' LIMIT 1", (run,)).fetchone()
+            is None
+        ):
             return None  # nothing to claim: no write transaction (idle workers poll often)
 
         def work(cur: sqlite3.Cursor) -> WorkItem | None:
-            row = cur.execute("SELECT key, payload, seq FROM items WHERE run=? AND status='pending' "
-                              "ORDER BY seq LIMIT 1", (run,)).fetchone()
+            row = cur.execute(
+                "SELECT key, payload, seq FROM items WHERE run=? AND status='pending' ORDER BY seq LIMIT 1", (run,)
+            ).fetchone()
             if row is None:
                 return None
-            cur.execute("UPDATE items SET status='claimed', group_index=?, claimed_unix_s=? "
-                        "WHERE run=? AND key=? AND status='pending'", (group_index, time.time(), run, row[0]))
+            cur.execute(
+                "UPDATE items SET status='claimed', group_index=?, claimed_unix_s=? "
+                "WHERE run=? AND key=? AND status='pending'",
+                (group_index, time.time(), run, row[0]),
+            )
             if cur.rowcount != 1:  # cannot happen inside one IMMEDIATE transaction; kept as a guard
                 raise ProfileQueueError(f"item {row[0]} was claimed twice")
             return WorkItem(row[0], json.loads(row[1]), "claimed", group_index, None, int(row[2]))
@@ -162,27 +183,38 @@ class ProfileQueue:
         """Mark a claimed item ``done`` or ``failed`` (with ``reason``)."""
         if status not in ("done", "failed"):
             raise ValueError(f"status must be done or failed, got {status!r}")
-        self._write(lambda cur: cur.execute("UPDATE items SET status=?, reason=? WHERE run=? AND key=?",
-                                            (status, reason, run, key)))
+        self._write(
+            lambda cur: cur.execute(
+                "UPDATE items SET status=?, reason=? WHERE run=? AND key=?", (status, reason, run, key)
+            )
+        )
 
     def items(self, run: str, keys: list[str] | None = None) -> dict[str, WorkItem]:
         """The run's items (optionally only ``keys``) by key."""
-        rows = self._conn.execute("SELECT key, payload, status, group_index, reason, seq FROM items WHERE run=?",
-                                  (run,)).fetchall()
+        rows = self._conn.execute(
+            "SELECT key, payload, status, group_index, reason, seq FROM items WHERE run=?", (run,)
+        ).fetchall()
         wanted = None if keys is None else set(keys)
-        return {r[0]: WorkItem(r[0], json.loads(r[1]), r[2], r[3], r[4], int(r[5]))
-                for r in rows if wanted is None or r[0] in wanted}
+        return {
+            r[0]: WorkItem(r[0], json.loads(r[1]), r[2], r[3], r[4], int(r[5]))
+            for r in rows
+            if wanted is None or r[0] in wanted
+        }
 
     def claimed_by(self, run: str, group_index: int) -> list[WorkItem]:
         """The run's items ``group_index`` has claimed and not finished, oldest first."""
-        rows = self._conn.execute("SELECT key, payload, status, group_index, reason, seq FROM items WHERE run=? "
-                                  "AND status='claimed' AND group_index=? ORDER BY seq", (run, group_index)).fetchall()
+        rows = self._conn.execute(
+            "SELECT key, payload, status, group_index, reason, seq FROM items WHERE run=? "
+            "AND status='claimed' AND group_index=? ORDER BY seq",
+            (run, group_index),
+        ).fetchall()
         return [WorkItem(r[0], json.loads(r[1]), r[2], r[3], r[4], int(r[5])) for r in rows]
 
     def claimed_since_s(self, run: str, key: str) -> float | None:
         """Seconds since ``key`` was claimed, or None if it is not claimed now."""
-        row = self._conn.execute("SELECT claimed_unix_s FROM items WHERE run=? AND key=? AND status='claimed'",
-                                 (run, key)).fetchone()
+        row = self._conn.execute(
+            "SELECT claimed_unix_s FROM items WHERE run=? AND key=? AND status='claimed'", (run, key)
+        ).fetchone()
         return None if row is None or row[0] is None else time.time() - float(row[0])
 
     def failed(self, run: str) -> list[WorkItem]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 from typing import Any
 
@@ -140,7 +140,8 @@ def derive_params(base: SimParams, base_spec: GPUSpec, target: GPUSpec) -> SimPa
     are kept. These are assumptions, not fits.
     """
     bw_per_sm = (target.hbm_bandwidth_bytes_per_s / target.sm_count) / (
-        base_spec.hbm_bandwidth_bytes_per_s / base_spec.sm_count)
+        base_spec.hbm_bandwidth_bytes_per_s / base_spec.sm_count
+    )
     link = target.nvlink_bandwidth_bytes_per_s / base_spec.nvlink_bandwidth_bytes_per_s
     headroom = (target.tdp_w - target.static_power_w) / (base_spec.tdp_w - base_spec.static_power_w)
     flops_ratio = target.peak_flops_per_s() / base_spec.peak_flops_per_s()
@@ -188,7 +189,7 @@ def resolve_spec(name: str) -> GPUSpec:
     return gpu_spec(name)
 
 
-@lru_cache(maxsize=None)
+@cache
 def gpu_params(name: str) -> GPUParams:
     """Calibrated parameters for ``name`` (derived from the reference GPU when it has none)."""
     extras = extra_gpu_specs()
@@ -201,6 +202,7 @@ def gpu_params(name: str) -> GPUParams:
     if REFERENCE_GPU in entries:
         base = SimParams.from_dict(entries[REFERENCE_GPU]["params"])
         derived = derive_params(base, gpu_spec(REFERENCE_GPU), spec)
-        return GPUParams(spec, derived, {"derived_from": REFERENCE_GPU, "method": "derive_params spec ratios",
-                                         "calibrated": False})
+        return GPUParams(
+            spec, derived, {"derived_from": REFERENCE_GPU, "method": "derive_params spec ratios", "calibrated": False}
+        )
     return GPUParams(spec, SimParams(), {"calibrated": False, "method": "defaults (no calibration file)"})

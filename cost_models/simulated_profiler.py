@@ -13,19 +13,20 @@ import json
 from collections.abc import Sequence
 
 import numpy as np
+
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.cost_models.profile_db import FingerprintCache
 from kareus_fx.cost_models.sim_params import SimParams, gpu_params
 from kareus_fx.cost_models.simulator import Simulator
-
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
 
 
 class SimulatedProfiler:
     """Measures partitions on the simulated ``gpu_name`` (calibrated parameters unless ``params``)."""
 
-    def __init__(self, gpu_name: str = DEFAULT_GPU, noise_std: float = 0.0, seed: int = 0,
-                 params: SimParams | None = None) -> None:
+    def __init__(
+        self, gpu_name: str = DEFAULT_GPU, noise_std: float = 0.0, seed: int = 0, params: SimParams | None = None
+    ) -> None:
         if noise_std < 0.0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std}")
         loaded = gpu_params(gpu_name)
@@ -63,7 +64,9 @@ class SimulatedProfiler:
         measurement = self.simulator.predict_sequence(ops, collectives, clock_mhz=clock_mhz).measurement
         if self.noise_std <= 0.0:
             return measurement
-        text = json.dumps([[op.target, op.flops, op.bytes] for op in ops] + [list(vars(c).values()) for c in collectives])
+        text = json.dumps(
+            [[op.target, op.flops, op.bytes] for op in ops] + [list(vars(c).values()) for c in collectives]
+        )
         digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
         rng = np.random.default_rng([self.seed, digest, int(clock_mhz)])
         return self.simulator.with_noise(measurement, rng, self.noise_std)

@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec
 from kareus_fx.cost_models.kernel_model import KernelModel
 from kareus_fx.cost_models.power_model import ZERO_TERMS, EnergyTerms, PowerModel
 from kareus_fx.cost_models.sim_params import SimParams, gpu_params
-
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType, fused_kernels
 
 _INF = math.inf
@@ -178,8 +178,18 @@ class Simulator:
         join = None if join_slot is None else structure.slot_start[join_slot]
 
         def run(clock: float) -> _Run:
-            return self._timeline(structure, ptype.collective, clock, config.comm_sms, first, join, launch_gap_s,
-                                  comm_rate_scale, timeline, tail_s)
+            return self._timeline(
+                structure,
+                ptype.collective,
+                clock,
+                config.comm_sms,
+                first,
+                join,
+                launch_gap_s,
+                comm_rate_scale,
+                timeline,
+                tail_s,
+            )
 
         key = (id(structure), config.comm_sms, first, join, launch_gap_s, comm_rate_scale, tail_s)
         return self._finish(run, float(config.clock_mhz), key)
@@ -238,8 +248,12 @@ class Simulator:
         phase = self._phases.get(key)
         if phase is None:
             r = self.kernels.kernel(op.flops, op.bytes, sms, clock)
-            phase = _Phase(r.time_s, r.busy_sms / self.spec.sm_count, r.hbm_bytes_per_s,
-                           self.kernels.comm_contention(r.memory_share) / self._sat)
+            phase = _Phase(
+                r.time_s,
+                r.busy_sms / self.spec.sm_count,
+                r.hbm_bytes_per_s,
+                self.kernels.comm_contention(r.memory_share) / self._sat,
+            )
             if len(self._phases) > _CACHE_LIMIT:
                 self._phases.clear()
             self._phases[key] = phase
@@ -292,8 +306,7 @@ class Simulator:
         starts = [0]
         for slot in per_slot:
             starts.append(starts[-1] + len(slot))
-        structure = _Structure(kernels, tuple(starts), sum(op.flops for op in kernels),
-                               sum(op.bytes for op in kernels))
+        structure = _Structure(kernels, tuple(starts), sum(op.flops for op in kernels), sum(op.bytes for op in kernels))
         if len(self._structures) > 4096:
             # Lanes and cap clocks are keyed by structure ids, which are unique only while the
             # structures are held here: forget them together.
@@ -331,9 +344,14 @@ class Simulator:
         first_item.append(len(kernel_of))
         if tail_s > 0.0:
             idle(tail_s)
-        lane = _Lane(tuple(kernel_of), tuple(first_item), tuple(alone), tuple(shared),
-                     tuple(itertools.accumulate((a.time_s for a in alone), initial=0.0)),
-                     tuple(itertools.accumulate((a.time_s * a.busy_frac for a in alone), initial=0.0)))
+        lane = _Lane(
+            tuple(kernel_of),
+            tuple(first_item),
+            tuple(alone),
+            tuple(shared),
+            tuple(itertools.accumulate((a.time_s for a in alone), initial=0.0)),
+            tuple(itertools.accumulate((a.time_s * a.busy_frac for a in alone), initial=0.0)),
+        )
         if len(self._lanes) > _CACHE_LIMIT:
             self._lanes.clear()
         self._lanes[key] = lane
@@ -470,19 +488,23 @@ class Simulator:
         record_alone(t, i, n_items)
         t += lane.cum_time[n_items] - lane.cum_time[i]
         busy += lane.cum_busy[n_items] - lane.cum_busy[i]
-        return _Run(self._terms(clock, t, busy, structure.flops,
-                                structure.bytes + p.comm_hbm_bytes_per_bus_byte * bus, bus), exposed, segs)
+        return _Run(
+            self._terms(clock, t, busy, structure.flops, structure.bytes + p.comm_hbm_bytes_per_bus_byte * bus, bus),
+            exposed,
+            segs,
+        )
 
-    def _terms(self, clock: float, time_s: float, busy_s: float, flops: float, hbm_bytes: float,
-               link_bytes: float) -> EnergyTerms:
+    def _terms(
+        self, clock: float, time_s: float, busy_s: float, flops: float, hbm_bytes: float, link_bytes: float
+    ) -> EnergyTerms:
         """Energy terms of an execution at one clock (everything ran at that clock)."""
         v = self.power.voltage(clock)
         scale = clock / self.spec.clock_max_mhz * v * v
-        return EnergyTerms(time_s, scale * time_s, scale * busy_s, v * v * flops, hbm_bytes, link_bytes,
-                           clock * time_s)
+        return EnergyTerms(time_s, scale * time_s, scale * busy_s, v * v * flops, hbm_bytes, link_bytes, clock * time_s)
 
-    def _sequence_run(self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock: float,
-                      sms: int) -> _Run:
+    def _sequence_run(
+        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock: float, sms: int
+    ) -> _Run:
         """Ops in order on every SM, then each collective alone on ``sms`` SMs."""
         sm_count = self.spec.sm_count
         gap = self.params.kernel_overhead_s
@@ -512,8 +534,9 @@ class Simulator:
             energy = capped_power_w * terms.time_s
         measurement = Measurement(terms.time_s, energy, energy - static, static)
         timeline = tuple(run.segments) if run.segments else ()
-        return Prediction(measurement, terms.average_clock_mhz, capped_power_w is not None, terms,
-                          run.exposed_comm_s, timeline)
+        return Prediction(
+            measurement, terms.average_clock_mhz, capped_power_w is not None, terms, run.exposed_comm_s, timeline
+        )
 
     # ----- argument checks --------------------------------------------------------------------
     def _defaults(self, clock_mhz: float | None, comm_sms: int | None) -> tuple[float, int]:
@@ -525,8 +548,10 @@ class Simulator:
 
     def _check_clock(self, clock: float) -> None:
         if not self.spec.clock_min_mhz <= clock <= self.spec.clock_max_mhz:
-            raise ValueError(f"clock {clock} MHz outside {self.spec.name}'s range "
-                             f"{self.spec.clock_min_mhz}-{self.spec.clock_max_mhz} MHz")
+            raise ValueError(
+                f"clock {clock} MHz outside {self.spec.name}'s range "
+                f"{self.spec.clock_min_mhz}-{self.spec.clock_max_mhz} MHz"
+            )
 
     def _check_sms(self, sms: int) -> None:
         if not 1 <= sms < self.spec.sm_count:
@@ -536,5 +561,7 @@ class Simulator:
         self._check_clock(config.clock_mhz)
         self._check_sms(config.comm_sms)
         if config.launch_slot is not None and not 0 <= config.launch_slot < len(ptype.slots):
-            raise ValueError(f"launch_slot {config.launch_slot} outside the partition's "
-                             f"{len(ptype.slots)} slots (None means sequential)")
+            raise ValueError(
+                f"launch_slot {config.launch_slot} outside the partition's "
+                f"{len(ptype.slots)} slots (None means sequential)"
+            )

@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     dump.add_argument("--mbs", type=int, required=True, help="microbatch size")
     dump.add_argument("--seq", type=int, required=True, help="sequence length")
     dump.add_argument("--layers", type=int, default=None, help="decoder layers (default: the model's)")
-    dump.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU spec for compute/memory-bound labels (default {DEFAULT_GPU})")
+    dump.add_argument(
+        "--gpu", default=DEFAULT_GPU, help=f"GPU spec for compute/memory-bound labels (default {DEFAULT_GPU})"
+    )
     dump.add_argument("--out", type=Path, required=True, help="directory for the JSON dumps")
     dump.add_argument("--no-nanobatch", action="store_true", help="trace without the nanobatch split")
     dump.set_defaults(run=_run_dump)
@@ -53,8 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("file", type=Path, nargs="?", help="a kareus_graph_*.json dump or a plan.json")
     inspect.add_argument("--html", type=Path, metavar="OUT", help="also write a self-contained HTML report to OUT")
-    inspect.add_argument("--diff", type=Path, nargs=2, metavar=("A", "B"),
-                         help="compare two dumps or two plans instead of summarising one file")
+    inspect.add_argument(
+        "--diff",
+        type=Path,
+        nargs=2,
+        metavar=("A", "B"),
+        help="compare two dumps or two plans instead of summarising one file",
+    )
     inspect.set_defaults(run=_run_inspect)
     _add_bench_parser(sub)
     _add_clocks_parser(sub)
@@ -87,11 +94,16 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--suite", choices=sorted(SUITES), default="smoke", help="smoke (CI) or paper (releases)")
     bench.add_argument("--baseline", type=Path, default=Path("bench/baseline.json"), help="baseline file")
-    bench.add_argument("--update", action="store_true",
-                       help="record this run's cases in the baseline file (other cases kept)")
+    bench.add_argument(
+        "--update", action="store_true", help="record this run's cases in the baseline file (other cases kept)"
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    bench.add_argument("--ablate", choices=sorted(ABLATIONS), default=None,
-                       help="turn a part of the planner off (checks that the runner catches a worse planner)")
+    bench.add_argument(
+        "--ablate",
+        choices=sorted(ABLATIONS),
+        default=None,
+        help="turn a part of the planner off (checks that the runner catches a worse planner)",
+    )
     bench.set_defaults(run=_run_bench)
 
 
@@ -104,54 +116,103 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "tuning per partition type, microbatch and iteration frontiers, "
         "and the baselines (Megatron-LM, Megatron-LM + Perseus, Nanobatching, Nanobatching + Perseus).",
     )
-    plan.add_argument("--preset", help="a named workload (see kareus_fx/plan/presets.py), e.g. qwen3-1.7b-tp8-mbs8-seq4k")
+    plan.add_argument(
+        "--preset", help="a named workload (see kareus_fx/plan/presets.py), e.g. qwen3-1.7b-tp8-mbs8-seq4k"
+    )
     plan.add_argument("--model", help="reference model (instead of --preset)")
-    plan.add_argument("--hf-config", type=Path, metavar="PATH",
-                      help="your own architecture: a Hugging Face config.json (or its directory), planned at "
-                      "full size on the meta device, no weights (instead of --model; needs transformers)")
-    for name, what in (("tp", "tensor-parallel degree"), ("cp", "context-parallel degree"),
-                       ("pp", "pipeline stages"), ("microbatches", "microbatches per iteration"),
-                       ("mbs", "microbatch size"),
-                       ("layers", "decoder layers (default: the model's)")):
+    plan.add_argument(
+        "--hf-config",
+        type=Path,
+        metavar="PATH",
+        help="your own architecture: a Hugging Face config.json (or its directory), planned at "
+        "full size on the meta device, no weights (instead of --model; needs transformers)",
+    )
+    for name, what in (
+        ("tp", "tensor-parallel degree"),
+        ("cp", "context-parallel degree"),
+        ("pp", "pipeline stages"),
+        ("microbatches", "microbatches per iteration"),
+        ("mbs", "microbatch size"),
+        ("layers", "decoder layers (default: the model's)"),
+    ):
         plan.add_argument(f"--{name}", type=int, default=None, help=what)
-    plan.add_argument("--seq", type=_seq_buckets, default=None, metavar="N[,N...]",
-                      help="sequence length; several (2048,4096,8192) plan one frontier per bucket, "
-                      "deployed per call on the smallest bucket that holds it")
+    plan.add_argument(
+        "--seq",
+        type=_seq_buckets,
+        default=None,
+        metavar="N[,N...]",
+        help="sequence length; several (2048,4096,8192) plan one frontier per bucket, "
+        "deployed per call on the smallest bucket that holds it",
+    )
     plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU to plan for (default {DEFAULT_GPU})")
     plan.add_argument("--dtype", default="bfloat16", help="model dtype: bfloat16 (default), float16, float32")
-    plan.add_argument("--profiler", default="simulated",
-                      help="simulated (default: the cost model, CPU only), cuda (measure on this machine's GPU; under "
-                      "torchrun or --nproc on every GPU, in groups of tp x cp with the real NCCL collectives) or "
-                      "cpu-replay (a CPU test device: real replays and gloo collectives, wall-clock time, fixed-power "
-                      "energy; for testing the distributed profiler)")
-    plan.add_argument("--nproc", type=int, default=None, metavar="N",
-                      help="with --profiler cpu-replay or cuda: start N processes on this machine as torchrun would "
-                      "(groups of tp x cp ranks profile in parallel); under torchrun leave it out")
-    plan.add_argument("--peer-timeout", type=float, default=None, metavar="SECONDS",
-                      help="with --nproc or torchrun: how long a profiling group waits for a peer before it stops "
-                      "with an error (default 300 s)")
-    plan.add_argument("--clock-mode", choices=("real", "dry-run"), default=None,
-                      help="with --profiler cuda: real (default) locks each measured clock; dry-run leaves the "
-                      "card's clock alone (every point measured at its current clock) and records the requests")
-    plan.add_argument("--device-window", type=float, default=None, metavar="SECONDS",
-                      help="with --profiler cuda: the least energy window of one measurement (default 5 s, "
-                      "at least 1 s: NVML's energy counter updates about every 100 ms)")
-    plan.add_argument("--stage-layers", type=_stage_layers, default=None, metavar="even|balanced|N,N,...",
-                      help="how the pipeline stages split the decoder layers: even (Megatron-LM's default; the "
-                      "default with --model), balanced (the split that evens out the stages' step times on the "
-                      "simulated GPU, as the paper's testbed; the presets' default) or one count per stage "
-                      "(e.g. 15,13: what your job runs)")
-    plan.add_argument("--full-trace", action="store_true",
-                      help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
-                      "stage's layer count (slower; the plan is the same)")
-    plan.add_argument("--max-clock-only", action="store_true",
-                      help="Kareus without frequency scaling: every microbatch at the GPU's maximum clock, only the "
-                      "kernel schedule (collective SMs, launch slot) tuned; deployment then locks no clock (for "
-                      "a job that may not set GPU clocks)")
+    plan.add_argument(
+        "--profiler",
+        default="simulated",
+        help="simulated (default: the cost model, CPU only), cuda (measure on this machine's GPU; under "
+        "torchrun or --nproc on every GPU, in groups of tp x cp with the real NCCL collectives) or "
+        "cpu-replay (a CPU test device: real replays and gloo collectives, wall-clock time, fixed-power "
+        "energy; for testing the distributed profiler)",
+    )
+    plan.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --profiler cpu-replay or cuda: start N processes on this machine as torchrun would "
+        "(groups of tp x cp ranks profile in parallel); under torchrun leave it out",
+    )
+    plan.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --nproc or torchrun: how long a profiling group waits for a peer before it stops "
+        "with an error (default 300 s)",
+    )
+    plan.add_argument(
+        "--clock-mode",
+        choices=("real", "dry-run"),
+        default=None,
+        help="with --profiler cuda: real (default) locks each measured clock; dry-run leaves the "
+        "card's clock alone (every point measured at its current clock) and records the requests",
+    )
+    plan.add_argument(
+        "--device-window",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --profiler cuda: the least energy window of one measurement (default 5 s, "
+        "at least 1 s: NVML's energy counter updates about every 100 ms)",
+    )
+    plan.add_argument(
+        "--stage-layers",
+        type=_stage_layers,
+        default=None,
+        metavar="even|balanced|N,N,...",
+        help="how the pipeline stages split the decoder layers: even (Megatron-LM's default; the "
+        "default with --model), balanced (the split that evens out the stages' step times on the "
+        "simulated GPU, as the paper's testbed; the presets' default) or one count per stage "
+        "(e.g. 15,13: what your job runs)",
+    )
+    plan.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
+        "stage's layer count (slower; the plan is the same)",
+    )
+    plan.add_argument(
+        "--max-clock-only",
+        action="store_true",
+        help="Kareus without frequency scaling: every microbatch at the GPU's maximum clock, only the "
+        "kernel schedule (collective SMs, launch slot) tuned; deployment then locks no clock (for "
+        "a job that may not set GPU clocks)",
+    )
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
-    plan.add_argument("--clock-stride", type=int, default=None,
-                      help="tuning clock stride in MHz (default: the paper's 30 MHz grid)")
+    plan.add_argument(
+        "--clock-stride", type=int, default=None, help="tuning clock stride in MHz (default: the paper's 30 MHz grid)"
+    )
     plan.add_argument("--out", type=Path, default=Path("kareus-plan"), help="output directory")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan.set_defaults(run=_run_plan)
@@ -171,7 +232,8 @@ def _stage_layers(text: str) -> str | tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected even, balanced or one layer count per stage (N,N,...), got {text!r}") from None
+            f"expected even, balanced or one layer count per stage (N,N,...), got {text!r}"
+        ) from None
 
 
 def _plan_request(args: argparse.Namespace):
@@ -181,30 +243,41 @@ def _plan_request(args: argparse.Namespace):
     shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
     if shape["seq"] is not None:
         shape["seq"] = max(shape["seq"])  # the largest bucket (the others: _run_plan)
-    common = dict(gpu=args.gpu, profiler=args.profiler, dtype=args.dtype, seed=args.seed, workers=args.workers,
-                  clock_mode=args.clock_mode, full_trace=args.full_trace, max_clock_only=args.max_clock_only)
+    common = {
+        "gpu": args.gpu,
+        "profiler": args.profiler,
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "workers": args.workers,
+        "clock_mode": args.clock_mode,
+        "full_trace": args.full_trace,
+        "max_clock_only": args.max_clock_only,
+    }
     if args.clock_stride is not None:
         common["clock_stride_mhz"] = args.clock_stride
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
     if args.stage_layers is not None:
         common["stage_layers"] = args.stage_layers
-    given = [flag for flag, value in (("--preset", args.preset), ("--model", args.model),
-                                      ("--hf-config", args.hf_config)) if value]
+    given = [
+        flag
+        for flag, value in (("--preset", args.preset), ("--model", args.model), ("--hf-config", args.hf_config))
+        if value
+    ]
     if len(given) > 1:
         raise OptionsError(f"give one of --preset, --model and --hf-config, not {' and '.join(given)}")
     if args.preset:
         return plan_request_from_preset(args.preset, **{k: v for k, v in shape.items() if v is not None}, **common)
     if not given:
-        raise OptionsError("give --preset NAME, or --model (or --hf-config PATH) with "
-                           "--tp/--cp/--pp/--microbatches/--mbs/--seq")
+        raise OptionsError(
+            "give --preset NAME, or --model (or --hf-config PATH) with --tp/--cp/--pp/--microbatches/--mbs/--seq"
+        )
     model = args.model or f"{HF_CONFIG_PREFIX}{args.hf_config.resolve()}"
     defaults = {"tp": 1, "cp": 1, "pp": 1, "microbatches": 1}
     missing = [f"--{k}" for k in ("mbs", "seq") if shape[k] is None]
     if missing:
         raise OptionsError(f"{given[0]} needs {' and '.join(missing)}")
-    return PlanRequest(model=model, **{k: (defaults.get(k) if v is None else v) for k, v in shape.items()},
-                       **common)
+    return PlanRequest(model=model, **{k: (defaults.get(k) if v is None else v) for k, v in shape.items()}, **common)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -221,8 +294,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     buckets = validate_buckets(request, args.seq) if args.seq is not None and len(args.seq) > 1 else None
     distributed = _distributed_mode(args, request)
     if buckets is not None and distributed is not None:
-        raise OptionsError("a bucketed plan (--seq with several lengths) is profiled in one process: give one "
-                           "--seq per distributed run, or drop --profiler cpu-replay/cuda with --nproc")
+        raise OptionsError(
+            "a bucketed plan (--seq with several lengths) is profiled in one process: give one "
+            "--seq per distributed run, or drop --profiler cpu-replay/cuda with --nproc"
+        )
     if distributed == "launch":
         from kareus_fx.plan.launcher import launch, without_nproc
 
@@ -231,8 +306,12 @@ def _run_plan(args: argparse.Namespace) -> int:
     if distributed == "run":
         from kareus_fx.plan.distributed_plan import DEFAULT_PEER_TIMEOUT_S, make_plan_distributed
 
-        outcome = make_plan_distributed(request, args.out / "work", progress=not args.json,
-                                        peer_timeout_s=args.peer_timeout or DEFAULT_PEER_TIMEOUT_S)
+        outcome = make_plan_distributed(
+            request,
+            args.out / "work",
+            progress=not args.json,
+            peer_timeout_s=args.peer_timeout or DEFAULT_PEER_TIMEOUT_S,
+        )
         if outcome is None:  # not rank 0: rank 0 writes the plan
             return 0
     elif buckets is None:
@@ -246,10 +325,20 @@ def _run_plan(args: argparse.Namespace) -> int:
     write_perseus_profile(args.out / "perseus_profile.csv", outcome.iteration["megatron+perseus"].options)
     write_report_html(outcome.data, args.out)
     if args.json:
-        methods = {name: {"frontier": m["frontier"], "metrics": m["metrics"]}
-                   for name, m in outcome.data["methods"].items()}
-        print(json.dumps({"methods": methods, "profiling": outcome.data.get("profiling"),
-                          "wall_s": outcome.wall_s["total_s"], "phases_s": outcome.wall_s, "out": str(args.out)}))
+        methods = {
+            name: {"frontier": m["frontier"], "metrics": m["metrics"]} for name, m in outcome.data["methods"].items()
+        }
+        print(
+            json.dumps(
+                {
+                    "methods": methods,
+                    "profiling": outcome.data.get("profiling"),
+                    "wall_s": outcome.wall_s["total_s"],
+                    "phases_s": outcome.wall_s,
+                    "out": str(args.out),
+                }
+            )
+        )
         return 0
     console = _console()
     console.print(metrics_table(outcome.data))
@@ -260,15 +349,17 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def _distributed_mode(args: argparse.Namespace, request) -> str | None:
-    """"launch" (--nproc: start the processes), "run" (one process of a distributed plan) or None."""
+    """ "launch" (--nproc: start the processes), "run" (one process of a distributed plan) or None."""
     from kareus_fx.plan.distributed_plan import distributed_env
     from kareus_fx.plan.planner import DISTRIBUTED_PROFILERS
 
     env = distributed_env()
     if args.nproc is not None and env is None:
         if request.profiler not in DISTRIBUTED_PROFILERS:
-            raise OptionsError(f"--nproc starts the processes of a distributed profiler: add --profiler cpu-replay "
-                               f"or --profiler cuda (got --profiler {request.profiler})")
+            raise OptionsError(
+                f"--nproc starts the processes of a distributed profiler: add --profiler cpu-replay "
+                f"or --profiler cuda (got --profiler {request.profiler})"
+            )
         return "launch"
     if args.peer_timeout is not None and request.profiler not in DISTRIBUTED_PROFILERS:
         raise OptionsError("--peer-timeout applies to --profiler cpu-replay or cuda with --nproc or torchrun")
@@ -323,8 +414,9 @@ def _run_inspect(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     from kareus_fx.bench.runner import run_bench_command
 
-    return run_bench_command(args.suite, args.baseline, update=args.update, as_json=args.json,
-                             ablate=args.ablate, console=_console())
+    return run_bench_command(
+        args.suite, args.baseline, update=args.update, as_json=args.json, ablate=args.ablate, console=_console()
+    )
 
 
 def _run_clocks(args: argparse.Namespace) -> int:

@@ -7,9 +7,10 @@ does not call backends eagerly). An unknown key, a wrong type or an unknown GPU 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
@@ -30,7 +31,7 @@ _OPTION_HELP: dict[str, str] = {
     "tune_request": "plan a reference model instead of the live graph: a dict of kareus_fx.plan.planner.PlanRequest fields",
     "microbatches": "microbatches per iteration when 'tune' plans the live graph (int, default 1)",
     "tune_seq": "sequence-length buckets 'tune' plans when the live graph's sequence length is symbolic "
-                "(list of ints; default: the lengths it has seen)",
+    "(list of ints; default: the lengths it has seen)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
 }
 _TARGET_KEYS = ("deadline_s", "energy_budget_j")
@@ -53,18 +54,17 @@ class KareusOptions:
     tune_request: Mapping[str, Any] | None = None
     microbatches: int = 1
     tune_seq: tuple[int, ...] | None = None
-    clock_controller: "FrequencyController | None" = None
+    clock_controller: FrequencyController | None = None
 
     @classmethod
-    def from_user(cls, options: Any) -> "KareusOptions":
+    def from_user(cls, options: Any) -> KareusOptions:
         """Validate the raw ``options`` value given to ``torch.compile``."""
         if options is None:
             return cls()
         if not isinstance(options, Mapping):
             raise OptionsError(
                 f"backend='kareus' options must be a dict, got {type(options).__name__} "
-                f"({options!r}); for example options={{'dump_dir': 'dumps'}}. Valid keys: "
-                + _valid_keys_text()
+                f"({options!r}); for example options={{'dump_dir': 'dumps'}}. Valid keys: " + _valid_keys_text()
             )
         unknown = sorted(set(options) - {f.name for f in fields(cls)})
         if unknown:
@@ -121,16 +121,22 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
         values["tune"] = options["tune"]
     if options.get("tune_request") is not None:
         if not isinstance(options["tune_request"], Mapping):
-            raise OptionsError(f"option 'tune_request' must be a dict of PlanRequest fields, got {options['tune_request']!r}")
+            raise OptionsError(
+                f"option 'tune_request' must be a dict of PlanRequest fields, got {options['tune_request']!r}"
+            )
         values["tune_request"] = dict(options["tune_request"])
     if "microbatches" in options:
         values["microbatches"] = _int_option(options, "microbatches", 1, "a number of microbatches")
     if options.get("tune_seq") is not None:
         seqs = options["tune_seq"]
-        if (not isinstance(seqs, (list, tuple)) or not seqs
-                or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in seqs)):
-            raise OptionsError(f"option 'tune_seq' must be a non-empty list of sequence lengths (ints >= 1), "
-                               f"got {seqs!r}")
+        if (
+            not isinstance(seqs, (list, tuple))
+            or not seqs
+            or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in seqs)
+        ):
+            raise OptionsError(
+                f"option 'tune_seq' must be a non-empty list of sequence lengths (ints >= 1), got {seqs!r}"
+            )
         values["tune_seq"] = tuple(sorted(set(seqs)))
     if options.get("clock_controller") is not None:
         from kareus_fx.runtime.frequency import FrequencyController
@@ -148,7 +154,7 @@ def _target(target: Any) -> str | dict[str, float]:
     if target == "max-throughput":
         return target
     if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in _TARGET_KEYS:
-        (key, value), = target.items()
+        ((key, value),) = target.items()
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
             return {key: float(value)}
     raise OptionsError(

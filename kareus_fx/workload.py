@@ -70,7 +70,7 @@ class SlotSpec:
 
     @property
     def bound(self) -> str | None:
-        """"compute" if the slot holds a compute-bound op, "memory" if only memory-bound ones."""
+        """ "compute" if the slot holds a compute-bound op, "memory" if only memory-bound ones."""
         labels = {op.bound for op in self.ops}
         if "compute" in labels:
             return "compute"

@@ -22,17 +22,17 @@ import contextlib
 import contextvars
 import operator
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 import sympy
 import torch
 import torch.fx
-from kareus_fx.cost_models.hardware import GPUSpec
 from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.models.attention_op import attention_backward_flops, attention_flops
 from kareus_fx.workload import CollectiveKind
 
@@ -153,9 +153,11 @@ def shape_symbols(gm: torch.fx.GraphModule) -> dict[str, dict[str, int | None]]:
                     bounds = shape_env.var_to_range.get(symbol)
                     hint = shape_env.backed_var_to_val.get(symbol)
                     upper = None if bounds is None or bounds.upper in (int_oo, sympy.oo) else int(bounds.upper)
-                    symbols[str(symbol)] = {"hint": None if hint is None else int(hint),
-                                            "min": 0 if bounds is None else int(bounds.lower),
-                                            "max": upper}
+                    symbols[str(symbol)] = {
+                        "hint": None if hint is None else int(hint),
+                        "min": 0 if bounds is None else int(bounds.lower),
+                        "max": upper,
+                    }
     return symbols
 
 
@@ -202,15 +204,18 @@ def _collective_info(node: torch.fx.Node) -> CollectiveInfo:
 
 
 def _group_size(node: torch.fx.Node, group_name: str) -> int | None:
-    if node.target in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default,
-                       c10d.all_gather_into_tensor_coalesced.default,
-                       c10d.reduce_scatter_tensor_coalesced.default):
+    if node.target in (
+        c10d.all_gather_into_tensor.default,
+        c10d.reduce_scatter_tensor.default,
+        c10d.all_gather_into_tensor_coalesced.default,
+        c10d.reduce_scatter_tensor_coalesced.default,
+    ):
         return int(node.args[-2])
     try:
         from torch.distributed.distributed_c10d import _resolve_process_group
 
         return _resolve_process_group(group_name).size()
-    except Exception:  # the group is not live in this process (e.g. an offline graph)
+    except Exception:  # noqa: BLE001 - the group is not live in this process (e.g. an offline graph)
         return None
 
 

@@ -51,9 +51,9 @@ __all__ = [
     "Body",
     "Call",
     "Info",
+    "Size",
     "SliceOf",
     "Step",
-    "Size",
     "Unsupported",
     "is_symbolic",
     "op_name",
@@ -148,12 +148,27 @@ class Step:
 # if it *is* the torch / F / Tensor object of that name, never by a name that merely matches.
 
 _OPERATOR_NAMES = {
-    operator.add: "add", operator.sub: "sub", operator.mul: "mul", operator.truediv: "div",
-    operator.floordiv: "floor_divide", operator.mod: "remainder", operator.pow: "pow",
-    operator.matmul: "matmul", operator.neg: "neg", operator.pos: "positive",
-    operator.invert: "bitwise_not", operator.abs: "abs", operator.eq: "eq", operator.ne: "ne",
-    operator.lt: "lt", operator.le: "le", operator.gt: "gt", operator.ge: "ge",
-    operator.and_: "bitwise_and", operator.or_: "bitwise_or", operator.xor: "bitwise_xor",
+    operator.add: "add",
+    operator.sub: "sub",
+    operator.mul: "mul",
+    operator.truediv: "div",
+    operator.floordiv: "floor_divide",
+    operator.mod: "remainder",
+    operator.pow: "pow",
+    operator.matmul: "matmul",
+    operator.neg: "neg",
+    operator.pos: "positive",
+    operator.invert: "bitwise_not",
+    operator.abs: "abs",
+    operator.eq: "eq",
+    operator.ne: "ne",
+    operator.lt: "lt",
+    operator.le: "le",
+    operator.gt: "gt",
+    operator.ge: "ge",
+    operator.and_: "bitwise_and",
+    operator.or_: "bitwise_or",
+    operator.xor: "bitwise_xor",
     operator.getitem: "getitem",
 }
 _NAMESPACES = (torch, F, torch._C._nn, torch._C._VariableFunctions, torch.special, torch.Tensor)
@@ -257,56 +272,266 @@ def _dims_arg(d: Any, ndim: int) -> tuple[int, ...] | None:
 
 _POINTWISE = {
     # unary
-    "abs", "neg", "positive", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt",
-    "rsqrt", "sin", "cos", "tan", "tanh", "sinh", "cosh", "asin", "acos", "atan", "sigmoid",
-    "relu", "gelu", "silu", "mish", "softplus", "elu", "selu", "celu", "leaky_relu", "hardtanh",
-    "relu6", "hardswish", "hardsigmoid", "logsigmoid", "softsign", "tanhshrink", "erf", "erfc",
-    "erfinv", "reciprocal", "square", "sign", "sgn", "floor", "ceil", "round", "trunc", "frac",
-    "logical_not", "bitwise_not", "isnan", "isinf", "isfinite", "nan_to_num", "clamp", "clip",
-    "clamp_min", "clamp_max", "threshold", "contiguous", "clone", "zeros_like", "ones_like",
-    "full_like", "empty_like", "conj", "real", "imag", "angle", "xlogy", "hypot", "heaviside",
+    "abs",
+    "neg",
+    "positive",
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log2",
+    "log10",
+    "log1p",
+    "sqrt",
+    "rsqrt",
+    "sin",
+    "cos",
+    "tan",
+    "tanh",
+    "sinh",
+    "cosh",
+    "asin",
+    "acos",
+    "atan",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "silu",
+    "mish",
+    "softplus",
+    "elu",
+    "selu",
+    "celu",
+    "leaky_relu",
+    "hardtanh",
+    "relu6",
+    "hardswish",
+    "hardsigmoid",
+    "logsigmoid",
+    "softsign",
+    "tanhshrink",
+    "erf",
+    "erfc",
+    "erfinv",
+    "reciprocal",
+    "square",
+    "sign",
+    "sgn",
+    "floor",
+    "ceil",
+    "round",
+    "trunc",
+    "frac",
+    "logical_not",
+    "bitwise_not",
+    "isnan",
+    "isinf",
+    "isfinite",
+    "nan_to_num",
+    "clamp",
+    "clip",
+    "clamp_min",
+    "clamp_max",
+    "threshold",
+    "contiguous",
+    "clone",
+    "zeros_like",
+    "ones_like",
+    "full_like",
+    "empty_like",
+    "conj",
+    "real",
+    "imag",
+    "angle",
+    "xlogy",
+    "hypot",
+    "heaviside",
     # binary / ternary, broadcasting
-    "add", "sub", "mul", "div", "true_divide", "floor_divide", "remainder", "fmod", "pow",
-    "maximum", "minimum", "fmax", "fmin", "eq", "ne", "lt", "le", "gt", "ge", "bitwise_and",
-    "bitwise_or", "bitwise_xor", "logical_and", "logical_or", "logical_xor", "atan2", "copysign",
-    "rsub", "lerp", "addcmul", "addcdiv", "where", "masked_fill",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "true_divide",
+    "floor_divide",
+    "remainder",
+    "fmod",
+    "pow",
+    "maximum",
+    "minimum",
+    "fmax",
+    "fmin",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "bitwise_and",
+    "bitwise_or",
+    "bitwise_xor",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+    "atan2",
+    "copysign",
+    "rsub",
+    "lerp",
+    "addcmul",
+    "addcdiv",
+    "where",
+    "masked_fill",
 }
 # Only the first argument is data; the others give a dtype or device.
-_CONVERT = {"float", "half", "bfloat16", "double", "int", "long", "short", "bool", "byte", "char",
-            "to", "type", "type_as", "detach"}
+_CONVERT = {
+    "float",
+    "half",
+    "bfloat16",
+    "double",
+    "int",
+    "long",
+    "short",
+    "bool",
+    "byte",
+    "char",
+    "to",
+    "type",
+    "type_as",
+    "detach",
+}
 # (position, keyword, default) of the dim an op works along; the batch must not be that dim.
 _ALONG_DIM = {
-    "softmax": (1, "dim", None), "log_softmax": (1, "dim", None), "cumsum": (1, "dim", None),
-    "cumprod": (1, "dim", None), "logcumsumexp": (1, "dim", None), "normalize": (2, "dim", 1),
-    "glu": (1, "dim", -1), "argsort": (1, "dim", -1), "sort": (1, "dim", -1),
-    "topk": (2, "dim", -1), "diff": (2, "dim", -1), "flip": (1, "dims", None),
-    "cummax": (1, "dim", None), "cummin": (1, "dim", None),
+    "softmax": (1, "dim", None),
+    "log_softmax": (1, "dim", None),
+    "cumsum": (1, "dim", None),
+    "cumprod": (1, "dim", None),
+    "logcumsumexp": (1, "dim", None),
+    "normalize": (2, "dim", 1),
+    "glu": (1, "dim", -1),
+    "argsort": (1, "dim", -1),
+    "sort": (1, "dim", -1),
+    "topk": (2, "dim", -1),
+    "diff": (2, "dim", -1),
+    "flip": (1, "dims", None),
+    "cummax": (1, "dim", None),
+    "cummin": (1, "dim", None),
 }
 _LAST_TWO = {"tril", "triu"}
-_REDUCTIONS = {"sum", "nansum", "mean", "amax", "amin", "max", "min", "argmax", "argmin",
-               "prod", "var", "std", "logsumexp", "all", "any", "count_nonzero", "norm"}
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
-             "reshape_as"}
+_REDUCTIONS = {
+    "sum",
+    "nansum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "argmax",
+    "argmin",
+    "prod",
+    "var",
+    "std",
+    "logsumexp",
+    "all",
+    "any",
+    "count_nonzero",
+    "norm",
+}
+_RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
 _PERMUTES = {"transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis"}
-_RNG = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
-        "rand_like", "randn_like", "randint_like", "bernoulli", "multinomial", "normal", "poisson",
-        "rrelu", "gumbel_softmax", "native_dropout"}
-_POINTWISE_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
-                     "binary_cross_entropy", "binary_cross_entropy_with_logits", "soft_margin_loss"}
+_RNG = {
+    "dropout",
+    "dropout1d",
+    "dropout2d",
+    "dropout3d",
+    "alpha_dropout",
+    "feature_alpha_dropout",
+    "rand_like",
+    "randn_like",
+    "randint_like",
+    "bernoulli",
+    "multinomial",
+    "normal",
+    "poisson",
+    "rrelu",
+    "gumbel_softmax",
+    "native_dropout",
+}
+_POINTWISE_LOSSES = {
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "soft_margin_loss",
+}
 _COLLECTIVES_POINTWISE = {"c10d.all_reduce", "c10d.wait_tensor", "c10d.broadcast"}
 _GLOBAL_STATE = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_grad_enabled"}
-_LINEAR_ON_PARTIAL = {"add", "sub", "mul", "div", "true_divide", "neg", "positive", "contiguous",
-                      "clone", "c10d.all_reduce", "c10d.wait_tensor"}
+_LINEAR_ON_PARTIAL = {
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "true_divide",
+    "neg",
+    "positive",
+    "contiguous",
+    "clone",
+    "c10d.all_reduce",
+    "c10d.wait_tensor",
+}
 
-_ALL_NAMES = (_POINTWISE | _CONVERT | set(_ALONG_DIM) | _LAST_TWO | _REDUCTIONS | _RESHAPES
-              | _PERMUTES | _RNG | _POINTWISE_LOSSES | {
-                  "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "embedding",
-                  "scaled_dot_product_attention", "rms_norm", "layer_norm", "cross_entropy",
-                  "nll_loss", "cat", "concat", "concatenate", "stack", "chunk", "split",
-                  "tensor_split", "unbind", "narrow", "select", "expand", "expand_as", "repeat",
-                  "index_select", "gather", "pad", "new_ones", "new_zeros", "new_full",
-                  "new_empty", "new_tensor", "conv1d", "conv2d", "conv3d", "batch_norm",
-                  "_set_grad_enabled", "set_grad_enabled"})
+_ALL_NAMES = (
+    _POINTWISE
+    | _CONVERT
+    | set(_ALONG_DIM)
+    | _LAST_TWO
+    | _REDUCTIONS
+    | _RESHAPES
+    | _PERMUTES
+    | _RNG
+    | _POINTWISE_LOSSES
+    | {
+        "linear",
+        "matmul",
+        "mm",
+        "bmm",
+        "addmm",
+        "baddbmm",
+        "embedding",
+        "scaled_dot_product_attention",
+        "rms_norm",
+        "layer_norm",
+        "cross_entropy",
+        "nll_loss",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "chunk",
+        "split",
+        "tensor_split",
+        "unbind",
+        "narrow",
+        "select",
+        "expand",
+        "expand_as",
+        "repeat",
+        "index_select",
+        "gather",
+        "pad",
+        "new_ones",
+        "new_zeros",
+        "new_full",
+        "new_empty",
+        "new_tensor",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "batch_norm",
+        "_set_grad_enabled",
+        "set_grad_enabled",
+    }
+)
 for _ns in _NAMESPACES:
     for _name in _ALL_NAMES:
         _obj = getattr(_ns, _name, None)
@@ -319,9 +544,11 @@ try:
     _target_names[id(torch.distributed.tensor._api.from_local)] = "dtensor.from_local"
 except (ImportError, AttributeError):  # pragma: no cover - torch built without distributed
     pass
-for _obj, _name in ((torch.amp.autocast_mode._enter_autocast, "_enter_autocast"),
-                    (torch.amp.autocast_mode._exit_autocast, "_exit_autocast"),
-                    (torch._C._set_grad_enabled, "_set_grad_enabled")):
+for _obj, _name in (
+    (torch.amp.autocast_mode._enter_autocast, "_enter_autocast"),
+    (torch.amp.autocast_mode._exit_autocast, "_exit_autocast"),
+    (torch._C._set_grad_enabled, "_set_grad_enabled"),
+):
     _target_names[id(_obj)] = _name
 
 
@@ -336,8 +563,7 @@ def is_inplace(node: fx.Node) -> bool:
         t = str(node.target)
         return t.endswith("_") and not t.startswith("__")
     if node.op == "call_function":
-        if node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul,
-                           operator.itruediv):
+        if node.target in (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv):
             return True
         if node.target in _OPERATOR_NAMES:
             return False
@@ -351,7 +577,14 @@ def is_rng(node: fx.Node) -> bool:
     if name in _RNG:
         return True
     return node.op == "call_function" and getattr(node.target, "__name__", "") in (
-        "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like")
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+    )
 
 
 def is_barrier(node: fx.Node) -> bool:
@@ -446,11 +679,27 @@ class BatchAnalysis:
             return self._partial_rule(node, name)
         if is_rng(node) and not self._rng_inactive(node, name):
             if not self.allow_rng:
-                raise self._fail(node, "random op on batch-carrying data (each nanobatch would "
-                                       "draw different numbers); pass allow_rng=True to split anyway")
-            if name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                        "feature_alpha_dropout", "rand_like", "randn_like", "randint_like",
-                        "bernoulli", "normal", "poisson", "rrelu", "native_dropout"):
+                raise self._fail(
+                    node,
+                    "random op on batch-carrying data (each nanobatch would "
+                    "draw different numbers); pass allow_rng=True to split anyway",
+                )
+            if name in (
+                "dropout",
+                "dropout1d",
+                "dropout2d",
+                "dropout3d",
+                "alpha_dropout",
+                "feature_alpha_dropout",
+                "rand_like",
+                "randn_like",
+                "randint_like",
+                "bernoulli",
+                "normal",
+                "poisson",
+                "rrelu",
+                "native_dropout",
+            ):
                 return self._pointwise(node, [node.args[0]])
             raise self._fail(node, "random op with no batch rule")
         rule = _RULES.get(name)
@@ -464,8 +713,7 @@ class BatchAnalysis:
         return rule(self, node, name)
 
     def _rng_inactive(self, node: fx.Node, name: str) -> bool:
-        if name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-                    "feature_alpha_dropout"):
+        if name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
             p = _arg(node, 1, "p", 0.5)
             training = _arg(node, 2, "training" if node.op == "call_function" else "train", True)
             if node.op == "call_function" and node.target is torch.dropout:
@@ -488,7 +736,8 @@ class BatchAnalysis:
                 if self.steps[u].split:
                     raise Unsupported(
                         f"{op_name(node)} ({node.name}): reduction over the batch dim inside the "
-                        f"graph feeds batch computation ({op_name(u)} at {u.name})")
+                        f"graph feeds batch computation ({op_name(u)} at {u.name})"
+                    )
                 todo.extend(u.users)
 
     # ---- generic rules -------------------------------------------------------------------
@@ -676,7 +925,7 @@ def _reshape_batch(an: BatchAnalysis, node, in_shape, i: BatchDim, out_shape) ->
         if out_shape[d] % (p2 * b):
             continue
         k2 = out_shape[d] // (p2 * b)
-        if k2 * math.prod(out_shape[d + 1:]) == rest:
+        if k2 * math.prod(out_shape[d + 1 :]) == rest:
             return BatchDim(d, k2, p2)
     raise an._fail(node, f"reshape {in_shape} -> {out_shape} mixes the batch with other dims")
 
@@ -703,7 +952,7 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         if name == "unflatten":
             d = _norm_dim(_arg(node, 1, "dim"), len(in_shape))
             n = len(_arg(node, 2, "sizes"))
-            return Call(node.op, node.target, (x, d, hs[d:d + n]), {})
+            return Call(node.op, node.target, (x, d, hs[d : d + n]), {})
         # view_as / reshape_as
         return Call("call_method", "reshape", (x, hs), {})
 
@@ -748,8 +997,7 @@ def _rule_expand(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         raise an._fail(node, "batch enters through the shape argument")
     out_shape = an.shape(node)
     out = i.moved(i.dim + len(out_shape) - len(an.shape(x)))
-    return Step(out, True, lambda h: Call("call_method", "expand",
-                                          (x, an.half_shape(out_shape, out, h)), {}))
+    return Step(out, True, lambda h: Call("call_method", "expand", (x, an.half_shape(out_shape, out, h)), {}))
 
 
 def _rule_repeat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
@@ -829,7 +1077,12 @@ def _rule_getitem(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         if info is None and len(items) == 1 and isinstance(items[0], fx.Node):
             j = an.info(items[0])
             v = an.vals.get(items[0])
-            if isinstance(j, BatchDim) and isinstance(v, torch.Tensor) and not v.dtype.is_floating_point and v.dtype != torch.bool:
+            if (
+                isinstance(j, BatchDim)
+                and isinstance(v, torch.Tensor)
+                and not v.dtype.is_floating_point
+                and v.dtype != torch.bool
+            ):
                 return Step(j, True)
         if isinstance(info, BatchDim):
             return _advanced_getitem(an, node, src, info, items)
@@ -857,14 +1110,20 @@ def _rule_getitem(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
             i_dim += 1
         elif isinstance(a, slice):
             if i_dim == info.dim:
-                full = (a.start in (None, 0) and a.step in (None, 1)
-                        and (a.stop is None or (isinstance(a.stop, int) and a.stop >= shape[i_dim])))
+                full = (
+                    a.start in (None, 0)
+                    and a.step in (None, 1)
+                    and (a.stop is None or (isinstance(a.stop, int) and a.stop >= shape[i_dim]))
+                )
                 if not full:
                     raise an._fail(node, "slices the batch dim")
                 out_dim = o_dim
-                a = slice(None)
+                new_items.append(slice(None))
+            else:
+                new_items.append(a)
             i_dim += 1
             o_dim += 1
+            continue
         else:
             raise an._fail(node, f"unsupported index {a!r}")
         new_items.append(a)
@@ -897,9 +1156,13 @@ def _batch_arange_dim(an: BatchAnalysis, node: Any) -> int | None:
     name = op_name(node)
     if node.op == "call_function" and node.target is torch.arange:
         args = list(node.args)
-        ok = (args in ([an.batch], [0, an.batch], [0, an.batch, 1])
-              and node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1
-              and "end" not in node.kwargs and "out" not in node.kwargs)
+        ok = (
+            args in ([an.batch], [0, an.batch], [0, an.batch, 1])
+            and node.kwargs.get("start", 0) == 0
+            and node.kwargs.get("step", 1) == 1
+            and "end" not in node.kwargs
+            and "out" not in node.kwargs
+        )
         return big[0] if ok else None
     if name in ("add", "sub") and len(node.args) == 2 and node.args[1] == 0 and not node.kwargs:
         src = node.args[0]
@@ -910,23 +1173,22 @@ def _batch_arange_dim(an: BatchAnalysis, node: Any) -> int | None:
             if not all(a is None or a is Ellipsis or a == slice(None) for a in items):
                 return None
         if name in ("to", "long", "int") and any(
-                isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
+            isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())
+        ):
             return None
     else:
         return None
     return big[0] if _batch_arange_dim(an, src) is not None else None
 
 
-def getitem_with_batch_arange(src: torch.Tensor, items: tuple, slot: int,
-                              index_shape: tuple[int, ...]) -> torch.Tensor:
+def getitem_with_batch_arange(src: torch.Tensor, items: tuple, slot: int, index_shape: tuple[int, ...]) -> torch.Tensor:
     """``src[items]`` with ``items[slot]`` replaced by ``arange(n)`` laid out as ``index_shape``
     (``n`` = its one non-1 size): one nanobatch's copy of an index by a batch ``arange``."""
     index = torch.arange(math.prod(index_shape), device=src.device).view(index_shape)
-    return src[items[:slot] + (index,) + items[slot + 1:]]
+    return src[items[:slot] + (index,) + items[slot + 1 :]]
 
 
-def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: BatchDim,
-                      items: tuple) -> Step:
+def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: BatchDim, items: tuple) -> Step:
     """``src[i0, i1, ...]`` with integer index tensors and full slices, ``src`` batch-carrying.
 
     Exact per nanobatch in two cases: the batch dim is a full slice and every index tensor is
@@ -942,8 +1204,7 @@ def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: Batc
     for pos, a in enumerate(items):
         if pos in adv:
             v = an.vals.get(a)
-            if (not isinstance(v, torch.Tensor) or v.dtype.is_floating_point
-                    or v.dtype == torch.bool):
+            if not isinstance(v, torch.Tensor) or v.dtype.is_floating_point or v.dtype == torch.bool:
                 raise an._fail(node, "advanced indexing by a non-integer index tensor")
             if an.info(a) is not None:
                 raise an._fail(node, "advanced indexing by a batch-carrying index into batch data")
@@ -963,8 +1224,7 @@ def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: Batc
     index = items[info.dim]
     d = _batch_arange_dim(an, index)
     if d is None or info.p != 1 or info.k != 1:
-        raise an._fail(node, "advanced (tensor) indexing of the batch dim by an index that is "
-                             "not a batch arange")
+        raise an._fail(node, "advanced (tensor) indexing of the batch dim by an index that is not a batch arange")
     own_shape = an.shape(index)
     d_b = d + len(bcast) - len(own_shape)
     slot = info.dim
@@ -973,7 +1233,7 @@ def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: Batc
         if pos != slot and j >= 0 and shape[j] != 1:
             raise an._fail(node, "another index tensor varies along the batch arange's dim")
     out = BatchDim(block_start + d_b)
-    others = tuple(items[:slot]) + (None,) + tuple(items[slot + 1:])  # the slot is filled per nanobatch
+    others = tuple(items[:slot]) + (None,) + tuple(items[slot + 1 :])  # the slot is filled per nanobatch
 
     def call(h: int) -> Call:
         shape_h = list(own_shape)
@@ -1052,8 +1312,7 @@ def _rule_matmul(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         return Step(out, True)
     outs = []
     slices = {}
-    for operand, s, row_dim, contracted in ((a, sa, len(sa) - 2, len(sa) - 1),
-                                            (b, sb, len(sb) - 1, len(sb) - 2)):
+    for operand, s, row_dim, contracted in ((a, sa, len(sa) - 2, len(sa) - 1), (b, sb, len(sb) - 1, len(sb) - 2)):
         i = an.info(operand)
         if isinstance(i, BatchDim):
             if i.dim == contracted:
@@ -1097,8 +1356,7 @@ def _rule_embedding(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 def _rule_sdpa(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     if _arg(node, 4, "dropout_p", 0.0) and not an.allow_rng:
         raise an._fail(node, "attention dropout draws random numbers; pass allow_rng=True")
-    return _attention(an, node, node.args[0], _arg(node, 1, "key"), _arg(node, 2, "value"),
-                      _arg(node, 3, "attn_mask"))
+    return _attention(an, node, node.args[0], _arg(node, 1, "key"), _arg(node, 2, "value"), _arg(node, 3, "attn_mask"))
 
 
 def _rule_kareus_attention(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
@@ -1150,7 +1408,11 @@ def _rule_batch_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     i = an.info(x)
     if _arg(node, 5, "training", False):
         raise an._fail(node, "batch_norm in training mode averages over the batch")
-    if not isinstance(i, BatchDim) or i.dim == 1 or any(an.info(a) is not None for a in node.all_input_nodes if a is not x):
+    if (
+        not isinstance(i, BatchDim)
+        or i.dim == 1
+        or any(an.info(a) is not None for a in node.all_input_nodes if a is not x)
+    ):
         raise an._fail(node, "batch on the channel dim")
     return Step(i, True)
 
@@ -1178,8 +1440,7 @@ def _rule_new_factory(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     """``x.new_ones(size)`` only borrows dtype and device from ``x``: emit a shared factory call."""
     if any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
         raise an._fail(node, "size or value from a tensor")
-    fn = {"new_ones": torch.ones, "new_zeros": torch.zeros, "new_empty": torch.empty,
-          "new_full": torch.full}[name]
+    fn = {"new_ones": torch.ones, "new_zeros": torch.zeros, "new_empty": torch.empty, "new_full": torch.full}[name]
     if name == "new_full":
         args = (_arg(node, 1, "size"), _arg(node, 2, "fill_value"))
     else:  # x.new_zeros(2, 3) or x.new_zeros((2, 3))
@@ -1229,8 +1490,9 @@ def _cross_entropy_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     else:
         # Per-token losses per nanobatch, summed in fp32 by the recombination: exact for an
         # all-ignored nanobatch (no 0/0) and as precise as the fused mean in bf16/fp16.
-        step = an._reduction_over_batch(node, "ce_mean", target=tgt, ignore_index=ignore_index,
-                                        weight=weight, half_info=want, half_like=tgt)
+        step = an._reduction_over_batch(
+            node, "ce_mean", target=tgt, ignore_index=ignore_index, weight=weight, half_info=want, half_like=tgt
+        )
 
         def per_token(h: int) -> Call:
             c = _same_call(node)
@@ -1243,18 +1505,26 @@ def _cross_entropy_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     return step
 
 
-_LOSS_REDUCTION_POS = {"mse_loss": 4, "l1_loss": 4, "smooth_l1_loss": 4, "huber_loss": 2,
-                       "soft_margin_loss": 4, "binary_cross_entropy": 5,
-                       "binary_cross_entropy_with_logits": 5}
+_LOSS_REDUCTION_POS = {
+    "mse_loss": 4,
+    "l1_loss": 4,
+    "smooth_l1_loss": 4,
+    "huber_loss": 2,
+    "soft_margin_loss": 4,
+    "binary_cross_entropy": 5,
+    "binary_cross_entropy_with_logits": 5,
+}
 
 
 def _rule_pointwise_loss(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    operands = [a for a in node.all_input_nodes]
+    operands = list(node.all_input_nodes)
     inp = node.args[0]
     full = an._pointwise(node, operands, out_shape=an.shape(inp))
     pos = _LOSS_REDUCTION_POS[name]
-    if name != "huber_loss" and (_arg(node, 2 + (name.startswith("binary")), "size_average") is not None
-                                 or _arg(node, 3 + (name.startswith("binary")), "reduce") is not None):
+    if name != "huber_loss" and (
+        _arg(node, 2 + (name.startswith("binary")), "size_average") is not None
+        or _arg(node, 3 + (name.startswith("binary")), "reduce") is not None
+    ):
         raise an._fail(node, "legacy size_average/reduce arguments")
     reduction = _arg(node, pos, "reduction", "mean")
     if reduction == "none":
@@ -1322,13 +1592,19 @@ def _rule_autograd_function(an: BatchAnalysis, node: fx.Node, name: str) -> Step
         if isinstance(ai, BatchDim) and g != ai:
             raise an._fail(node, f"the gradient of {a.name} does not carry the batch like {a.name}")
         if ai is None and g is not PARTIAL:
-            raise an._fail(node, f"the gradient of shared input {a.name} does not depend on the batch "
-                                 "(it would be counted once per nanobatch)")
+            raise an._fail(
+                node,
+                f"the gradient of shared input {a.name} does not depend on the batch "
+                "(it would be counted once per nanobatch)",
+            )
 
     def call(h: int) -> Call:
-        return Call(node.op, node.target,
-                    (Body(fwd_attr.target, fwd_an), Body(bwd_attr.target, bwd_an), *args),
-                    dict(node.kwargs))
+        return Call(
+            node.op,
+            node.target,
+            (Body(fwd_attr.target, fwd_an), Body(bwd_attr.target, bwd_an), *args),
+            dict(node.kwargs),
+        )
 
     return Step(tuple(outs), True, call)
 
@@ -1344,9 +1620,9 @@ def _rule_checkpoint(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     if not all(isinstance(o, BatchDim) for o in outs):
         raise an._fail(node, "an output of the checkpointed region does not carry the batch")
-    return Step(outs, True, lambda h: Call(node.op, node.target,
-                                           (Body(body_attr.target, body_an), *args),
-                                           dict(node.kwargs)))
+    return Step(
+        outs, True, lambda h: Call(node.op, node.target, (Body(body_attr.target, body_an), *args), dict(node.kwargs))
+    )
 
 
 def _rule_dtensor(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
@@ -1384,8 +1660,7 @@ def _body_analysis(an: BatchAnalysis, node: fx.Node, body: fx.GraphModule, infos
     if len(phs) != len(infos):
         raise an._fail(node, f"body {len(phs)} inputs for {len(infos)} values")
     vals = {n: n.meta.get("example_value") for n in body.graph.nodes}
-    sub = BatchAnalysis(body, dict(zip(phs, infos)), vals, an.halves, mode="body",
-                        allow_rng=an.allow_rng)
+    sub = BatchAnalysis(body, dict(zip(phs, infos)), vals, an.halves, mode="body", allow_rng=an.allow_rng)
     try:
         return sub.run()
     except Unsupported as e:
@@ -1394,37 +1669,56 @@ def _body_analysis(an: BatchAnalysis, node: fx.Node, body: fx.GraphModule, infos
 
 _RULES: dict[str, Callable[[BatchAnalysis, fx.Node, str], Step]] = {
     "linear": _rule_linear,
-    "matmul": _rule_matmul, "mm": _rule_matmul, "bmm": _rule_matmul, "addmm": _rule_matmul,
+    "matmul": _rule_matmul,
+    "mm": _rule_matmul,
+    "bmm": _rule_matmul,
+    "addmm": _rule_matmul,
     "baddbmm": _rule_matmul,
     "embedding": _rule_embedding,
     "scaled_dot_product_attention": _rule_sdpa,
     "kareus.attention": _rule_kareus_attention,
-    "rms_norm": _rule_norm, "layer_norm": _rule_norm,
+    "rms_norm": _rule_norm,
+    "layer_norm": _rule_norm,
     "batch_norm": _rule_batch_norm,
-    "conv1d": _rule_conv, "conv2d": _rule_conv, "conv3d": _rule_conv,
-    "cross_entropy": _cross_entropy_like, "nll_loss": _cross_entropy_like,
-    "cat": _rule_cat, "concat": _rule_cat, "concatenate": _rule_cat, "stack": _rule_cat,
-    "chunk": _rule_split_like, "split": _rule_split_like, "tensor_split": _rule_split_like,
+    "conv1d": _rule_conv,
+    "conv2d": _rule_conv,
+    "conv3d": _rule_conv,
+    "cross_entropy": _cross_entropy_like,
+    "nll_loss": _cross_entropy_like,
+    "cat": _rule_cat,
+    "concat": _rule_cat,
+    "concatenate": _rule_cat,
+    "stack": _rule_cat,
+    "chunk": _rule_split_like,
+    "split": _rule_split_like,
+    "tensor_split": _rule_split_like,
     "unbind": _rule_split_like,
     "getitem": _rule_getitem,
-    "expand": _rule_expand, "expand_as": _rule_expand, "repeat": _rule_repeat,
-    "narrow": _rule_narrow_select, "select": _rule_narrow_select,
-    "index_select": _rule_index_select, "gather": _rule_gather,
+    "expand": _rule_expand,
+    "expand_as": _rule_expand,
+    "repeat": _rule_repeat,
+    "narrow": _rule_narrow_select,
+    "select": _rule_narrow_select,
+    "index_select": _rule_index_select,
+    "gather": _rule_gather,
     "pad": _rule_pad,
-    "new_ones": _rule_new_factory, "new_zeros": _rule_new_factory,
-    "new_full": _rule_new_factory, "new_empty": _rule_new_factory,
+    "new_ones": _rule_new_factory,
+    "new_zeros": _rule_new_factory,
+    "new_full": _rule_new_factory,
+    "new_empty": _rule_new_factory,
     "c10d.all_gather_into_tensor": _rule_all_gather,
     "c10d.reduce_scatter_tensor": _rule_reduce_scatter,
     "c10d.all_to_all_single": _rule_all_to_all,
     "hop.autograd_function_apply": _rule_autograd_function,
     "hop.tag_activation_checkpoint": _rule_checkpoint,
-    "dtensor.from_local": _rule_dtensor, "redistribute": _rule_dtensor, "to_local": _rule_dtensor,
+    "dtensor.from_local": _rule_dtensor,
+    "redistribute": _rule_dtensor,
+    "to_local": _rule_dtensor,
     "full_tensor": _rule_dtensor,
 }
 for _n in _COLLECTIVES_POINTWISE:
     _RULES[_n] = _rule_collective_pointwise
-for _n in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
-           "feature_alpha_dropout"):
+for _n in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"):
     _RULES[_n] = _rule_convert  # inactive (p=0 or not training): identity on its input
 _TABLE_RULES = (
     (_POINTWISE, _rule_pointwise),

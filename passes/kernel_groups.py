@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+
 from kareus_fx.passes.analysis import META_KEY, hinted
 from kareus_fx.passes.nanobatch import NANOBATCH_META
 
@@ -60,18 +61,26 @@ REALIZE_READS = 4
 stored tensors than this (``config.realize_reads_threshold``)."""
 
 _EXTERN_TARGETS = {
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    aten.convolution.default, aten.convolution_backward.default,
+    aten.mm.default,
+    aten.addmm.default,
+    aten.bmm.default,
+    aten.baddbmm.default,
+    aten.convolution.default,
+    aten.convolution_backward.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_flash_attention_backward.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_efficient_attention_backward.default,
-    torch.ops.kareus.attention.default, torch.ops.kareus.attention_backward.default,
-    aten.index_put.default, aten._unsafe_index_put.default,
-    aten._unsafe_masked_index_put_accumulate.default, aten.scatter_add.default,
-    aten.sort.default, aten.topk.default,
+    torch.ops.kareus.attention.default,
+    torch.ops.kareus.attention_backward.default,
+    aten.index_put.default,
+    aten._unsafe_index_put.default,
+    aten._unsafe_masked_index_put_accumulate.default,
+    aten.scatter_add.default,
+    aten.sort.default,
+    aten.topk.default,
 }
 
 
@@ -126,16 +135,21 @@ def group_kernels(gm: torch.fx.GraphModule, ridge_flops_per_byte: float) -> list
     stored: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # producers, inlined ones expanded
     for node in nodes:
         producers = _producers(node, cost)
-        depth[node] = max((depth[p] + (0 if _free_edge(p, node, parent, iteration, inlined) else 1)
-                           for p in producers), default=0)
+        depth[node] = max(
+            (depth[p] + (0 if _free_edge(p, node, parent, iteration, inlined) else 1) for p in producers), default=0
+        )
         stored[node] = list(dict.fromkeys(q for p in producers for q in (stored[p] if p in inlined else [p])))
         if node in parent and _inlinable(node, consumers[node], parent, iteration, reads=len(stored[node])):
             inlined.add(node)
         if node not in parent or node in inlined or not _fusible(node):
             continue
         for producer in stored[node]:
-            if (producer in parent and _fusible(producer) and iteration[producer] & iteration[node]
-                    and depth[producer] == depth[node]):
+            if (
+                producer in parent
+                and _fusible(producer)
+                and iteration[producer] & iteration[node]
+                and depth[producer] == depth[node]
+            ):
                 union(producer, node)
         for producer in stored[node]:
             if producer in parent:
@@ -153,10 +167,17 @@ def group_kernels(gm: torch.fx.GraphModule, ridge_flops_per_byte: float) -> list
         if node in inlined:
             parent[node] = find(consumers[node][0])
     for node in kernel_less:
-        node.meta[META_KEY] = dataclasses.replace(cost[node], kind="other", flops=0.0, bytes=0.0,
-                                                  intensity=None, bound=None)
-    return _price(nodes, [n for n in compute if n not in kernel_less], find, cost, ridge_flops_per_byte,
-                  {n: stored[n] for n in inlined})
+        node.meta[META_KEY] = dataclasses.replace(
+            cost[node], kind="other", flops=0.0, bytes=0.0, intensity=None, bound=None
+        )
+    return _price(
+        nodes,
+        [n for n in compute if n not in kernel_less],
+        find,
+        cost,
+        ridge_flops_per_byte,
+        {n: stored[n] for n in inlined},
+    )
 
 
 def _join_concat_writers(compute: list[torch.fx.Node], cost: dict, depth: dict, union) -> set[torch.fx.Node]:
@@ -195,8 +216,13 @@ def _producers(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
 
 
 def _free_edge(producer: torch.fx.Node, node: torch.fx.Node, compute: dict, iteration: dict, inlined: set) -> bool:
-    return (producer in compute and node in compute and _fusible(producer) and _fusible(node)
-            and (producer in inlined or bool(iteration[producer] & iteration[node])))
+    return (
+        producer in compute
+        and node in compute
+        and _fusible(producer)
+        and _fusible(node)
+        and (producer in inlined or bool(iteration[producer] & iteration[node]))
+    )
 
 
 def _consumers(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
@@ -213,15 +239,20 @@ def _consumers(node: torch.fx.Node, cost: dict) -> list[torch.fx.Node]:
     return list(found)
 
 
-def _inlinable(node: torch.fx.Node, consumers: list[torch.fx.Node], compute: dict, iteration: dict, *,
-               reads: int) -> bool:
+def _inlinable(
+    node: torch.fx.Node, consumers: list[torch.fx.Node], compute: dict, iteration: dict, *, reads: int
+) -> bool:
     """Whether Inductor computes a pointwise node inside its consumers instead of storing it: a
     fusible op whose loop is its output (not a reduction), read only by fusible ops, and either
     read by one of them or reading at most ``REALIZE_READS`` stored tensors itself (counting
     through the nodes inlined into it; Inductor's ``should_realize_on_reuse``)."""
-    return (_fusible(node) and iteration[node] == {_numel(node.meta.get("val"))}
-            and bool(consumers) and all(c in compute and _fusible(c) for c in consumers)
-            and (len(consumers) == 1 or reads <= REALIZE_READS))
+    return (
+        _fusible(node)
+        and iteration[node] == {_numel(node.meta.get("val"))}
+        and bool(consumers)
+        and all(c in compute and _fusible(c) for c in consumers)
+        and (len(consumers) == 1 or reads <= REALIZE_READS)
+    )
 
 
 def _slice_writer(piece: torch.fx.Node, cost: dict) -> torch.fx.Node | None:
@@ -293,11 +324,13 @@ def _price(nodes, compute, find, cost, ridge, recomputed: dict[torch.fx.Node, li
                 # Computed inputs were written into the output's slices by their kernels; the
                 # others are copied in (each slice read and written).
                 pieces = dict.fromkeys(node.all_input_nodes)
-                shares[node] = sum(2 * _tensor_bytes(p.meta.get("val")) for p in pieces if _slice_writer(p, cost) is None)
+                shares[node] = sum(
+                    2 * _tensor_bytes(p.meta.get("val")) for p in pieces if _slice_writer(p, cost) is None
+                )
                 continue
             share = 0.0
             for inp in _read_tensors(node, cost):
-                for tensor in (recomputed[inp] if inp in recomputed and kernel_of.get(inp) is not root else [inp]):
+                for tensor in recomputed[inp] if inp in recomputed and kernel_of.get(inp) is not root else [inp]:
                     if kernel_of.get(tensor) is root or tensor in read:
                         continue
                     read.add(tensor)
@@ -313,8 +346,9 @@ def _price(nodes, compute, find, cost, ridge, recomputed: dict[torch.fx.Node, li
         for node in group:
             node.meta[KERNEL_META] = kernel_id
             node.meta[META_KEY] = dataclasses.replace(cost[node], bytes=shares[node], intensity=intensity, bound=bound)
-        kernels.append(Kernel(kernel_id, tuple(n.name for n in group), root.target in _EXTERN_TARGETS, total_bytes,
-                              total_flops))
+        kernels.append(
+            Kernel(kernel_id, tuple(n.name for n in group), root.target in _EXTERN_TARGETS, total_bytes, total_flops)
+        )
     for node in nodes:
         node.meta.setdefault(KERNEL_META, None)
     return kernels

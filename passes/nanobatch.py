@@ -68,6 +68,12 @@ from typing import Any
 import sympy
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx._lazy_graph_module import _make_graph_module
+from torch.fx.experimental.symbolic_shapes import guard_int
+from torch.utils._sympy.functions import FloorDiv
+
 from kareus_fx.passes.batch_dims import (
     BatchAnalysis,
     BatchDim,
@@ -83,11 +89,6 @@ from kareus_fx.passes.batch_dims import (
     op_name,
 )
 from kareus_fx.passes.nanobatch_verify import FakeRun, verify_split
-from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx._lazy_graph_module import _make_graph_module
-from torch.fx.experimental.symbolic_shapes import guard_int
-from torch.utils._sympy.functions import FloorDiv
 
 __all__ = [
     "NANOBATCH_META",
@@ -100,8 +101,7 @@ NANOBATCH_META = "kareus_nanobatch"
 """``node.meta`` key (and ``node.meta["custom"]`` key) holding 0 (A), 1 (B) or None."""
 
 # Attributes Dynamo sets on the GraphModule it hands to a backend; copied onto the split module.
-_DYNAMO_GM_ATTRS = ("meta", "shape_env", "compile_subgraph_reason", "_param_name_to_source",
-                    "_source_to_user_stacks")
+_DYNAMO_GM_ATTRS = ("meta", "shape_env", "compile_subgraph_reason", "_param_name_to_source", "_source_to_user_stacks")
 
 
 class NanobatchFallbackWarning(UserWarning):
@@ -151,8 +151,7 @@ def split_nanobatches(
     try:
         fake_mode, fake_inputs = _fake_inputs(placeholders, example_inputs)
         vals = _values(gm, placeholders, fake_mode, fake_inputs)
-        an = BatchAnalysis(gm, {p: BatchDim(0) for p in batch_phs}, vals, halves,
-                           allow_rng=allow_rng).run()
+        an = BatchAnalysis(gm, {p: BatchDim(0) for p in batch_phs}, vals, halves, allow_rng=allow_rng).run()
         emitter = _Emitter(an)
         new_gm = emitter.build()
         verify_split(new_gm, fake_mode, fake_inputs, an.halves, emitter.expected, emitter.body_of)
@@ -161,15 +160,15 @@ def split_nanobatches(
         new_gm.recompile()
     except Unsupported as e:
         return _fallback(gm, str(e), batch, names)
-    except Exception as e:  # a bug here must not break the user's compile: run unsplit
-        return _fallback(gm, f"internal error in the nanobatch split: {type(e).__name__}: {e}",
-                         batch, names)
+    except Exception as e:  # noqa: BLE001 - a bug here must not break the user's compile: run unsplit
+        return _fallback(gm, f"internal error in the nanobatch split: {type(e).__name__}: {e}", batch, names)
     return NanobatchResult(new_gm, True, None, batch, halves, names, tuple(emitter.outputs))
 
 
 def _fallback(gm, reason: str, batch, names) -> NanobatchResult:
-    warnings.warn(f"nanobatch split skipped, running the graph unsplit: {reason}",
-                  NanobatchFallbackWarning, stacklevel=3)
+    warnings.warn(
+        f"nanobatch split skipped, running the graph unsplit: {reason}", NanobatchFallbackWarning, stacklevel=3
+    )
     return NanobatchResult(gm, False, reason, batch, None, names)
 
 
@@ -222,8 +221,7 @@ def _specialize_batch(node: fx.Node, value: torch.Tensor) -> None:
     if not is_symbolic(_size(size)):
         return
     if size.node.hint is None:
-        raise Unsupported(f"the batch dim of {node.name} is symbolic ({size}) with no value to "
-                          f"specialize it to")
+        raise Unsupported(f"the batch dim of {node.name} is symbolic ({size}) with no value to specialize it to")
     guard_int(size)
 
 
@@ -233,8 +231,12 @@ def _fake_inputs(placeholders, example_inputs):
     mode = next(iter(modes.values())) if len(modes) == 1 else None
     if mode is None or any(f is None for f in fakes):
         mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
-        fakes = [mode.from_tensor(x) if isinstance(x, torch.Tensor) and not isinstance(
-            x, torch._subclasses.FakeTensor) else x for x in example_inputs]
+        fakes = [
+            mode.from_tensor(x)
+            if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor)
+            else x
+            for x in example_inputs
+        ]
     return mode, fakes
 
 
@@ -245,8 +247,10 @@ def _values(gm, placeholders, mode, fake_inputs) -> dict[fx.Node, Any]:
         return {n: n.meta.get("example_value") for n in gm.graph.nodes}
     run = FakeRun(gm, mode)
     run.run(*fake_inputs)
-    return {**run.vals, **{n: n.meta.get("example_value") for n in gm.graph.nodes
-                           if n not in run.vals and "example_value" in n.meta}}
+    return {
+        **run.vals,
+        **{n: n.meta.get("example_value") for n in gm.graph.nodes if n not in run.vals and "example_value" in n.meta},
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,8 +318,9 @@ class _Emitter:
             b = s.batch
             start = 0 if h == 0 else self.an.halves[0] * b.k
             length = self.an.halves[h] * b.k
-            self.slices[key] = self._fn(torch.narrow, self.lookup(s.node, None), b.dim,
-                                        self.lookup(start, None), self.lookup(length, None), h=h)
+            self.slices[key] = self._fn(
+                torch.narrow, self.lookup(s.node, None), b.dim, self.lookup(start, None), self.lookup(length, None), h=h
+            )
         return self.slices[key]
 
     def _sym(self, expr: sympy.Basic) -> int | fx.Node:
@@ -329,8 +334,7 @@ class _Emitter:
             source = self.symbol_sources.get(expr)
             if source is None:
                 raise Unsupported(f"symbolic size {expr} is not readable from any graph input")
-            node = source if isinstance(source, fx.Node) else self._new(
-                "call_method", "size", source, {}, None)
+            node = source if isinstance(source, fx.Node) else self._new("call_method", "size", source, {}, None)
         elif expr.is_Add or expr.is_Mul:
             fold = operator.add if expr.is_Add else operator.mul
             parts = [self._sym(a) for a in expr.args]
@@ -369,10 +373,12 @@ class _Emitter:
     # ---- graphs --------------------------------------------------------------------------
 
     def _emit_node(self, node: fx.Node, step: Step, h: int | None) -> fx.Node:
-        call = step.call(h if h is not None else 0) if step.call is not None else Call(
-            node.op, node.target, tuple(node.args), dict(node.kwargs))
-        new = self._new(call.op, call.target, self._map(call.args, h), self._map(call.kwargs, h),
-                        h, like=node)
+        call = (
+            step.call(h if h is not None else 0)
+            if step.call is not None
+            else Call(node.op, node.target, tuple(node.args), dict(node.kwargs))
+        )
+        new = self._new(call.op, call.target, self._map(call.args, h), self._map(call.kwargs, h), h, like=node)
         info = step.info if h is not None else None
         like = node
         if step.combine is not None:  # a nanobatch's part of a recombined reduction
@@ -380,8 +386,9 @@ class _Emitter:
             like = step.combine_args.get("half_like", node)  # the targets; else full shape
         self.expected[new] = (self.an.vals.get(like), info, h)
         if h is not None and call.args and isinstance(call.args[0], Body):
-            self.body_of[new] = tuple(self.new_attrs[a.target] for a in new.args
-                                      if isinstance(a, fx.Node) and a.op == "get_attr")
+            self.body_of[new] = tuple(
+                self.new_attrs[a.target] for a in new.args if isinstance(a, fx.Node) and a.op == "get_attr"
+            )
         return new
 
     def _emit_all(self) -> None:
@@ -451,8 +458,11 @@ class _Emitter:
             out = self._fn(operator.add, up(a, 0), up(b, 1))
         elif step.combine == "mean":
             total = b_a + b_b
-            out = self._fn(operator.add, self._fn(operator.mul, up(a, 0), b_a / total, h=0),
-                           self._fn(operator.mul, up(b, 1), b_b / total, h=1))
+            out = self._fn(
+                operator.add,
+                self._fn(operator.mul, up(a, 0), b_a / total, h=0),
+                self._fn(operator.mul, up(b, 1), b_b / total, h=1),
+            )
         else:  # ce_mean: (sum_A + sum_B) / (count_A + count_B), counts of non-ignored targets
             ignore = step.combine_args["ignore_index"]
             weight = step.combine_args["weight"]
@@ -467,8 +477,7 @@ class _Emitter:
                     picked = self._fn(operator.getitem, self.lookup(weight, None), safe, h=h)
                     valid = self._fn(operator.mul, picked, valid, h=h)
                 counts.append(self._new("call_method", "sum", (valid,), {}, h))
-            out = self._fn(operator.truediv, self._fn(operator.add, *sums),
-                           self._fn(operator.add, *counts))
+            out = self._fn(operator.truediv, self._fn(operator.add, *sums), self._fn(operator.add, *counts))
         if dtype != acc:
             out = self._new("call_method", "to", (out, dtype), {}, None)
         self.expected[out] = (self.an.vals.get(node), None, None)
@@ -565,7 +574,8 @@ def _has_collective(n: fx.Node) -> bool:
         if isinstance(a, fx.Node) and a.op == "get_attr":
             body = _fetch(gm, a.target)
             if isinstance(body, fx.GraphModule) and any(
-                    op_name(m).startswith("c10d.") or _has_collective(m) for m in body.graph.nodes):
+                op_name(m).startswith("c10d.") or _has_collective(m) for m in body.graph.nodes
+            ):
                 return True
     return False
 
@@ -584,8 +594,11 @@ def _interleave(graph: fx.Graph) -> None:
     order = []
     for seg in segments:
         order += _schedule_segment(seg)
-    anchor = next(n for n in reversed(graph.nodes) if n.op == "placeholder") if any(
-        n.op == "placeholder" for n in graph.nodes) else None
+    anchor = (
+        next(n for n in reversed(graph.nodes) if n.op == "placeholder")
+        if any(n.op == "placeholder" for n in graph.nodes)
+        else None
+    )
     for n in order:
         if anchor is None:
             graph._root.append(n)  # pragma: no cover - graphs always have placeholders here

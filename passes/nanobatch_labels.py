@@ -31,6 +31,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.fx as fx
+
 from kareus_fx.passes.nanobatch import NANOBATCH_META
 
 __all__ = ["label_nanobatches"]

@@ -38,15 +38,29 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from kareus_fx.passes.batch_dims import BatchDim, Unsupported, _shape, is_barrier, is_inplace, op_name
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+from kareus_fx.passes.batch_dims import BatchDim, Unsupported, _shape, is_barrier, is_inplace, op_name
 
 __all__ = ["FakeRun", "verify_split"]
 
 # Non-tensor argument and output values compared by value (the type too: 1 == 1.0 == True).
-_SCALAR_TYPES = frozenset({type(None), bool, int, float, complex, str, torch.dtype, torch.device,
-                           torch.layout, torch.memory_format, type(Ellipsis)})
+_SCALAR_TYPES = frozenset(
+    {
+        type(None),
+        bool,
+        int,
+        float,
+        complex,
+        str,
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+        type(Ellipsis),
+    }
+)
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
 _PLAIN = {immutable_list: list}  # fx's argument containers, described as what they hold
 
@@ -78,8 +92,17 @@ class _TensorMeta:
         nbytes = t.untyped_storage().nbytes()
         if type(nbytes) is not int:
             raise _NoKey
-        return _TensorMeta(tuple(t.shape), t.stride(), t.storage_offset(), nbytes, t.dtype, t.device,
-                           t.requires_grad, t.is_conj(), t.is_neg())
+        return _TensorMeta(
+            tuple(t.shape),
+            t.stride(),
+            t.storage_offset(),
+            nbytes,
+            t.dtype,
+            t.device,
+            t.requires_grad,
+            t.is_conj(),
+            t.is_neg(),
+        )
 
     def fresh(self, mode: FakeTensorMode) -> FakeTensor:
         """A new fake tensor with this metadata (what ``FakeTensorMode``'s own cache builds)."""
@@ -87,8 +110,7 @@ class _TensorMeta:
             if self.storage_offset == 0 and self.storage_bytes == _bytes_spanned(self):
                 meta = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
             else:
-                meta = torch.empty(self.storage_bytes // self.dtype.itemsize, dtype=self.dtype,
-                                   device="meta")
+                meta = torch.empty(self.storage_bytes // self.dtype.itemsize, dtype=self.dtype, device="meta")
                 meta.set_(meta.untyped_storage(), self.storage_offset, self.shape, self.stride)
             if self.is_conj:
                 torch._C._set_conj(meta, True)
@@ -116,8 +138,7 @@ def _freeze(value: Any, body_key) -> Any:
     if kind in (dict, immutable_dict):
         return (dict, tuple((k, _freeze(v, body_key)) for k, v in value.items()))
     if kind is slice:
-        return (kind, _freeze(value.start, body_key), _freeze(value.stop, body_key),
-                _freeze(value.step, body_key))
+        return (kind, _freeze(value.start, body_key), _freeze(value.stop, body_key), _freeze(value.step, body_key))
     if isinstance(value, fx.GraphModule):
         return (fx.GraphModule, body_key(value))
     raise _NoKey
@@ -145,10 +166,8 @@ def _dispatch_state() -> tuple:
     """Global state that changes what an op's fake output looks like."""
     autocast = ()
     if torch._C._is_any_autocast_enabled():
-        autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                         for d in _AUTOCAST_DEVICES)
-    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(),
-            autocast)
+        autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(), autocast)
 
 
 def _mutates(n: fx.Node) -> bool:
@@ -166,14 +185,24 @@ class _OutputMemo:
 
     def covers(self, n: fx.Node) -> bool:
         expected = self.run.expected.get(n)
-        return (expected is not None and expected[2] is not None
-                and n.op in ("call_function", "call_method") and not is_barrier(n)
-                and not _mutates(n) and not any(_mutates(u) for u in n.users))
+        return (
+            expected is not None
+            and expected[2] is not None
+            and n.op in ("call_function", "call_method")
+            and not is_barrier(n)
+            and not _mutates(n)
+            and not any(_mutates(u) for u in n.users)
+        )
 
     def key(self, n: fx.Node, args: tuple, kwargs: dict) -> tuple | None:
         try:
-            return (n.op, n.target, _freeze(args, self.fingerprint), _freeze(kwargs, self.fingerprint),
-                    _dispatch_state())
+            return (
+                n.op,
+                n.target,
+                _freeze(args, self.fingerprint),
+                _freeze(kwargs, self.fingerprint),
+                _dispatch_state(),
+            )
         except _NoKey:
             return None
 
@@ -191,8 +220,7 @@ class _OutputMemo:
                 else:
                     raise _NoKey
                 wiring = fx.node.map_arg((node.args, node.kwargs), lambda a: _NodeRef(index[a]))
-                rows.append((node.op, target, _freeze_wiring(wiring, self.fingerprint),
-                             self.run.wanted(node)))
+                rows.append((node.op, target, _freeze_wiring(wiring, self.fingerprint), self.run.wanted(node)))
             self.fingerprints[gm] = tuple(rows)
         return self.fingerprints[gm]
 
@@ -235,8 +263,7 @@ class FakeRun(fx.Interpreter):
     its nanobatch or None); ``bodies`` maps a HOP node to its per-nanobatch body modules.
     """
 
-    def __init__(self, gm, mode, halves=None, expected=None, bodies=None, *, reuse_outputs=False,
-                 memo=None):
+    def __init__(self, gm, mode, halves=None, expected=None, bodies=None, *, reuse_outputs=False, memo=None):
         super().__init__(gm)
         self.mode = mode
         self.halves = halves
@@ -256,9 +283,8 @@ class FakeRun(fx.Interpreter):
             out, exemplar = self._evaluate(n)
         except Unsupported:
             raise
-        except Exception as e:  # a rewrite produced an op that does not run
-            raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): "
-                              f"{type(e).__name__}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - re-raised as Unsupported: a rewrite produced an op that does not run
+            raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): {type(e).__name__}: {e}") from None
         self.vals[n] = out
         if self.expected is not None:
             if n in self.expected:
@@ -294,7 +320,7 @@ class FakeRun(fx.Interpreter):
         """Run a HOP's per-nanobatch bodies on its fake inputs (and an autograd.Function's
         backward body on fake gradients), so shapes inside the bodies are checked too."""
         bodies = self.bodies[n]
-        args = [self.vals[a] if isinstance(a, fx.Node) else a for a in n.args[len(bodies):]]
+        args = [self.vals[a] if isinstance(a, fx.Node) else a for a in n.args[len(bodies) :]]
         if len(bodies) == 1:  # tag_activation_checkpoint
             self._run_sub(bodies[0], *args)
             return
@@ -310,8 +336,7 @@ class FakeRun(fx.Interpreter):
         want = self._want(v, info, h)
         got = _shapes(out)
         if want is not None and got != want:
-            raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): shape {got}, "
-                              f"expected {want}")
+            raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): shape {got}, expected {want}")
 
     def _want(self, v, info, h):
         if isinstance(v, (tuple, list)):
@@ -356,8 +381,16 @@ def _shapes(out):
     return _shape(out)  # symbolic sizes as expressions: comparing them installs no guard
 
 
-def verify_split(gm: fx.GraphModule, mode: FakeTensorMode, fake_inputs: list, halves: tuple[int, int],
-                 expected: dict, bodies: dict, *, reuse_outputs: bool = True) -> FakeRun:
+def verify_split(
+    gm: fx.GraphModule,
+    mode: FakeTensorMode,
+    fake_inputs: list,
+    halves: tuple[int, int],
+    expected: dict,
+    bodies: dict,
+    *,
+    reuse_outputs: bool = True,
+) -> FakeRun:
     """Fake-run the split graph ``gm`` and check it (module docstring); raises
     :class:`~kareus_fx.passes.batch_dims.Unsupported` naming the first node that fails.
 

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 import torch.fx
+
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.passes.analysis import META_KEY, NodeCost, hinted, module_path
 from kareus_fx.passes.kernel_groups import KERNEL_META
-
 from kareus_fx.workload import CollectiveSpec, GraphName, OpCost, PartitionType, SlotSpec
 
 PARTITION_META_KEY = "kareus_partition"
@@ -134,12 +134,18 @@ def partition_graph(
                 node.meta[SLOT_META_KEY] = index
     leftover = [n for n in gm.graph.nodes if _cost(n).kind in ("compute", "collective") and n not in in_partition]
     return GraphPartitioning(
-        graph=graph, partitions=partitions, types=types, type_labels=labels_by_type,
-        leftover=leftover, issue_order=issue_order,
+        graph=graph,
+        partitions=partitions,
+        types=types,
+        type_labels=labels_by_type,
+        leftover=leftover,
+        issue_order=issue_order,
     )
 
 
-def _build_program(gm: torch.fx.GraphModule, labels: dict[torch.fx.Node, int | None], nanobatch: int) -> NanobatchProgram:
+def _build_program(
+    gm: torch.fx.GraphModule, labels: dict[torch.fx.Node, int | None], nanobatch: int
+) -> NanobatchProgram:
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     latest_collective: dict[torch.fx.Node, int] = {}  # latest own collective a node depends on
     segments: list[list[torch.fx.Node]] = [[]]
@@ -182,21 +188,27 @@ def _fusable(first: torch.fx.Node, other: torch.fx.Node) -> bool:
     return a.kind == b.kind and a.group_name == b.group_name
 
 
-def _pair_partitions(programs: list[NanobatchProgram], depends_on: dict[torch.fx.Node, int], graph: GraphName) -> list[Partition]:
+def _pair_partitions(
+    programs: list[NanobatchProgram], depends_on: dict[torch.fx.Node, int], graph: GraphName
+) -> list[Partition]:
     """Step 3: A.comm_i overlaps B.seg_i; B.comm_i overlaps A.seg_{i+1}."""
     first, second = programs
     partitions: list[Partition] = []
     for i, comm in enumerate(first.comms):
-        partitions.append(_partition(comm, second.segments[i] if i < len(second.segments) else [], depends_on, graph, len(partitions)))
+        partitions.append(
+            _partition(comm, second.segments[i] if i < len(second.segments) else [], depends_on, graph, len(partitions))
+        )
         if i < len(second.comms):
             run = first.segments[i + 1] if i + 1 < len(first.segments) else []
             partitions.append(_partition(second.comms[i], run, depends_on, graph, len(partitions)))
-    for comm in second.comms[len(first.comms):]:
+    for comm in second.comms[len(first.comms) :]:
         partitions.append(_partition(comm, [], depends_on, graph, len(partitions)))
     return [p for p in partitions if p.slots]
 
 
-def _partition(comm: Communication, run: list[torch.fx.Node], depends_on: dict[torch.fx.Node, int], graph: GraphName, index: int) -> Partition:
+def _partition(
+    comm: Communication, run: list[torch.fx.Node], depends_on: dict[torch.fx.Node, int], graph: GraphName, index: int
+) -> Partition:
     comm_bits = 0
     for collective in comm.collectives:
         inherited = 0
@@ -252,7 +264,9 @@ def _drop_edge_partitions(partitions: list[Partition]) -> list[Partition]:
     return [p for p in partitions if 2 * counts[_signature(p)] >= most]
 
 
-def _assign_types(partitions: list[Partition], graph: GraphName, gpu: GPUSpec) -> tuple[dict[str, str], dict[str, PartitionType], dict[str, str]]:
+def _assign_types(
+    partitions: list[Partition], graph: GraphName, gpu: GPUSpec
+) -> tuple[dict[str, str], dict[str, PartitionType], dict[str, str]]:
     members: dict[tuple, list[Partition]] = defaultdict(list)
     for partition in partitions:
         members[_signature(partition)].append(partition)
@@ -266,7 +280,11 @@ def _assign_types(partitions: list[Partition], graph: GraphName, gpu: GPUSpec) -
         slot_specs = tuple(SlotSpec(ops=tuple(_op_cost(n) for n in slot)) for slot in exemplar.slots)
         collective = _collective_spec(exemplar.comm.collectives)
         types[type_id] = PartitionType(
-            type_id=type_id, graph=graph, slots=slot_specs, collective=collective, count=len(group),
+            type_id=type_id,
+            graph=graph,
+            slots=slot_specs,
+            collective=collective,
+            count=len(group),
             launch_slots=candidate_launch_slots(slot_specs, collective, gpu),
         )
         labels[type_id] = _describe(exemplar)
@@ -289,8 +307,8 @@ def _trim_to_repeating(partition: Partition, repeating: list[tuple]) -> list[lis
         if width >= len(ops):
             continue
         for start in (len(ops) - width, 0):
-            if ops[start:start + width] == type_ops and (best is None or width > len(best)):
-                best = nodes[start:start + width]
+            if ops[start : start + width] == type_ops and (best is None or width > len(best)):
+                best = nodes[start : start + width]
     return group_slots(best) if best is not None else None
 
 
@@ -304,8 +322,7 @@ def candidate_launch_slots(slots: tuple[SlotSpec, ...], collective: CollectiveSp
     comm_s = collective_lower_bound_s(collective, gpu)
     clock = gpu.tuning_clock_min_mhz
     slot_s = [
-        max(slot.flops / gpu.peak_flops_per_s(clock), slot.bytes / gpu.hbm_bandwidth_bytes_per_s)
-        for slot in slots
+        max(slot.flops / gpu.peak_flops_per_s(clock), slot.bytes / gpu.hbm_bandwidth_bytes_per_s) for slot in slots
     ]
     remaining_s = [sum(slot_s[i:]) for i in range(len(slots))]
     return tuple(i for i, remaining in enumerate(remaining_s) if remaining >= comm_s)
@@ -328,23 +345,34 @@ def _comm_signature(comm: Communication) -> tuple:
 
 def _node_signature(node: torch.fx.Node) -> tuple:
     val = node.meta.get("val")
-    shape = hinted(getattr(val, "shape", ())) if not isinstance(val, (tuple, list)) else tuple(
-        hinted(getattr(v, "shape", ())) for v in val)
+    shape = (
+        hinted(getattr(val, "shape", ()))
+        if not isinstance(val, (tuple, list))
+        else tuple(hinted(getattr(v, "shape", ())) for v in val)
+    )
     return (str(node.target), shape, str(getattr(val, "dtype", "")))
 
 
 def _collective_spec(collectives: list[torch.fx.Node]) -> CollectiveSpec:
     infos = [_cost(n).collective for n in collectives]
     return CollectiveSpec(
-        kind=infos[0].kind, bytes=sum(i.bytes for i in infos),
-        group_size=infos[0].group_size or 1, fused=len(infos),
+        kind=infos[0].kind,
+        bytes=sum(i.bytes for i in infos),
+        group_size=infos[0].group_size or 1,
+        fused=len(infos),
     )
 
 
 def _op_cost(node: torch.fx.Node) -> OpCost:
     cost = _cost(node)
-    return OpCost(name=node.name, target=str(node.target), flops=cost.flops, bytes=cost.bytes, bound=cost.bound,
-                  kernel=node.meta.get(KERNEL_META))
+    return OpCost(
+        name=node.name,
+        target=str(node.target),
+        flops=cost.flops,
+        bytes=cost.bytes,
+        bound=cost.bound,
+        kernel=node.meta.get(KERNEL_META),
+    )
 
 
 def _describe(partition: Partition) -> str:

@@ -35,8 +35,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from kareus_fx.passes.issue_order import apply_issue_order
-from kareus_fx.passes.partitions import Communication, GraphPartitioning, Partition
 
 from kareus_fx.deploy.hook_ops import (
     CLOCK_HOOK,
@@ -46,6 +44,8 @@ from kareus_fx.deploy.hook_ops import (
     SEQUENTIAL_LAUNCH_SLOT,
 )
 from kareus_fx.errors import UnsupportedGraphError
+from kareus_fx.passes.issue_order import apply_issue_order
+from kareus_fx.passes.partitions import Communication, GraphPartitioning, Partition
 
 COMM_SMS_META = "kareus_comm_sms"
 LAUNCH_SLOT_META = "kareus_launch_slot"
@@ -180,8 +180,11 @@ def _summary(partition: Partition, schedule: CommSchedule) -> ScheduledPartition
     else:
         predecessor = partition.slots[slot - 1][-1] if slot > 0 else None
     return ScheduledPartition(
-        partition_id=partition.partition_id, type_id=partition.type_id, comm_sms=schedule.comm_sms,
-        launch_slot=slot, collectives=tuple(c.name for c in partition.comm.collectives),
+        partition_id=partition.partition_id,
+        type_id=partition.type_id,
+        comm_sms=schedule.comm_sms,
+        launch_slot=slot,
+        collectives=tuple(c.name for c in partition.comm.collectives),
         slots=tuple(tuple(n.name for n in s) for s in partition.slots),
         predecessor=None if predecessor is None else predecessor.name,
     )
@@ -212,8 +215,11 @@ def copy_partitioned_graph(
         for p in partitioning.partitions
     ]
     copied = GraphPartitioning(
-        graph=partitioning.graph, partitions=partitions, types=partitioning.types,
-        type_labels=partitioning.type_labels, leftover=nodes(partitioning.leftover),
+        graph=partitioning.graph,
+        partitions=partitions,
+        types=partitioning.types,
+        type_labels=partitioning.type_labels,
+        leftover=nodes(partitioning.leftover),
         issue_order=nodes(partitioning.issue_order),
     )
     return torch.fx.GraphModule(gm, graph), copied

@@ -162,8 +162,11 @@ class SimulatedClockBackend:
         """Rewrite the state file unlocked; None without a state file (the state dies with us)."""
         if self.state_path is None:
             return None
-        return {"kind": "simulated", "state_path": str(self.state_path.resolve()),
-                "default_clock_mhz": self.default_clock_mhz}
+        return {
+            "kind": "simulated",
+            "state_path": str(self.state_path.resolve()),
+            "default_clock_mhz": self.default_clock_mhz,
+        }
 
     def gpu_key(self) -> str:
         where = "memory" if self.state_path is None else str(self.state_path.resolve())
@@ -217,9 +220,7 @@ class ZeusClockBackend:
             )
         self.gpu_index = gpu_index
         self._gpus = zeus_gpus
-        supported_mhz = self._call(
-            "read the supported clocks", zeus_gpus.get_supported_graphics_clocks, gpu_index
-        )
+        supported_mhz = self._call("read the supported clocks", zeus_gpus.get_supported_graphics_clocks, gpu_index)
         self.clock_range_mhz = (min(supported_mhz), max(supported_mhz)) if supported_mhz else None
         self.reset_clock()
 
@@ -256,8 +257,7 @@ class ZeusClockBackend:
             return method(*args)
         except (ZeusGPUNoPermissionError, ZeusdAuthError) as err:
             raise ClockPermissionError(
-                f"GPU {self.gpu_index}: this process may not {what} ({type(err).__name__}: {err}). "
-                + _PERMISSION_FIX
+                f"GPU {self.gpu_index}: this process may not {what} ({type(err).__name__}: {err}). " + _PERMISSION_FIX
             ) from err
         except ZeusBaseError as err:
             raise ClockControlError(
@@ -290,8 +290,9 @@ def reset_clock_from_spec(spec: ResetSpec) -> None:
         SimulatedClockBackend(int(spec["default_clock_mhz"]), spec["state_path"]).reset_clock()
     elif kind == "zeus":
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(spec["device"])}
-        done = subprocess.run([sys.executable, "-c", _ZEUS_RESET], env=env, capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", _ZEUS_RESET], env=env, capture_output=True, text=True, timeout=120, check=False
+        )
         if done.returncode != 0:
             raise ClockControlError(
                 f"could not reset the locked clock of GPU {spec['device']}: {done.stderr.strip()[-500:]}"

@@ -74,11 +74,18 @@ def start_guardian(spec: ResetSpec, lock_file: Path | None, timeout_s: float = 6
 
     Raises :class:`ClockControlError` (with the guardian's own message) if it cannot start.
     """
-    argv = [sys.executable, "-m", "kareus_fx.runtime.clock_guardian", str(os.getpid()), json.dumps(spec),
-            "" if lock_file is None else str(lock_file)]
+    argv = [
+        sys.executable,
+        "-m",
+        "kareus_fx.runtime.clock_guardian",
+        str(os.getpid()),
+        json.dumps(spec),
+        "" if lock_file is None else str(lock_file),
+    ]
     # stderr is the job's: the guardian's messages (a start error, a restore) land in its log.
-    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
-                               close_fds=True)
+    process = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, close_fds=True
+    )
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     line = process.stdout.readline().decode().strip() if ready else ""
     process.stdout.close()
@@ -150,13 +157,17 @@ def main(argv: list[str]) -> int:
     try:
         reset()
     except Exception as err:  # noqa: BLE001 - nothing to return to; the lock record stays for repair
-        _say(f"kareus clock guardian: process {parent_pid} died with its GPU clock locked and the reset "
-                  f"failed ({type(err).__name__}: {err}); run `kareus clocks --reset-stale`")
+        _say(
+            f"kareus clock guardian: process {parent_pid} died with its GPU clock locked and the reset "
+            f"failed ({type(err).__name__}: {err}); run `kareus clocks --reset-stale`"
+        )
         return 1
     if lock_file:
         remove_lock(Path(lock_file), parent_pid)
-    _say(f"kareus clock guardian: process {parent_pid} died; GPU clock restored "
-              f"({(time.monotonic() - start) * 1000:.0f} ms)")
+    _say(
+        f"kareus clock guardian: process {parent_pid} died; GPU clock restored "
+        f"({(time.monotonic() - start) * 1000:.0f} ms)"
+    )
     return 0
 
 

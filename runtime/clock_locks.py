@@ -53,8 +53,10 @@ class RepairedLock:
         """One line saying what was found and done."""
         lock = self.lock
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lock.locked_unix_s))
-        found = (f"GPU {lock.gpu} was left locked at {lock.clock_mhz} MHz by process {lock.pid} "
-                 f"(locked {when}), which is gone")
+        found = (
+            f"GPU {lock.gpu} was left locked at {lock.clock_mhz} MHz by process {lock.pid} "
+            f"(locked {when}), which is gone"
+        )
         return f"{found}: clock restored" if self.error is None else f"{found}: reset FAILED ({self.error})"
 
 

@@ -96,8 +96,7 @@ class CollectiveBackends:
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_initialized():
             raise CollectiveBackendError(
-                "torch.distributed is not initialised: call init_process_group() before "
-                "creating CollectiveBackends"
+                "torch.distributed is not initialised: call init_process_group() before creating CollectiveBackends"
             )
         self.base_group = dist.group.WORLD if group is None else group
         self.ranks = tuple(dist.get_process_group_ranks(self.base_group))
@@ -172,20 +171,28 @@ def create_comm_group(ranks: Sequence[int], backend: str, sm_count: int) -> dist
         return None
     timeout = datetime.timedelta(seconds=_timeout_s)
     if "nccl" not in backend:
-        return dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout,
-                              group_desc=f"kareus_comm_sm{sm_count}")
+        return dist.new_group(
+            ranks=list(ranks), backend=backend, timeout=timeout, group_desc=f"kareus_comm_sm{sm_count}"
+        )
     device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if sm_count > device_sms:
         raise CollectiveBackendError(
             f"the plan gives a collective {sm_count} SMs but this GPU has {device_sms}: "
             "the plan was made for another GPU"
         )
-    return dist.new_group(ranks=list(ranks), backend="nccl", pg_options=nccl_options_for(sm_count),
-                          timeout=timeout, group_desc=f"kareus_comm_sm{sm_count}")
+    return dist.new_group(
+        ranks=list(ranks),
+        backend="nccl",
+        pg_options=nccl_options_for(sm_count),
+        timeout=timeout,
+        group_desc=f"kareus_comm_sm{sm_count}",
+    )
 
 
 def prepare_comm_groups(
-    sm_counts: Iterable[int], groups: Iterable[dist.ProcessGroup | None], timeout_s: float | None = None,
+    sm_counts: Iterable[int],
+    groups: Iterable[dist.ProcessGroup | None],
+    timeout_s: float | None = None,
 ) -> None:
     """Create every rank's communicators for ``sm_counts`` over its ``groups`` (the module docstring).
 

@@ -59,11 +59,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
-from kareus_fx.runtime.frequency import FrequencyController
 
 from kareus_fx.capture.node_arguments import decode_arguments
+from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.errors import KareusError
+from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.workload import (
     CollectiveSpec,
     GraphName,
@@ -286,7 +286,7 @@ def _triton_reduce() -> Callable[[torch.Tensor, torch.Tensor, int], None] | None
         return None
 
     @triton.jit
-    def _reduce(dst_ptr, src_ptr, n, BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr style
+    def _reduce(dst_ptr, src_ptr, n, BLOCK: tl.constexpr):
         start = tl.program_id(0) * BLOCK
         step = tl.num_programs(0) * BLOCK
         for offset in range(start, n, step):
@@ -569,8 +569,13 @@ class DeviceProfiler:
         return self._as_configuration_failure(key, f"{ptype.type_id} at {config}", run)
 
     def measure_sequence(
-        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int,
-        *, graph: GraphName | None = None, comm_sms: int = 16,
+        self,
+        ops: Sequence[OpCost],
+        collectives: Sequence[CollectiveSpec],
+        clock_mhz: int,
+        *,
+        graph: GraphName | None = None,
+        comm_sms: int = 16,
     ) -> Measurement:
         """``ops`` one after another, then each collective alone with ``comm_sms`` SMs (the
         simulator's default, 16), at ``clock_mhz``; the node table is ``tables_by_ops``' for these
@@ -580,8 +585,9 @@ class DeviceProfiler:
         def run() -> Measurement:
             if key not in self._replays:
                 self._check_cuda()
-                self._replays[key] = PartitionReplay.build([[op] for op in ops], list(collectives), self._device(),
-                                                           self._table(ops, graph))
+                self._replays[key] = PartitionReplay.build(
+                    [[op] for op in ops], list(collectives), self._device(), self._table(ops, graph)
+                )
             return self._measure(self._replays[key], clock_mhz, None, comm_sms)
 
         return self._as_configuration_failure(key, f"{len(ops)} ops in sequence at {clock_mhz} MHz", run)
@@ -631,8 +637,12 @@ class DeviceProfiler:
         zeus, read_temperature_c = self._energy_sources()
         if self._idle_temperature_c is None:
             self._idle_temperature_c = float(read_temperature_c())
-        wait_for_cooldown(read_temperature_c, self._idle_temperature_c,
-                          tolerance_c=self.cooldown_tolerance_c, timeout_s=self.cooldown_timeout_s)
+        wait_for_cooldown(
+            read_temperature_c,
+            self._idle_temperature_c,
+            tolerance_c=self.cooldown_tolerance_c,
+            timeout_s=self.cooldown_timeout_s,
+        )
         self._set_clock(clock_mhz)
         times_s = replay.time_s(launch_slot, comm_sms, warmup=self.warmup, repeats=self.repeats)
         time_s = statistics.median(times_s)
@@ -643,8 +653,9 @@ class DeviceProfiler:
         self.last_window_s = float(result.time)
         energy_j = float(sum(result.gpu_energy.values())) / runs
         static_j = self.static_power_w * time_s
-        return Measurement(time_s=time_s, energy_j=energy_j, dynamic_energy_j=energy_j - static_j,
-                           static_energy_j=static_j)
+        return Measurement(
+            time_s=time_s, energy_j=energy_j, dynamic_energy_j=energy_j - static_j, static_energy_j=static_j
+        )
 
     def _fill_window(self, replay: PartitionReplay, launch_slot: int | None, comm_sms: int, time_s: float) -> int:
         """Repeat the partition until at least ``min_window_s`` has passed; return the repeats."""

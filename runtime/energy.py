@@ -73,9 +73,7 @@ class IterationEnergyMonitor:
     def begin_iteration(self) -> None:
         """Start measuring an iteration (waits for queued GPU work first)."""
         if self._open_window is not None:
-            raise EnergyMonitorError(
-                f"{self._open_window} is still being measured: call end_iteration() first"
-            )
+            raise EnergyMonitorError(f"{self._open_window} is still being measured: call end_iteration() first")
         self._open_window = f"kareus_iteration_{next(self._iterations)}"
         self._zeus.begin_window(self._open_window)
 
@@ -120,9 +118,7 @@ def compare_with_plan(
     if not measurements:
         raise EnergyMonitorError("no measurements to compare: measure at least one iteration")
     if predicted_time_s <= 0 or predicted_energy_j <= 0:
-        raise EnergyMonitorError(
-            f"predictions must be positive, got {predicted_time_s} s and {predicted_energy_j} J"
-        )
+        raise EnergyMonitorError(f"predictions must be positive, got {predicted_time_s} s and {predicted_energy_j} J")
     measured_time_s = statistics.fmean(m.time_s for m in measurements)
     energies_j = [m.energy_j for m in measurements]
     measured_energy_j = None if None in energies_j else statistics.fmean(energies_j)

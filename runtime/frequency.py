@@ -179,26 +179,20 @@ class FrequencyController:
         with self._cond:
             self._raise_worker_error()
             if self._closing:
-                raise ClockControlError(
-                    "this FrequencyController was closed (its clock restored); open a new one"
-                )
+                raise ClockControlError("this FrequencyController was closed (its clock restored); open a new one")
             if self._record_requests:
                 self._requests.append(ClockRequest(time.monotonic(), clock_mhz, instruction))
             self._pending_clock_mhz = clock_mhz
             self._requested_seq += 1
             if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._apply_requests, name="kareus-clock", daemon=True
-                )
+                self._worker = threading.Thread(target=self._apply_requests, name="kareus-clock", daemon=True)
                 self._worker.start()
             self._cond.notify_all()
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Wait until the latest request has been applied (or skipped as already current)."""
         with self._cond:
-            done = self._cond.wait_for(
-                lambda: self._applied_seq >= self._requested_seq or self._closing, timeout_s
-            )
+            done = self._cond.wait_for(lambda: self._applied_seq >= self._requested_seq or self._closing, timeout_s)
             self._raise_worker_error()
             if not done:
                 raise TimeoutError(f"clock request not applied within {timeout_s} s")
@@ -273,7 +267,7 @@ class FrequencyController:
     def _restore_at_exit(self) -> None:
         try:
             self.restore()
-        except Exception:  # noqa: BLE001 - interpreter exit: report, do not mask the exit
+        except Exception:
             logger.exception("restoring the GPU clock at exit failed")
 
     def _install_sigterm(self) -> None:
@@ -302,7 +296,7 @@ class FrequencyController:
         previous = self._previous_sigterm
         try:
             self.restore()
-        except Exception:  # noqa: BLE001 - the process is being terminated; report and go on
+        except Exception:
             logger.exception("restoring the GPU clock on SIGTERM failed")
         if callable(previous):
             previous(signum, frame)

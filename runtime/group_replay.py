@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from kareus_fx.runtime.collectives import nccl_options_for
-from kareus_fx.runtime.device_profiler import NodeTable, build_kernels, timed_runs
 
 from kareus_fx.errors import KareusError, ParallelConfigError
+from kareus_fx.runtime.collectives import nccl_options_for
+from kareus_fx.runtime.device_profiler import NodeTable, build_kernels, timed_runs
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
 
 _BF16_BYTES = 2
@@ -83,8 +83,10 @@ class GroupComms:
         world, rank = dist.get_world_size(), dist.get_rank()
         size = tp * cp
         if world % size:
-            raise ParallelConfigError(f"world size {world} is not a multiple of the group size tp x cp = {size}: "
-                                      f"launch a multiple of {size} processes")
+            raise ParallelConfigError(
+                f"world size {world} is not a multiple of the group size tp x cp = {size}: "
+                f"launch a multiple of {size} processes"
+            )
         backend = str(dist.get_backend())
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[int, dist.ProcessGroup] = {}
@@ -93,7 +95,7 @@ class GroupComms:
         for start in range(0, world, size):
             members = list(range(start, start + size))
             # TP: consecutive blocks of tp ranks; CP: ranks tp apart (the rank order of Megatron-LM).
-            blocks += [(tp, members[i * tp:(i + 1) * tp]) for i in range(cp)]
+            blocks += [(tp, members[i * tp : (i + 1) * tp]) for i in range(cp)]
             if cp > 1:
                 blocks += [(cp, members[j::tp]) for j in range(tp)]
         for axis, ranks in blocks:
@@ -103,8 +105,9 @@ class GroupComms:
         if "nccl" in backend:
             for sm_count in sorted(set(sm_counts)):
                 for axis, ranks in blocks:
-                    group = dist.new_group(ranks=ranks, backend="nccl", timeout=timeout,
-                                           pg_options=nccl_options_for(sm_count))
+                    group = dist.new_group(
+                        ranks=ranks, backend="nccl", timeout=timeout, pg_options=nccl_options_for(sm_count)
+                    )
                     if rank in ranks:
                         by_sms.setdefault((axis, sm_count), group)
         start = rank - rank % size
@@ -118,8 +121,10 @@ class GroupComms:
     def group_for(self, spec: CollectiveSpec, comm_sms: int) -> dist.ProcessGroup:
         """The communicator that runs ``spec`` with ``comm_sms`` SMs."""
         if spec.group_size not in self.subgroups:
-            raise PeerLostError(f"a collective over {spec.group_size} ranks, but the profiling group's TP / CP "
-                                f"subgroups have {sorted(self.subgroups)} ranks: plan with the dump's tp and cp")
+            raise PeerLostError(
+                f"a collective over {spec.group_size} ranks, but the profiling group's TP / CP "
+                f"subgroups have {sorted(self.subgroups)} ranks: plan with the dump's tp and cp"
+            )
         return self.by_sms.get((spec.group_size, comm_sms), self.subgroups[spec.group_size])
 
     def max_all(self, values: Sequence[float]) -> list[float]:
@@ -178,8 +183,14 @@ class RealCollective:
 class GroupReplay:
     """Slots of kernels and the real collectives, issued at the planned slot (module docstring)."""
 
-    def __init__(self, slots: Sequence[Sequence[OpCost]], collectives: Sequence[CollectiveSpec], comms: GroupComms,
-                 device: torch.device, table: NodeTable | None = None) -> None:
+    def __init__(
+        self,
+        slots: Sequence[Sequence[OpCost]],
+        collectives: Sequence[CollectiveSpec],
+        comms: GroupComms,
+        device: torch.device,
+        table: NodeTable | None = None,
+    ) -> None:
         kernels = iter(build_kernels([op for slot in slots for op in slot], device, table))
         self.slots = [[next(kernels) for _ in slot] for slot in slots]
         self.collectives = [RealCollective(spec, comms, device) for spec in collectives]
@@ -207,8 +218,13 @@ class GroupReplay:
 class EnergyModel:
     """Where a rank's energy comes from: Zeus on its GPU, or the test device's fixed power."""
 
-    def __init__(self, static_power_w: float, gpu_index: int | None = None, min_window_s: float = 5.0,
-                 zeus_monitor: Any | None = None) -> None:
+    def __init__(
+        self,
+        static_power_w: float,
+        gpu_index: int | None = None,
+        min_window_s: float = 5.0,
+        zeus_monitor: Any | None = None,
+    ) -> None:
         self.static_power_w = static_power_w
         self.gpu_index = gpu_index
         self.min_window_s = min_window_s
@@ -218,8 +234,9 @@ class EnergyModel:
     def test_device(self) -> bool:
         return self.gpu_index is None
 
-    def energy_j(self, replay: GroupReplay, launch_slot: int | None, comm_sms: int, rank_time_s: float,
-                 group_time_s: float) -> float:
+    def energy_j(
+        self, replay: GroupReplay, launch_slot: int | None, comm_sms: int, rank_time_s: float, group_time_s: float
+    ) -> float:
         """This rank's energy of one execution (every rank of the group calls it together)."""
         if self.test_device:
             return TEST_DEVICE_POWER_W * rank_time_s
@@ -239,9 +256,17 @@ class EnergyModel:
 class GroupMeasurer:
     """Measures replays with the group (module docstring); ``set_clock(clock_mhz)`` locks a clock (GPU)."""
 
-    def __init__(self, comms: GroupComms, energy: EnergyModel, device: torch.device, *, warmup: int = 1,
-                 repeats: int = 3, set_clock: Callable[[int], None] | None = None,
-                 before_measure: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        comms: GroupComms,
+        energy: EnergyModel,
+        device: torch.device,
+        *,
+        warmup: int = 1,
+        repeats: int = 3,
+        set_clock: Callable[[int], None] | None = None,
+        before_measure: Callable[[], None] | None = None,
+    ) -> None:
         self.comms = comms
         self.energy = energy
         self.device = device
@@ -267,5 +292,6 @@ class GroupMeasurer:
         (group_energy_j,) = self.comms.sum_all([rank_energy_j])
         energy_j = group_energy_j / len(self.comms.group_ranks)
         static_j = self.energy.static_power_w * group_time_s
-        return Measurement(time_s=group_time_s, energy_j=energy_j, dynamic_energy_j=energy_j - static_j,
-                           static_energy_j=static_j)
+        return Measurement(
+            time_s=group_time_s, energy_j=energy_j, dynamic_energy_j=energy_j - static_j, static_energy_j=static_j
+        )

@@ -29,10 +29,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 
-from kareus_fx.runtime.frequency import FrequencyController
-
 from kareus_fx.compose.pipeline import INSTRUCTIONS, Instruction, PipelineNode
 from kareus_fx.errors import KareusError
+from kareus_fx.runtime.frequency import FrequencyController
 
 
 class ClockScheduleError(KareusError, ValueError):
@@ -41,9 +40,7 @@ class ClockScheduleError(KareusError, ValueError):
 
 def _pipeline_node(stage: int, instruction: str, microbatch: int) -> PipelineNode:
     if instruction not in INSTRUCTIONS:
-        raise ClockScheduleError(
-            f"instruction must be one of {', '.join(INSTRUCTIONS)}, got {instruction!r}"
-        )
+        raise ClockScheduleError(f"instruction must be one of {', '.join(INSTRUCTIONS)}, got {instruction!r}")
     for name, value in (("stage", stage), ("microbatch", microbatch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ClockScheduleError(f"{name} must be a non-negative integer, got {value!r}")
@@ -60,19 +57,19 @@ class ClockSchedule:
     def __init__(self, clocks_mhz: Mapping[PipelineNode, int], *, requests_clocks: bool = True) -> None:
         self.requests_clocks = requests_clocks
         checked: dict[PipelineNode, int] = {}
-        for node, clock_mhz in clocks_mhz.items():
-            if not isinstance(node, PipelineNode):
-                raise ClockScheduleError(f"schedule keys must be PipelineNode, got {node!r}")
-            node = _pipeline_node(node.stage, node.instruction, node.microbatch)
+        for key, clock_mhz in clocks_mhz.items():
+            if not isinstance(key, PipelineNode):
+                raise ClockScheduleError(f"schedule keys must be PipelineNode, got {key!r}")
+            node = _pipeline_node(key.stage, key.instruction, key.microbatch)
             if isinstance(clock_mhz, bool) or not isinstance(clock_mhz, int) or clock_mhz <= 0:
-                raise ClockScheduleError(
-                    f"clock of {node} must be a positive integer number of MHz, got {clock_mhz!r}"
-                )
+                raise ClockScheduleError(f"clock of {node} must be a positive integer number of MHz, got {clock_mhz!r}")
             checked[node] = clock_mhz
         self._clocks_mhz = checked
 
     @classmethod
-    def from_entries(cls, entries: Iterable[tuple[int, str, int, int]], *, requests_clocks: bool = True) -> ClockSchedule:
+    def from_entries(
+        cls, entries: Iterable[tuple[int, str, int, int]], *, requests_clocks: bool = True
+    ) -> ClockSchedule:
         """From (stage, instruction, microbatch, clock_mhz) rows; a repeated key is an error."""
         clocks_mhz: dict[PipelineNode, int] = {}
         for stage, instruction, microbatch, clock_mhz in entries:
@@ -120,9 +117,7 @@ class StepContext:
         self.stage = stage
         self.current: PipelineNode | None = None
 
-    def next_instruction(
-        self, instruction: Instruction, microbatch: int, stage: int | None = None
-    ) -> PipelineNode:
+    def next_instruction(self, instruction: Instruction, microbatch: int, stage: int | None = None) -> PipelineNode:
         """Mark ``instruction`` of ``microbatch`` as running next; request its clock."""
         node = _pipeline_node(self.stage if stage is None else stage, instruction, microbatch)
         clock_mhz = self.schedule.clock_mhz(node)
@@ -136,9 +131,7 @@ class StepContext:
         return None if self.current is None else self.schedule.clock_mhz(self.current)
 
     @contextmanager
-    def step(
-        self, instruction: Instruction, microbatch: int, stage: int | None = None
-    ) -> Iterator[PipelineNode]:
+    def step(self, instruction: Instruction, microbatch: int, stage: int | None = None) -> Iterator[PipelineNode]:
         """Run the body as ``instruction`` of ``microbatch``; no instruction runs after it."""
         node = self.next_instruction(instruction, microbatch, stage)
         try:
@@ -175,9 +168,7 @@ def active_step_context() -> StepContext | None:
     return _active
 
 
-def next_instruction(
-    instruction: Instruction, microbatch: int, stage: int | None = None
-) -> PipelineNode:
+def next_instruction(instruction: Instruction, microbatch: int, stage: int | None = None) -> PipelineNode:
     """:meth:`StepContext.next_instruction` on the active context (for pipeline schedules)."""
     context = _active
     if context is None:

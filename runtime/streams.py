@@ -138,13 +138,9 @@ def _current_cuda_device() -> torch.device:
 
 def _check_stream(stream: str) -> None:
     if stream not in STREAM_NAMES:
-        raise StreamTableError(
-            f"unknown stream {stream!r}; the streams are {', '.join(STREAM_NAMES)}"
-        )
+        raise StreamTableError(f"unknown stream {stream!r}; the streams are {', '.join(STREAM_NAMES)}")
 
 
 def _check_key(key: object) -> None:
     if isinstance(key, bool) or not isinstance(key, (int, str)):
-        raise StreamTableError(
-            f"event keys are a partition id (int) or a collective node name (str), got {key!r}"
-        )
+        raise StreamTableError(f"event keys are a partition id (int) or a collective node name (str), got {key!r}")

@@ -50,8 +50,8 @@ def small_real_plan(tmp_path_factory):
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
     root = tmp_path_factory.mktemp("small-real-plan")
-    request = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=1536, layers=2,
-                          clock_stride_mhz=120)
+    request = PlanRequest(
+        model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=1536, layers=2, clock_stride_mhz=120
+    )
     outcome = make_plan(request, root / "work", progress=False)
     return write_plan(root / "plan.json", outcome.data), root / "work"
-

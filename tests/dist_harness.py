@@ -28,7 +28,6 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-
 # Imported once by the forkserver, which forks every rank of every run: after the first run of
 # a session a rank starts in well under a second instead of importing torch afresh.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
@@ -68,9 +67,7 @@ def _failure_report(rank: int, tb: str, world_size: int, results, wait_s: float 
     return "\n".join(f"rank {r} of {world_size} failed:\n{t}" for r, t in failures)
 
 
-def _worker(
-    rank: int, world_size: int, port: int, call: bytes, sys_path: list[str], results
-) -> None:
+def _worker(rank: int, world_size: int, port: int, call: bytes, sys_path: list[str], results) -> None:
     import torch.distributed as dist
 
     # The forkserver has the sys.path of the process that started it; fn's module may need ours.
@@ -98,9 +95,7 @@ def _worker(
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0
-) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
     ``fn``, ``args`` and the return values must be picklable (``fn`` defined at module level
@@ -132,19 +127,16 @@ def run_distributed(
             except queue.Empty:
                 # A rank that ended without a report crashed (segfault, os._exit, killed);
                 # a report sent just before a clean exit may still be in transit, so wait a bit.
-                ended = [
-                    r for r, p in enumerate(procs) if r not in values and p.exitcode is not None
-                ]
+                ended = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
                 if ended and _stays_empty(results):
                     p = procs[ended[0]]
                     raise DistributedTestError(
                         f"{p.name} exited with code {p.exitcode} without reporting a result"
-                    )
+                    ) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(values))
                     raise TimeoutError(
-                        f"run_distributed({fn.__name__}): ranks {missing} still running "
-                        f"after {timeout_s:.0f} s"
+                        f"run_distributed({fn.__name__}): ranks {missing} still running after {timeout_s:.0f} s"
                     ) from None
                 continue
             if not ok:

@@ -17,9 +17,39 @@ from typing import Any
 from hypothesis import strategies as st
 
 REPLACEMENTS: tuple[Any, ...] = (
-    None, True, False, 0, -1, 1, 0.0, -0.5, 0.5, 3, 1e-300, "", "x", "T0", "0/forward", "forward",
-    "all_reduce", [], {}, [0], [1.0, 2.0], {"x": 1}, {"T0": {"comm_sms": 1, "launch_slot": 0}},
-    float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 10**30, 2**64, -(10**20), 10**400, 1e29,
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    0.0,
+    -0.5,
+    0.5,
+    3,
+    1e-300,
+    "",
+    "x",
+    "T0",
+    "0/forward",
+    "forward",
+    "all_reduce",
+    [],
+    {},
+    [0],
+    [1.0, 2.0],
+    {"x": 1},
+    {"T0": {"comm_sms": 1, "launch_slot": 0}},
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    1e308,
+    -1e308,
+    10**30,
+    2**64,
+    -(10**20),
+    10**400,
+    1e29,
 )
 """Values swapped in: other types, NaN/inf, huge and negative numbers, plausible wrong strings."""
 
@@ -71,8 +101,10 @@ def _apply(doc: Any, path: list[Any], kind: str, draw: st.DrawFn) -> Any:
     elif kind == "replace":
         parent[key] = draw(st.sampled_from(REPLACEMENTS))
     elif kind == "extra" and isinstance(parent[key], dict):
-        parent[key] = {**parent[key], draw(st.sampled_from(["extra", "T99", "9/forward", "forward", "xxx"])):
-                       draw(st.sampled_from(REPLACEMENTS))}
+        parent[key] = {
+            **parent[key],
+            draw(st.sampled_from(["extra", "T99", "9/forward", "forward", "xxx"])): draw(st.sampled_from(REPLACEMENTS)),
+        }
     elif kind == "duplicate" and isinstance(parent, list):
         parent.insert(key, parent[key])
     elif kind == "scale" and isinstance(parent[key], (int, float)) and not isinstance(parent[key], bool):
@@ -80,8 +112,11 @@ def _apply(doc: Any, path: list[Any], kind: str, draw: st.DrawFn) -> Any:
         parent[key] = parent[key] * factor if abs(parent[key]) < 1e300 else factor
     elif kind == "nudge" and isinstance(parent[key], (int, float)) and not isinstance(parent[key], bool):
         # a plausible edit of the same type: the file often stays valid, and readers see new values
-        parent[key] = parent[key] + draw(st.sampled_from([-1, 1, 2])) if isinstance(parent[key], int) else \
-            parent[key] * draw(st.sampled_from([0.0, 0.5, 1.5, 1e3]))  # a float: never the 400-digit int
+        parent[key] = (
+            parent[key] + draw(st.sampled_from([-1, 1, 2]))
+            if isinstance(parent[key], int)
+            else parent[key] * draw(st.sampled_from([0.0, 0.5, 1.5, 1e3]))
+        )  # a float: never the 400-digit int
     elif kind == "nudge" and isinstance(parent[key], str):
         parent[key] = draw(st.sampled_from(["", "x", parent[key] + "x", parent[key][::-1]]))
     elif kind == "nudge" and isinstance(parent[key], bool):

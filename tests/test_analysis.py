@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.passes.analysis import META_KEY, analyse_graph
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kareus_fx.capture.tracing import fake_process_group
+from kareus_fx.cost_models.hardware import gpu_spec
+from kareus_fx.passes.analysis import META_KEY, analyse_graph
 
 
 def _trace(fn, *shapes, dtype=torch.float32):
@@ -69,9 +69,15 @@ def test_collectives_and_waits_with_bytes_and_group_size():
     (rs,) = _by_target(gm, c10d.reduce_scatter_tensor.default)
     message_bytes = 8 * 128 * 2
     assert (costs[ar].collective.kind, costs[ar].collective.bytes, costs[ar].collective.group_size) == (
-        "all_reduce", message_bytes, 4)
+        "all_reduce",
+        message_bytes,
+        4,
+    )
     assert (costs[ag].collective.kind, costs[ag].collective.bytes, costs[ag].collective.group_size) == (
-        "all_gather", 4 * message_bytes, 4)
+        "all_gather",
+        4 * message_bytes,
+        4,
+    )
     assert (costs[rs].collective.kind, costs[rs].collective.bytes) == ("reduce_scatter", 4 * message_bytes)
     waits = _by_target(gm, c10d.wait_tensor.default)
     assert len(waits) == 3 and all(costs[w].kind == "wait" for w in waits)
@@ -80,5 +86,5 @@ def test_collectives_and_waits_with_bytes_and_group_size():
 def test_unknown_gpu_is_rejected_with_the_known_names():
     from kareus_fx.errors import UnknownGPUError
 
-    with pytest.raises(UnknownGPUError, match="unknown GPU 'V100'.*A100-SXM4-40GB"):
+    with pytest.raises(UnknownGPUError, match=r"unknown GPU 'V100'.*A100-SXM4-40GB"):
         gpu_spec("V100")

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.passes.analysis import analyse_graph
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.models.attention_op import attention, attention_backward, attention_flops, causal_pair_fraction
+from kareus_fx.passes.analysis import analyse_graph
 
 
 def _explicit_lower_right_causal(q, k, v, scale):

@@ -38,24 +38,41 @@ def _first_type(data):
 # fuzzer found: (edit of a real plan, the field the refusal names).
 REGRESSIONS = [
     # AttributeError: 'NoneType' object has no attribute 'startswith' (slot-op shortener)
-    (lambda d: d["partition_types"][_first_type(d)]["slots"][0]["ops"].__setitem__(0, None),
-     r"partition_types\.T0\.slots\[0\]\.ops\[0\]: Input should be a valid string"),
+    (
+        lambda d: d["partition_types"][_first_type(d)]["slots"][0]["ops"].__setitem__(0, None),
+        r"partition_types\.T0\.slots\[0\]\.ops\[0\]: Input should be a valid string",
+    ),
     # AttributeError: 'bool' object has no attribute 'get' (metrics table)
-    (lambda d: d["methods"]["kareus"].__setitem__("metrics", True), r"methods\.kareus\.metrics: Input should be a valid dictionary"),
+    (
+        lambda d: d["methods"]["kareus"].__setitem__("metrics", True),
+        r"methods\.kareus\.metrics: Input should be a valid dictionary",
+    ),
     # AttributeError: 'float' object has no attribute 'get' (slot records)
-    (lambda d: d["partition_types"][_first_type(d)]["slots"].__setitem__(0, 1.5),
-     r"partition_types\.T0\.slots\[0\]: Input should be a valid dictionary"),
+    (
+        lambda d: d["partition_types"][_first_type(d)]["slots"].__setitem__(0, 1.5),
+        r"partition_types\.T0\.slots\[0\]: Input should be a valid dictionary",
+    ),
     # TypeError: unhashable type: 'dict' (partition-type lookup)
-    (lambda d: d["stages"][0]["graphs"]["forward"]["partition_types"].update(x={"T0": 1}),
-     r"stages\[0\]\.graphs\.forward\.partition_types\.x: Input should be a valid string"),
+    (
+        lambda d: d["stages"][0]["graphs"]["forward"]["partition_types"].update(x={"T0": 1}),
+        r"stages\[0\]\.graphs\.forward\.partition_types\.x: Input should be a valid string",
+    ),
     # found by the real-image test below: a clock the GPU does not have crashed the HTML timelines
-    (lambda d: d["microbatch_options"]["0/forward"][0].__setitem__("clock_mhz", 100_000),
-     r"microbatch_options\.0/forward\[0\]\.clock_mhz: 100000 MHz outside the A100-SXM4-40GB's clock range"),
-    (lambda d: d["microbatch_options"]["0/forward"][-1]["configs"][next(iter(d["microbatch_options"]["0/forward"][-1]["configs"]))]
-     .__setitem__("comm_sms", 108), r"comm_sms: 108 outside 1-107 \(the A100-SXM4-40GB has 108 SMs\)"),
+    (
+        lambda d: d["microbatch_options"]["0/forward"][0].__setitem__("clock_mhz", 100_000),
+        r"microbatch_options\.0/forward\[0\]\.clock_mhz: 100000 MHz outside the A100-SXM4-40GB's clock range",
+    ),
+    (
+        lambda d: d["microbatch_options"]["0/forward"][-1]["configs"][
+            next(iter(d["microbatch_options"]["0/forward"][-1]["configs"]))
+        ].__setitem__("comm_sms", 108),
+        r"comm_sms: 108 outside 1-107 \(the A100-SXM4-40GB has 108 SMs\)",
+    ),
     # found fuzzing: math.isfinite(10**400) raised OverflowError in the number check
-    (lambda d: d["iteration_frontier"][0].__setitem__("energy_j", 10**400),
-     r"iteration_frontier\[0\]\.energy_j: expected a number >= 0 and <= 1e\+30"),
+    (
+        lambda d: d["iteration_frontier"][0].__setitem__("energy_j", 10**400),
+        r"iteration_frontier\[0\]\.energy_j: expected a number >= 0 and <= 1e\+30",
+    ),
 ]
 
 
@@ -99,7 +116,7 @@ def test_files_larger_than_any_real_plan_or_dump_are_refused_unread(tmp_path, mo
 def test_not_json_not_utf8_and_not_a_plan(tmp_path, plan_data):
     path = tmp_path / "plan.json"
     path.write_bytes(b"\xff\xfe{}")
-    with pytest.raises(PlanFormatError, match="plan.json is not a kareus plan: not UTF-8 text"):
+    with pytest.raises(PlanFormatError, match=r"plan.json is not a kareus plan: not UTF-8 text"):
         load_plan(path)
     path.write_text(json.dumps(plan_data).replace('"time_s": 0.', '"time_s": NaN, "x": 0.', 1))
     with pytest.raises(PlanFormatError, match="NaN is not a number JSON allows"):
@@ -118,9 +135,18 @@ def test_dump_refusals_name_the_field(small_real_plan, tmp_path):
     path = tmp_path / "dump.json"
     for edit, message in [
         # 1e999 is valid JSON that Python reads as infinity
-        (lambda d: d["graphs"][0]["nodes"][3].update(flops=12345.678), r"graphs\[0\]\.nodes\[3\]\.flops: expected a finite number"),
-        (lambda d: d["graphs"][0]["partitions"][0]["slots"][0].append("nowhere"), r"graphs\[0\]\.partitions\[0\]: node 'nowhere' is not in the graph's nodes"),
-        (lambda d: d["graphs"][0].pop("leftover"), r"graphs\[0\]: a partitioned graph has partitions, partition_types and leftover"),
+        (
+            lambda d: d["graphs"][0]["nodes"][3].update(flops=12345.678),
+            r"graphs\[0\]\.nodes\[3\]\.flops: expected a finite number",
+        ),
+        (
+            lambda d: d["graphs"][0]["partitions"][0]["slots"][0].append("nowhere"),
+            r"graphs\[0\]\.partitions\[0\]: node 'nowhere' is not in the graph's nodes",
+        ),
+        (
+            lambda d: d["graphs"][0].pop("leftover"),
+            r"graphs\[0\]: a partitioned graph has partitions, partition_types and leftover",
+        ),
         (lambda d: d.update(schema_version=2), "has dump schema_version 2; this kareus-fx reads version 1"),
     ]:
         broken = json.loads(json.dumps(data))
@@ -128,7 +154,7 @@ def test_dump_refusals_name_the_field(small_real_plan, tmp_path):
         path.write_text(json.dumps(broken).replace("12345.678", "1e999"))
         with pytest.raises(DumpFormatError, match=message):
             load_dump(path)
-        rc, out, err = _cli(str(path))
+        rc, _out, err = _cli(str(path))
         assert rc == 2 and err.count("\n") == 1 and "regenerate the dump" in err
 
 
@@ -178,5 +204,5 @@ def test_extreme_valid_plan_renders_real_html(plan_data, tmp_path):
     path.write_text(json.dumps(_at_the_bounds(plan_data)))
     page = inspected_html(load_inspectable(path))
     assert page.count('src="data:image/png;base64,') == 1 + len(plan_data["partition_types"])
-    rc, out, err = _cli(str(path))
+    rc, _out, err = _cli(str(path))
     assert rc == 0 and err == ""

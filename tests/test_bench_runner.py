@@ -25,8 +25,9 @@ from kareus_fx.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED_BASELINE = REPO / "bench" / "baseline.json"
-TINY = BenchCase(None, {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 2, "microbatches": 4, "mbs": 4, "seq": 64,
-                        "layers": 4})
+TINY = BenchCase(
+    None, {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 2, "microbatches": 4, "mbs": 4, "seq": 64, "layers": 4}
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +59,31 @@ def test_wall_metrics_are_in_units_of_the_reference_timed_around_the_case():
 
 
 def test_compare_marks_regressions_new_and_missing_metrics():
-    base = {"case": {"metrics": {"kareus.max_throughput_time_reduction": 0.10, "wall.total_per_ref": 10.0,
-                                 "mbo.hv_ratio_worst_type": 0.95}}}
-    run = {"case": {"metrics": {"kareus.max_throughput_time_reduction": 0.05, "wall.total_per_ref": 12.0,
-                                "mbo.fraction_measured_worst_type": 0.1}}}
+    base = {
+        "case": {
+            "metrics": {
+                "kareus.max_throughput_time_reduction": 0.10,
+                "wall.total_per_ref": 10.0,
+                "mbo.hv_ratio_worst_type": 0.95,
+            }
+        }
+    }
+    run = {
+        "case": {
+            "metrics": {
+                "kareus.max_throughput_time_reduction": 0.05,
+                "wall.total_per_ref": 12.0,
+                "mbo.fraction_measured_worst_type": 0.1,
+            }
+        }
+    }
     status = {row.metric: row.status for row in compare(run, base)}
-    assert status == {"kareus.max_throughput_time_reduction": "REGRESSED", "wall.total_per_ref": "ok",
-                      "mbo.hv_ratio_worst_type": "missing", "mbo.fraction_measured_worst_type": "new"}
+    assert status == {
+        "kareus.max_throughput_time_reduction": "REGRESSED",
+        "wall.total_per_ref": "ok",
+        "mbo.hv_ratio_worst_type": "missing",
+        "mbo.fraction_measured_worst_type": "new",
+    }
     with pytest.raises(BenchError, match="no entry for 'other'"):
         compare({"other": run["case"]}, base)
 
@@ -116,8 +135,12 @@ def test_tiny_case_records_every_checked_metric(tiny_result):
 def test_tiny_case_against_a_baseline_it_regressed_from(tiny_result, tmp_path, capsys):
     """The comparison path of the command on real results: a baseline that records a better tuner
     (HV ratio +0.1 on every type's worst) flags exactly that metric."""
-    better = {"metrics": {**tiny_result["metrics"],
-                          "mbo.hv_ratio_worst_type": tiny_result["metrics"]["mbo.hv_ratio_worst_type"] + 0.1}}
+    better = {
+        "metrics": {
+            **tiny_result["metrics"],
+            "mbo.hv_ratio_worst_type": tiny_result["metrics"]["mbo.hv_ratio_worst_type"] + 0.1,
+        }
+    }
     rows = compare({TINY.name: tiny_result}, {TINY.name: better})
     assert [r.metric for r in rows if r.status == "REGRESSED"] == ["mbo.hv_ratio_worst_type"]
     assert [r.metric for r in compare({TINY.name: tiny_result}, {TINY.name: tiny_result}) if r.status != "ok"] == []
@@ -130,15 +153,23 @@ def test_committed_baseline_passes_the_smoke_suite(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 15: on the current cost model the launch slot is worth little on the simulated GPU (it "
-    "already failed on main before the balanced stages); the smoke case tuned without it (360 configurations a type instead of "
-    "1,080-1,260, the same 15 % budget) scores higher, e.g. Kareus iso-energy time reduction 0.0758 "
-    "against the baseline's 0.0715 (NCCL's 24 baseline SMs), so no quality metric regresses (kareus bench --suite smoke "
-    "--baseline bench/baseline.json --ablate launch-timing --json)"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "issue 15: on the current cost model the launch slot is worth little on the simulated GPU (it "
+        "already failed on main before the balanced stages); the smoke case tuned without it (360 configurations a type instead of "
+        "1,080-1,260, the same 15 % budget) scores higher, e.g. Kareus iso-energy time reduction 0.0758 "
+        "against the baseline's 0.0715 (NCCL's 24 baseline SMs), so no quality metric regresses (kareus bench --suite smoke "
+        "--baseline bench/baseline.json --ablate launch-timing --json)"
+    ),
+)
 def test_smoke_suite_without_launch_timing_search_exits_1_naming_the_metric(capsys):
-    assert main(["bench", "--suite", "smoke", "--baseline", str(COMMITTED_BASELINE),
-                 "--ablate", "launch-timing", "--json"]) == 1
+    assert (
+        main(
+            ["bench", "--suite", "smoke", "--baseline", str(COMMITTED_BASELINE), "--ablate", "launch-timing", "--json"]
+        )
+        == 1
+    )
     captured = capsys.readouterr()
     regressed = json.loads(captured.out)["regressed"]
     case = "qwen3-1.7b-tp8-mbs8-seq4k[layers=4,stage_layers=even]"

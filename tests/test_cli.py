@@ -11,8 +11,22 @@ from kareus_fx.report.dump_summary import summarise_graph
 
 
 def _dump(tmp_path, *extra: str, layers: int, model: str = "llama3.2-3b") -> dict:
-    args = ["dump", "--model", model, "--tp", "8", "--mbs", "8", "--seq", "4096",
-            "--layers", str(layers), "--out", str(tmp_path), *extra]
+    args = [
+        "dump",
+        "--model",
+        model,
+        "--tp",
+        "8",
+        "--mbs",
+        "8",
+        "--seq",
+        "4096",
+        "--layers",
+        str(layers),
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
     assert main(args) == 0
     (path,) = tmp_path.glob("kareus_graph_*.json")
     return json.loads(path.read_text())
@@ -21,7 +35,7 @@ def _dump(tmp_path, *extra: str, layers: int, model: str = "llama3.2-3b") -> dic
 def _check_two_all_reduces_per_layer(dump: dict, layers: int, nanobatches: int) -> None:
     forward = summarise_graph(dump["graphs"][0])
     per_layer = {layer: count for (layer, kind), count in forward.collectives_per_layer.items() if kind == "all_reduce"}
-    assert per_layer == {layer: 2 * nanobatches for layer in range(layers)}
+    assert per_layer == dict.fromkeys(range(layers), 2 * nanobatches)
     assert sum(per_layer.values()) == 2 * layers * nanobatches
     # Outside the decoder layers: the vocab-parallel embedding's all-reduce and the loss's all-gather.
     assert dict(forward.collectives_outside_layers) == {"all_reduce": nanobatches, "all_gather": nanobatches}
@@ -34,7 +48,9 @@ def test_dump_two_layers_without_and_with_nanobatches(tmp_path, capsys):
 
 
 def test_dump_llama_70b_layers_at_full_width(tmp_path):
-    _check_two_all_reduces_per_layer(_dump(tmp_path, "--no-nanobatch", layers=2, model="llama3.3-70b"), layers=2, nanobatches=1)
+    _check_two_all_reduces_per_layer(
+        _dump(tmp_path, "--no-nanobatch", layers=2, model="llama3.3-70b"), layers=2, nanobatches=1
+    )
 
 
 @pytest.mark.slow

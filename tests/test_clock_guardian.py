@@ -46,8 +46,11 @@ CHILD = textwrap.dedent(
 
 def _locked_child(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     """A child holding the simulated GPU at 900 MHz, and its guardian's pid."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path / "clock.json"), str(tmp_path / "locks")],
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path / "clock.json"), str(tmp_path / "locks")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     guardian_pid = int(child.stdout.readline())
     state = read_simulated_clock_state(tmp_path / "clock.json")
     assert (state.clock_mhz, state.locked, state.pid) == (LOCKED_MHZ, True, child.pid)
@@ -65,7 +68,7 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 
 def test_sigkill_of_the_lock_holder_restores_the_clock_within_1_s(tmp_path):
     child, guardian_pid = _locked_child(tmp_path)
-    record, = (tmp_path / "locks").glob("*.json")
+    (record,) = (tmp_path / "locks").glob("*.json")
     assert (read_lock(record).pid, read_lock(record).clock_mhz) == (child.pid, LOCKED_MHZ)
     child.kill()
     child.wait()  # the death is observable from here on
@@ -82,8 +85,13 @@ def test_sigkill_of_the_lock_holder_restores_the_clock_within_1_s(tmp_path):
 
 
 def test_normal_close_disarms_the_guardian_without_touching_the_clock(tmp_path):
-    controller = FrequencyController.open("simulated", default_clock_mhz=DEFAULT_MHZ, state_path=tmp_path / "c.json",
-                                          lock_dir=tmp_path / "locks", handle_sigterm=False)
+    controller = FrequencyController.open(
+        "simulated",
+        default_clock_mhz=DEFAULT_MHZ,
+        state_path=tmp_path / "c.json",
+        lock_dir=tmp_path / "locks",
+        handle_sigterm=False,
+    )
     guardian = controller.guardian
     controller.request(LOCKED_MHZ)
     controller.flush(timeout_s=30)
@@ -113,12 +121,17 @@ def _leave_stale_lock(tmp_path: Path) -> int:
 
 def test_stale_lock_from_a_dead_pid_is_repaired_at_the_next_start(tmp_path):
     dead_pid = _leave_stale_lock(tmp_path)
-    (_, lock), = stale_locks(tmp_path / "locks")
+    ((_, lock),) = stale_locks(tmp_path / "locks")
     assert (lock.pid, lock.clock_mhz) == (dead_pid, LOCKED_MHZ)
     with pytest.warns(StaleClockLockWarning, match=rf"left locked at 900 MHz by process {dead_pid} .*clock restored"):
-        controller = FrequencyController.open("simulated", default_clock_mhz=DEFAULT_MHZ,
-                                              state_path=tmp_path / "clock.json", lock_dir=tmp_path / "locks",
-                                              handle_sigterm=False, guard=False)
+        controller = FrequencyController.open(
+            "simulated",
+            default_clock_mhz=DEFAULT_MHZ,
+            state_path=tmp_path / "clock.json",
+            lock_dir=tmp_path / "locks",
+            handle_sigterm=False,
+            guard=False,
+        )
     controller.close()
     assert stale_locks(tmp_path / "locks") == [] and list((tmp_path / "locks").glob("*.json")) == []
 

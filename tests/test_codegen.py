@@ -30,7 +30,7 @@ from kareus_fx.deploy.deployment import PlanMismatchError, copy_graph
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=2, mbs=2, seq=1536, layers=2)
+WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": 2, "seq": 1536, "layers": 2}
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +38,18 @@ def base_plan(tmp_path_factory):
     """A real plan of WORKLOAD, traced in fp32 (see the module docstring)."""
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
-    outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
-                        tmp_path_factory.mktemp("plan-work"), progress=False)
+    outcome = make_plan(
+        PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
+        tmp_path_factory.mktemp("plan-work"),
+        progress=False,
+    )
     return outcome.data
 
 
 def _types_of(data, graph):
-    return sorted((tid for tid, t in data["partition_types"].items() if t["graph"] == graph),
-                  key=lambda tid: int(tid[1:]))
+    return sorted(
+        (tid for tid, t in data["partition_types"].items() if t["graph"] == graph), key=lambda tid: int(tid[1:])
+    )
 
 
 def _configs(data, graph, variant):
@@ -66,8 +70,12 @@ def _scheduled_plan(data, path):
         options = data["microbatch_options"][key]
         chosen = []
         for variant, clock_mhz in enumerate((1200, 990)):
-            option = {**options[0], "clock_mhz": clock_mhz, "sequential": False,
-                      "configs": _configs(data, graph, variant)}
+            option = {
+                **options[0],
+                "clock_mhz": clock_mhz,
+                "sequential": False,
+                "configs": _configs(data, graph, variant),
+            }
             chosen.append(len(options))
             options.append(option)
             clocks[(graph, variant)] = clock_mhz
@@ -82,8 +90,12 @@ def _tiny_model(seq):
 
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = build_model(WORKLOAD["model"], ParallelLayout.from_default_group(tp=2, cp=1),
-                        num_layers=WORKLOAD["layers"], dtype=torch.float32)
+    model = build_model(
+        WORKLOAD["model"],
+        ParallelLayout.from_default_group(tp=2, cp=1),
+        num_layers=WORKLOAD["layers"],
+        dtype=torch.float32,
+    )
     model.init_weights(seed=0)
     return model
 
@@ -95,39 +107,53 @@ def _graph_nodes(gm):
     for node in gm.graph.nodes:
         cost = node.meta.get(META_KEY)
         args = [a if isinstance(a, (int, str)) or a is None else "-" for a in node.args]
-        nodes.append({"name": node.name, "op": node.op, "target": str(node.target), "kind": cost.kind if cost else "other",
-                      "nanobatch": node.meta.get("kareus_nanobatch"),
-                      "args": args, "comm_sms": node.meta.get("kareus_comm_sms")})
+        nodes.append(
+            {
+                "name": node.name,
+                "op": node.op,
+                "target": str(node.target),
+                "kind": cost.kind if cost else "other",
+                "nanobatch": node.meta.get("kareus_nanobatch"),
+                "args": args,
+                "comm_sms": node.meta.get("kareus_comm_sms"),
+            }
+        )
     return nodes
 
 
 def _deploy_worker(rank, world_size, plan_path):
-    from kareus_fx.runtime.frequency import FrequencyController
-
     from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.deploy.hook_ops import recording_hooks
+    from kareus_fx.runtime.frequency import FrequencyController
 
     model = _tiny_model(WORKLOAD["seq"])
     batches = [model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb) for mb in range(2)]
 
     eager_losses, eager_grads = train_microbatches(model, model, batches)
     controller = FrequencyController.open("dry-run", handle_sigterm=False)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"plan": plan_path, "clock_controller": controller})
+    compiled = torch.compile(
+        model, backend="kareus", fullgraph=True, options={"plan": plan_path, "clock_controller": controller}
+    )
     with recording_hooks() as log:
         losses, grads = train_microbatches(model, compiled, batches)
     controller.close()
     for loss, eager in zip(losses, eager_losses):
         torch.testing.assert_close(loss, eager, **TOL)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     return {
         "dce_keeps_hooks": [_hooks_survive_dce(g.gm) for g in deployed_graphs()],
         "requests": [(r.clock_mhz, r.instruction) for r in controller.requests],
         "log": [list(entry) for entry in log],
         "graphs": [
-            {"name": g.name, "microbatches": list(g.microbatches), "code": g.gm.code, "output_code": g.output_code,
-             "partitions": [dataclasses.asdict(p) for p in g.partitions], "nodes": _graph_nodes(g.gm)}
+            {
+                "name": g.name,
+                "microbatches": list(g.microbatches),
+                "code": g.gm.code,
+                "output_code": g.output_code,
+                "partitions": [dataclasses.asdict(p) for p in g.partitions],
+                "nodes": _graph_nodes(g.gm),
+            }
             for g in deployed_graphs()
         ],
     }
@@ -172,11 +198,17 @@ def _check_partition_position(nodes, partition):
             assert not set(compute_before) & {n for s in slots for n in s}
     for c in partition["collectives"]:
         assert nodes[index[c]]["comm_sms"] == partition["comm_sms"]
-        waits = [i for i, n in enumerate(nodes) if n["target"] == "_c10d_functional.wait_tensor.default"
-                 and n["args"] == ["-"] and i > index[c]]
+        waits = [
+            i
+            for i, n in enumerate(nodes)
+            if n["target"] == "_c10d_functional.wait_tensor.default" and n["args"] == ["-"] and i > index[c]
+        ]
         assert waits
-    wait_hook = next(i for i, n in enumerate(nodes) if n["target"] == "kareus.comm_wait.default"
-                     and n["args"][0] == partition["partition_id"])
+    wait_hook = next(
+        i
+        for i, n in enumerate(nodes)
+        if n["target"] == "kareus.comm_wait.default" and n["args"][0] == partition["partition_id"]
+    )
     assert wait_hook > last
     if slot is None:  # sequential: waited at once, nothing runs under it
         assert all(n["kind"] != "compute" for n in nodes[last:wait_hook])
@@ -208,7 +240,7 @@ def _inductor_schedule(output_code):
     issues a functional collective as itself, or as its in-place or ``_out`` variant on a
     buffer it allocates (``bufN = torch.ops...`` or a bare call)."""
     events = []
-    for line in output_code[output_code.index("def call("):].splitlines():
+    for line in output_code[output_code.index("def call(") :].splitlines():
         call = line.strip().split(" = ", 1)[-1]
         if call.startswith("torch.ops.kareus.") and call.split(".")[3] in _HOOKS:
             hook = call.split(".")[3]
@@ -224,7 +256,11 @@ def _check_deployment(data, clocks, results):
         graphs = result["graphs"]
         # One variant per distinct per-microbatch schedule: forward and backward, mb 0 and mb 1.
         assert sorted((g["name"], g["microbatches"]) for g in graphs) == [
-            ("backward", [0]), ("backward", [1]), ("forward", [0]), ("forward", [1])]
+            ("backward", [0]),
+            ("backward", [1]),
+            ("forward", [0]),
+            ("forward", [1]),
+        ]
         used_slots = set()
         for graph in graphs:
             variant = graph["microbatches"][0]
@@ -240,7 +276,8 @@ def _check_deployment(data, clocks, results):
             # by the hook in front of them, which must still be followed by one.)
             inductor = _inductor_schedule(graph["output_code"])
             assert [e for e in inductor if e != "wait_tensor"] == [
-                e for e in _aten_schedule(graph["nodes"]) if e != "wait_tensor"], graph["output_code"]
+                e for e in _aten_schedule(graph["nodes"]) if e != "wait_tensor"
+            ], graph["output_code"]
             assert all(inductor[i + 1] == "wait_tensor" for i, e in enumerate(inductor) if e.startswith("comm_wait"))
             for partition in graph["partitions"]:
                 config = configs[plan_types[partition["type_id"]]]
@@ -262,8 +299,9 @@ def _check_deployment(data, clocks, results):
 def _refused_worker(rank, world_size, plan_path, seq, options):
     model = _tiny_model(seq)
     # Refused before any code is generated: op by op keeps the test short.
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"plan": plan_path, "inductor": False, **options})
+    compiled = torch.compile(
+        model, backend="kareus", fullgraph=True, options={"plan": plan_path, "inductor": False, **options}
+    )
     try:
         compiled(**model.example_batch(mbs=WORKLOAD["mbs"], seq=seq)).backward()
     except Exception as err:  # noqa: BLE001 - the message is what the test checks
@@ -286,7 +324,9 @@ def test_plan_for_another_world_size_or_gpu_is_refused(base_plan, tmp_path):
     write_plan(plan_path, base_plan)
     torch._dynamo.reset()
     compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus", options={"plan": str(plan_path)})
-    with pytest.raises(Exception, match=r"world size differs: .* made for 2 processes \(tp=2 x cp=1 x pp=1\) but this job runs 1") as info:
+    with pytest.raises(
+        Exception, match=r"world size differs: .* made for 2 processes \(tp=2 x cp=1 x pp=1\) but this job runs 1"
+    ) as info:
         compiled(torch.randn(3, 4))
     assert isinstance(info.value.inner_exception, PlanMismatchError)
     torch._dynamo.reset()
@@ -332,23 +372,35 @@ def test_hook_ops_survive_dead_code_elimination_and_retracing():
     retraced = make_fx(gm)(torch.ones(2))
     for module in (gm, retraced):
         assert [str(n.target) for n in module.graph.nodes if n.op == "call_function"] == [
-            "kareus.clock_hook.default", "kareus.comm_launch.default", "aten.mul.Tensor",
-            "kareus.comm_issued.default", "kareus.comm_wait.default"]
+            "kareus.clock_hook.default",
+            "kareus.comm_launch.default",
+            "aten.mul.Tensor",
+            "kareus.comm_issued.default",
+            "kareus.comm_wait.default",
+        ]
     with recording_hooks() as log:
         retraced(torch.ones(2))
-    assert log == [("clock_hook", 0, "forward"), ("comm_launch", "forward:p0", 8, 1),
-                   ("comm_issued", "forward:p0"), ("comm_wait", "forward:p0")]
+    assert log == [
+        ("clock_hook", 0, "forward"),
+        ("comm_launch", "forward:p0", 8, 1),
+        ("comm_issued", "forward:p0"),
+        ("comm_wait", "forward:p0"),
+    ]
 
 
 def test_tune_with_a_request_needs_an_output_path_and_a_gpu_for_cuda():
     torch._dynamo.reset()
-    compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus",
-                             options={"tune": "simulated", "tune_request": dict(WORKLOAD)})
+    compiled = torch.compile(
+        torch.nn.Linear(4, 2), backend="kareus", options={"tune": "simulated", "tune_request": dict(WORKLOAD)}
+    )
     with pytest.raises(Exception, match=r"option 'tune' needs 'plan_out'"):
         compiled(torch.randn(3, 4))
     torch._dynamo.reset()
-    compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus", options={
-        "tune": "cuda", "plan_out": "p.json", "tune_request": {k: v for k, v in WORKLOAD.items()}})
+    compiled = torch.compile(
+        torch.nn.Linear(4, 2),
+        backend="kareus",
+        options={"tune": "cuda", "plan_out": "p.json", "tune_request": dict(WORKLOAD.items())},
+    )
     if not torch.cuda.is_available():
         with pytest.raises(Exception, match=r"--profiler cuda measures on-device and needs a CUDA GPU"):
             compiled(torch.randn(3, 4))
@@ -368,11 +420,23 @@ def test_compile_time_tuning_writes_and_deploys_a_plan(tmp_path):
     model = build_model("tiny-llama", ParallelLayout(), num_layers=2, dtype=torch.bfloat16)
     model.init_weights(seed=0)
     plan_out = tmp_path / "tuned" / "plan.json"
-    request = dict(model="tiny-llama", tp=1, cp=1, pp=1, microbatches=1, mbs=2, seq=16, layers=2,
-                   clock_stride_mhz=240)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"tune": "simulated", "plan_out": str(plan_out), "tune_request": request,
-                                      "inductor": False})  # Inductor with a plan: the mixed-slots test
+    request = {
+        "model": "tiny-llama",
+        "tp": 1,
+        "cp": 1,
+        "pp": 1,
+        "microbatches": 1,
+        "mbs": 2,
+        "seq": 16,
+        "layers": 2,
+        "clock_stride_mhz": 240,
+    }
+    compiled = torch.compile(
+        model,
+        backend="kareus",
+        fullgraph=True,
+        options={"tune": "simulated", "plan_out": str(plan_out), "tune_request": request, "inductor": False},
+    )  # Inductor with a plan: the mixed-slots test
     before = len(deployed_graphs())
     compiled(**model.example_batch(mbs=2, seq=16)).backward()
     assert load_plan(plan_out).workload["mbs"] == 2

@@ -59,20 +59,14 @@ def _random_microbatch_problem(rng: random.Random):
                 continue
             for k in range(rng.randint(1, 4)):
                 slot = None if k == 0 else k - 1  # distinct configs per clock
-                config = PartitionConfig(
-                    clock_mhz=clock, comm_sms=rng.choice([4, 8, 16]), launch_slot=slot
-                )
+                config = PartitionConfig(clock_mhz=clock, comm_sms=rng.choice([4, 8, 16]), launch_slot=slot)
                 pts.append((config, _m(_dyadic(rng, 1, 8), _dyadic(rng, 10, 80))))
         points[tid] = pts
     counts = {tid: rng.randint(1, 4) for tid in types}
     outside = None
     if rng.random() < 0.7:
-        outside = {
-            c: _m(_dyadic(rng, 0, 3), _dyadic(rng, 0, 20)) for c in clocks if rng.random() < 0.9
-        }
-    sequential = {
-        c: _m(_dyadic(rng, 5, 40), _dyadic(rng, 50, 500)) for c in clocks if rng.random() < 0.6
-    }
+        outside = {c: _m(_dyadic(rng, 0, 3), _dyadic(rng, 0, 20)) for c in clocks if rng.random() < 0.9}
+    sequential = {c: _m(_dyadic(rng, 5, 40), _dyadic(rng, 50, 500)) for c in clocks if rng.random() < 0.6}
     return points, counts, outside, sequential
 
 
@@ -83,11 +77,7 @@ def _brute_force_microbatch(points, counts, outside, sequential):
         if outside is not None and clock not in outside:
             continue
         per_type = [
-            [
-                (counts[tid] * m.time_s, counts[tid] * m.energy_j)
-                for cfg, m in points[tid]
-                if cfg.clock_mhz == clock
-            ]
+            [(counts[tid] * m.time_s, counts[tid] * m.energy_j) for cfg, m in points[tid] if cfg.clock_mhz == clock]
             for tid in sorted(points)
         ]
         if any(not options for options in per_type):
@@ -95,9 +85,7 @@ def _brute_force_microbatch(points, counts, outside, sequential):
         base_t = 0.0 if outside is None else outside[clock].time_s
         base_e = 0.0 if outside is None else outside[clock].energy_j
         for combo in itertools.product(*per_type):
-            candidates.append(
-                (base_t + sum(t for t, _ in combo), base_e + sum(e for _, e in combo))
-            )
+            candidates.append((base_t + sum(t for t, _ in combo), base_e + sum(e for _, e in combo)))
     return sorted(set(pareto_front(candidates, key=lambda c: c)))
 
 
@@ -156,7 +144,7 @@ def test_microbatch_many_types_stays_tractable():
         ]
         for i in range(12)
     }
-    counts = {tid: 28 for tid in points}
+    counts = dict.fromkeys(points, 28)
     sequential = {c: _m(0.2, 90.0) for c in clocks}
     frontier = compose_microbatch(points, counts, outside=None, sequential=sequential)
     times = [p.time_s for p in frontier.points]
@@ -222,20 +210,20 @@ def test_sequential_only_when_no_common_clock():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(counts={"a": 1, "b": 1}), "same partition types"),
-        (dict(counts={"a": 0}), "must be >= 1"),
-        (dict(sequential={1410: Measurement(-1.0, 1.0, 1.0, 0.0)}), "finite number >= 0"),
-        (dict(outside={1410: Measurement(float("nan"), 1.0, 1.0, 0.0)}), "finite number >= 0"),
-        (dict(outside={1200: _m(1.0, 1.0)}, sequential={}), "no microbatch candidate"),
+        ({"counts": {"a": 1, "b": 1}}, "same partition types"),
+        ({"counts": {"a": 0}}, "must be >= 1"),
+        ({"sequential": {1410: Measurement(-1.0, 1.0, 1.0, 0.0)}}, "finite number >= 0"),
+        ({"outside": {1410: Measurement(float("nan"), 1.0, 1.0, 0.0)}}, "finite number >= 0"),
+        ({"outside": {1200: _m(1.0, 1.0)}, "sequential": {}}, "no microbatch candidate"),
     ],
 )
 def test_microbatch_bad_inputs(kwargs, match):
-    args = dict(
-        partition_points={"a": [(PartitionConfig(1410, 4, 0), _m(1.0, 1.0))]},
-        counts={"a": 1},
-        outside=None,
-        sequential={},
-    )
+    args = {
+        "partition_points": {"a": [(PartitionConfig(1410, 4, 0), _m(1.0, 1.0))]},
+        "counts": {"a": 1},
+        "outside": None,
+        "sequential": {},
+    }
     args.update(kwargs)
     with pytest.raises(CompositionError, match=match):
         compose_microbatch(args.pop("partition_points"), args.pop("counts"), **args)
@@ -259,9 +247,7 @@ def test_1f1b_order_matches_lowtime(num_stages, num_microbatches):
             return 0.0
 
     spec = OperationSpec(
-        options=CandidateExecutionOptions(
-            options=[ExecutionOption(real_time=1.0, unit_time=1.0, cost=1.0, knob=0)]
-        ),
+        options=CandidateExecutionOptions(options=[ExecutionOption(real_time=1.0, unit_time=1.0, cost=1.0, knob=0)]),
         cost_model=_Zero(),
     )
     for stage in range(num_stages):
@@ -351,9 +337,7 @@ def test_iteration_frontier_three_options_brute_force(seed):
     options = _random_toy_options(rng, 2, 3)
     frontier = compose_iteration(options, 2, blocking_power_w=blocking_power_w, unit_time_s=1.0)
     expected = _brute_force_iteration(options, 2, 2, blocking_power_w)
-    assert _flat([(p.time_s, p.energy_j) for p in frontier.points]) == pytest.approx(
-        _flat(expected)
-    )
+    assert _flat([(p.time_s, p.energy_j) for p in frontier.points]) == pytest.approx(_flat(expected))
 
 
 def test_iteration_endpoints_plans_and_monotone_energy():
@@ -390,21 +374,16 @@ def test_iteration_endpoints_plans_and_monotone_energy():
     times = [p.time_s for p in frontier.points]
     energies = [p.energy_j for p in frontier.points]
     assert times == sorted(times) and len(set(times)) == len(times)
-    assert all(a > b for a, b in zip(energies, energies[1:]))
+    assert all(a > b for a, b in itertools.pairwise(energies))
     # Each point's numbers are what its plan adds up to.
     for point in frontier.points[:: max(1, len(frontier.points) // 5)]:
         plan = frontier.plan(point)
         t = makespan_s(dag, {n: o.time_s for n, o in plan.items()})
-        e = iteration_energy_j(
-            2, t, sum(o.time_s for o in plan.values()), sum(o.energy_j for o in plan.values()), 60.0
-        )
+        e = iteration_energy_j(2, t, sum(o.time_s for o in plan.values()), sum(o.energy_j for o in plan.values()), 60.0)
         assert (point.time_s, point.energy_j) == pytest.approx((t, e))
         assert frontier.option(point, 1, "backward", 2) is plan[PipelineNode(1, "backward", 2)]
     # Quantization (floor) makes each instruction at most one unit longer than the solver thinks.
-    assert all(
-        p.time_s < p.solver_time_s + len(frontier.nodes) * frontier.unit_time_s
-        for p in frontier.trace
-    )
+    assert all(p.time_s < p.solver_time_s + len(frontier.nodes) * frontier.unit_time_s for p in frontier.trace)
 
 
 def test_iteration_takes_microbatch_frontiers():
@@ -416,9 +395,7 @@ def test_iteration_takes_microbatch_frontiers():
     assert all(isinstance(o, MicrobatchPoint) for o in chosen.values())
     assert all(any(o is q for q in mb.points) for o in chosen.values())
     dag = build_1f1b_dag(2, 2)
-    assert frontier.points[0].time_s == pytest.approx(
-        makespan_s(dag, {n: mb.points[0].time_s for n in dag.nodes})
-    )
+    assert frontier.points[0].time_s == pytest.approx(makespan_s(dag, dict.fromkeys(dag.nodes, mb.points[0].time_s)))
 
 
 @pytest.mark.parametrize(
@@ -495,15 +472,13 @@ def test_iteration_on_real_profile_small_pipeline():
     profile = read_perseus_profile(PROFILE_CSV)
     small = {key: opts for key, opts in profile.items() if key[0] < 2}
     for cost_model in ("convex", "exponential"):
-        frontier = compose_iteration(
-            small, 4, blocking_power_w=A100_BLOCKING_POWER_W, cost_model=cost_model
-        )
+        frontier = compose_iteration(small, 4, blocking_power_w=A100_BLOCKING_POWER_W, cost_model=cost_model)
         plan = frontier.plan(frontier.points[0])
         assert {o.knob for o in plan.values()} >= {1410}
         freqs = plan_frequencies(frontier, frontier.points[-1])
         assert len(freqs) == 2 and all(len(f) == 8 for f in freqs)
         energies = [p.energy_j for p in frontier.points]
-        assert all(a > b for a, b in zip(energies, energies[1:]))
+        assert all(a > b for a, b in itertools.pairwise(energies))
 
 
 @pytest.mark.slow
@@ -514,9 +489,7 @@ def test_reproduces_perseus_planner_frontier_mb12():
     profile = read_perseus_profile(PROFILE_CSV)
     with open(DATA / "perseus_gpt3-175b_a100_sxm_frontier_mb12.csv") as f:
         reference = [(float(r["time"]), float(r["energy"])) for r in csv.DictReader(f)]
-    frontier = compose_iteration(
-        profile, 12, blocking_power_w=A100_BLOCKING_POWER_W, cost_model="exponential"
-    )
+    frontier = compose_iteration(profile, 12, blocking_power_w=A100_BLOCKING_POWER_W, cost_model="exponential")
     # lowtime's own numbers are the planner's, step for step (the first trace entry is the
     # slowest plan, which the planner does not print).
     solver = [(p.solver_time_s, p.solver_energy_j) for p in frontier.trace[1:]]
@@ -544,9 +517,7 @@ def _clock_sweep_options(num_stages, num_clocks=8, forward_s=0.04, seed=0):
             for k in range(num_clocks):
                 clock = 1410 - k * (510 / (num_clocks - 1))
                 time_s = base_s * scale * (1410 / clock) ** 0.9
-                opts.append(
-                    InstructionOption(time_s, time_s * (150 + 320 * (clock / 1410) ** 3), clock)
-                )
+                opts.append(InstructionOption(time_s, time_s * (150 + 320 * (clock / 1410) ** 3), clock))
             options[(stage, inst)] = opts
     return options
 
@@ -559,9 +530,7 @@ def _least_energy_within(frontier, time_s):
 def test_fast_solver_loop_walks_lowtimes_plans(cost_model):
     options = _clock_sweep_options(3)
     frontiers = [
-        compose_iteration(
-            options, 4, blocking_power_w=80.0, cost_model=cost_model, solver_loop=loop
-        )
+        compose_iteration(options, 4, blocking_power_w=80.0, cost_model=cost_model, solver_loop=loop)
         for loop in ("fast", "lowtime")
     ]
     fast, lowtime = frontiers
@@ -655,8 +624,7 @@ def test_perseus_profile_round_trip_real_file(tmp_path):
     # Same rows as the original file (the order within a stage may differ).
     original = sorted(PROFILE_CSV.read_text().splitlines()[1:])
     assert sorted(out.read_text().splitlines()[1:]) == sorted(
-        ",".join([s, i, f, repr(float(t)), repr(float(e))])
-        for s, i, f, t, e in (line.split(",") for line in original)
+        ",".join([s, i, f, repr(float(t)), repr(float(e))]) for s, i, f, t, e in (line.split(",") for line in original)
     )
 
 
@@ -681,15 +649,26 @@ def test_perseus_profile_round_trip_microbatch_points():
             "instruction: Input should be 'forward' or 'backward'",
         ),
         ("stage,instruction,frequency,time,energy\n0,forward,1410,abc,1.0\n", ":2:"),
-        ("stage,instruction,frequency,time,energy\n0,forward,1410,0,1.0\n", "<stream>:2: time: Input should be greater than 0"),
+        (
+            "stage,instruction,frequency,time,energy\n0,forward,1410,0,1.0\n",
+            "<stream>:2: time: Input should be greater than 0",
+        ),
         ("stage,instruction,frequency,time,energy\n0,forward,1410,nan,1.0\n", "time: Input should be a finite number"),
-        ("stage,instruction,frequency,time,energy\n0,forward,1410,1.0,1e999\n", "energy: Input should be a finite number"),
-        ("stage,instruction,frequency,time,energy\n-1,forward,1410,1.0,1.0\n", "stage: Input should be greater than or equal to 0"),
-        ("stage,instruction,frequency,time,energy\n0,forward,1410,1.0,-1\n", "energy: Input should be greater than or equal to 0"),
+        (
+            "stage,instruction,frequency,time,energy\n0,forward,1410,1.0,1e999\n",
+            "energy: Input should be a finite number",
+        ),
+        (
+            "stage,instruction,frequency,time,energy\n-1,forward,1410,1.0,1.0\n",
+            "stage: Input should be greater than or equal to 0",
+        ),
+        (
+            "stage,instruction,frequency,time,energy\n0,forward,1410,1.0,-1\n",
+            "energy: Input should be greater than or equal to 0",
+        ),
         ("stage,instruction,frequency,time,energy\n0,forward,1410,1.0\n", "expected 5 fields"),
         (
-            "stage,instruction,frequency,time,energy\n"
-            "0,forward,1410,1.0,1.0\n0,forward,1410,2.0,1.0\n",
+            "stage,instruction,frequency,time,energy\n0,forward,1410,1.0,1.0\n0,forward,1410,2.0,1.0\n",
             "repeated row",
         ),
         ("stage,instruction,frequency,time,energy\n", "no rows"),

@@ -27,7 +27,7 @@ from dist_harness import run_distributed
 from kareus_fx.plan.plan_format import instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=3, mbs=2, seq=256, layers=2)
+WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 2, "microbatches": 3, "mbs": 2, "seq": 256, "layers": 2}
 UNSPLIT_MB = 1
 CLOCKS_MHZ = (1200, 1020, 900)  # per microbatch; stage 1 runs 30 MHz lower
 
@@ -36,8 +36,11 @@ CLOCKS_MHZ = (1200, 1020, 900)  # per microbatch; stage 1 runs 30 MHz lower
 def plan_data(tmp_path_factory):
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
-    outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
-                        tmp_path_factory.mktemp("plan-work"), progress=False)
+    outcome = make_plan(
+        PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
+        tmp_path_factory.mktemp("plan-work"),
+        progress=False,
+    )
     return outcome.data
 
 
@@ -61,8 +64,14 @@ def _pipeline_plan(data, path):
             for mb, clock_mhz in enumerate(CLOCKS_MHZ):
                 unsplit = mb == UNSPLIT_MB
                 chosen.append(len(options))
-                options.append({**options[0], "clock_mhz": clock_mhz - 30 * stage, "sequential": unsplit,
-                                "configs": None if unsplit else _configs(data, stage, graph, mb)})
+                options.append(
+                    {
+                        **options[0],
+                        "clock_mhz": clock_mhz - 30 * stage,
+                        "sequential": unsplit,
+                        "configs": None if unsplit else _configs(data, stage, graph, mb),
+                    }
+                )
             for point in data["iteration_frontier"]:
                 point["choices"][key] = chosen
     write_plan(path, data)
@@ -72,9 +81,8 @@ def _pipeline_plan(data, path):
 def _run_1f1b(fn, model, stage, batches, layout):
     """One iteration of 1F1B of ``fn`` (``model`` or its compiled form) over ``batches``; returns
     the last stage's losses and every gradient."""
-    from kareus_fx.runtime.pipeline_hook import next_instruction
-
     from kareus_fx.compose.pipeline import one_f_one_b_order
+    from kareus_fx.runtime.pipeline_hook import next_instruction
 
     rank, peer_offset = dist.get_rank(), layout.tp * layout.cp
     model.zero_grad(set_to_none=True)
@@ -110,24 +118,29 @@ def _run_1f1b(fn, model, stage, batches, layout):
 
 
 def _pipeline_worker(rank, world_size, plan_path):
-    from kareus_fx.runtime.collectives import CollectiveBackendError, backends_for
-    from kareus_fx.runtime.frequency import FrequencyController
-    from kareus_fx.runtime.pipeline_hook import StepContext
-
     from kareus_fx.deploy.deployment import clock_schedule, deployed_graphs, prepare_collectives
     from kareus_fx.models import ParallelLayout, build_model
     from kareus_fx.models.pipeline import PipelineStage
     from kareus_fx.plan.plan_format import load_plan
+    from kareus_fx.runtime.collectives import CollectiveBackendError, backends_for
+    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.pipeline_hook import StepContext
 
     torch._dynamo.reset()
     layout = ParallelLayout.from_default_group(tp=WORKLOAD["tp"], pp=WORKLOAD["pp"])
     stage = layout.pp_rank
     torch.manual_seed(0)
-    model = build_model(WORKLOAD["model"], layout, num_layers=WORKLOAD["layers"], dtype=torch.float32,
-                        stage=PipelineStage(stage, WORKLOAD["pp"]))
+    model = build_model(
+        WORKLOAD["model"],
+        layout,
+        num_layers=WORKLOAD["layers"],
+        dtype=torch.float32,
+        stage=PipelineStage(stage, WORKLOAD["pp"]),
+    )
     model.init_weights(seed=0)
-    batches = [model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb)
-               for mb in range(WORKLOAD["microbatches"])]
+    batches = [
+        model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb) for mb in range(WORKLOAD["microbatches"])
+    ]
     plan = load_plan(plan_path)
     point = plan.point_index("max-throughput")
 
@@ -142,8 +155,9 @@ def _pipeline_worker(rank, world_size, plan_path):
         eager_losses, eager_grads = _run_1f1b(model, model, stage, batches, layout)
     sm_counts = prepare_collectives(plan, "max-throughput", [layout.tp_group])
     controller = FrequencyController.open("dry-run", handle_sigterm=False)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"plan": plan_path, "stage": stage, "inductor": False})
+    compiled = torch.compile(
+        model, backend="kareus", fullgraph=True, options={"plan": plan_path, "stage": stage, "inductor": False}
+    )
     iterations = 2
     with StepContext(clock_schedule(plan, point), controller, stage=stage):
         runs = [_run_1f1b(compiled, model, stage, batches, layout) for _ in range(iterations)]
@@ -152,13 +166,16 @@ def _pipeline_worker(rank, world_size, plan_path):
         for loss, eager in zip(losses, eager_losses):
             torch.testing.assert_close(loss, eager, **TOL)
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     del compiled
     tp_limits = backends_for(layout.tp_group).limits
     collective_groups = {
         str(n.args[-1])
-        for g in deployed_graphs() for n in g.gm.graph.nodes
-        if n.op == "call_function" and str(n.target).startswith("_c10d_functional.") and "wait" not in str(n.target)
+        for g in deployed_graphs()
+        for n in g.gm.graph.nodes
+        if n.op == "call_function"
+        and str(n.target).startswith("_c10d_functional.")
+        and "wait" not in str(n.target)
         and n.meta.get("kareus_comm_sms") is not None
     }
     return {
@@ -169,7 +186,9 @@ def _pipeline_worker(rank, world_size, plan_path):
         "limits": {count: (limit.group_name, limit.backend) for count, limit in tp_limits.items()},
         "collective_groups": sorted(collective_groups),
         "requests": [(r.clock_mhz, r.instruction) for r in controller.requests],
-        "graphs": [(g.name, g.stage, list(g.microbatches), g.nanobatched, len(g.partitions)) for g in deployed_graphs()],
+        "graphs": [
+            (g.name, g.stage, list(g.microbatches), g.nanobatched, len(g.partitions)) for g in deployed_graphs()
+        ],
         "losses": len(eager_losses),
     }
 
@@ -180,8 +199,14 @@ def test_tp2_pp2_pipeline_with_split_and_unsplit_microbatches_matches_eager(plan
     plan_path = tmp_path / "plan.json"
     data = _pipeline_plan(plan_data, plan_path)
     results = run_distributed(_pipeline_worker, 4, str(plan_path), timeout_s=900)
-    planned_counts = sorted({c["comm_sms"] for key, options in data["microbatch_options"].items()
-                             for o in options[-3:] for c in (o["configs"] or {}).values()})
+    planned_counts = sorted(
+        {
+            c["comm_sms"]
+            for key, options in data["microbatch_options"].items()
+            for o in options[-3:]
+            for c in (o["configs"] or {}).values()
+        }
+    )
     for rank, result in enumerate(results):
         stage = rank // 2
         assert result["stage"] == stage and result["tp_ranks"] == [2 * stage, 2 * stage + 1]
@@ -197,14 +222,20 @@ def test_tp2_pp2_pipeline_with_split_and_unsplit_microbatches_matches_eager(plan
         # Microbatches 0 and 2 run nanobatched variants with partitions, 1 the un-split graphs.
         graphs = sorted(result["graphs"])
         assert [(name, mbs, nb) for name, _, mbs, nb, _ in graphs] == [
-            ("backward", [0], True), ("backward", [1], False), ("backward", [2], True),
-            ("forward", [0], True), ("forward", [1], False), ("forward", [2], True)]
+            ("backward", [0], True),
+            ("backward", [1], False),
+            ("backward", [2], True),
+            ("forward", [0], True),
+            ("forward", [1], False),
+            ("forward", [2], True),
+        ]
         assert all((count > 0) == nanobatched for _, _, _, nanobatched, count in graphs)
         assert {g[1] for g in graphs} == {stage}
         # The dry-run controller got the plan's clock of each instruction in 1F1B order.
         order = one_f_one_b_order(2, 3, stage) * 2
-        assert result["requests"] == [(CLOCKS_MHZ[mb] - 30 * stage, f"{inst[0].upper()}{mb}@S{stage}")
-                                      for inst, mb in order]
+        assert result["requests"] == [
+            (CLOCKS_MHZ[mb] - 30 * stage, f"{inst[0].upper()}{mb}@S{stage}") for inst, mb in order
+        ]
         assert result["losses"] == (3 if stage == 1 else 0)
 
 

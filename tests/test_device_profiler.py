@@ -8,9 +8,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from kareus_fx.capture.dump import load_dump, partition_types_from_dump
+from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.errors import KareusError
 from kareus_fx.runtime.device_profiler import (
     DeviceProfiler,
     DeviceProfilerError,
@@ -24,11 +30,6 @@ from kareus_fx.runtime.device_profiler import (
     wait_for_cooldown,
 )
 from kareus_fx.runtime.frequency import FrequencyController
-from torch.utils.flop_counter import FlopCounterMode
-
-from kareus_fx.capture.dump import load_dump, partition_types_from_dump
-from kareus_fx.capture.tracing import TraceSpec, trace_full_size
-from kareus_fx.errors import KareusError
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
 
 MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
@@ -51,13 +52,22 @@ def kernel_flops(kernel) -> int:
 
 def small_ptype(n_slots: int = 3) -> PartitionType:
     slots = tuple(
-        SlotSpec(ops=(OpCost(f"mm_{i}", "aten.mm.default", 2.0 * 32**3, 2.0 * 3 * 32**2, "compute"),
-                      OpCost(f"mul_{i}", "aten.mul.Tensor", 1024.0, 12288.0, "memory")))
+        SlotSpec(
+            ops=(
+                OpCost(f"mm_{i}", "aten.mm.default", 2.0 * 32**3, 2.0 * 3 * 32**2, "compute"),
+                OpCost(f"mul_{i}", "aten.mul.Tensor", 1024.0, 12288.0, "memory"),
+            )
+        )
         for i in range(n_slots)
     )
-    return PartitionType(type_id="hand", graph="forward", slots=slots,
-                         collective=CollectiveSpec("all_reduce", 8192.0, 4), count=1,
-                         launch_slots=tuple(range(n_slots)))
+    return PartitionType(
+        type_id="hand",
+        graph="forward",
+        slots=slots,
+        collective=CollectiveSpec("all_reduce", 8192.0, 4),
+        count=1,
+        launch_slots=tuple(range(n_slots)),
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,8 +86,10 @@ def test_attention_proxy_is_the_attention_op_with_close_flops():
     from kareus_fx.models.attention_op import attention_backward_flops, attention_flops
 
     q = k = v = torch.Size([2, 8, 512, 128])
-    for target, flops, tensors in (("kareus.attention.default", attention_flops(q, k, v), 4),
-                                   ("kareus.attention_backward.default", attention_backward_flops(q, k, v), 7)):
+    for target, flops, tensors in (
+        ("kareus.attention.default", attention_flops(q, k, v), 4),
+        ("kareus.attention_backward.default", attention_backward_flops(q, k, v), 7),
+    ):
         op = OpCost("attn", target, flops, tensors * 2.0 * q.numel())
         kernel = build_kernel(op, "cpu")
         assert kernel.source == "proxy"
@@ -188,16 +200,18 @@ def test_collective_proxy_moves_ring_traffic():
 def test_cooldown_waits_for_idle_temperature_and_times_out():
     readings = iter([70.0, 60.0, 52.0, 49.0])
     slept: list[float] = []
-    assert wait_for_cooldown(lambda: next(readings), 48.0, tolerance_c=3.0, timeout_s=100.0,
-                             poll_s=1.0, sleep=slept.append)
+    assert wait_for_cooldown(
+        lambda: next(readings), 48.0, tolerance_c=3.0, timeout_s=100.0, poll_s=1.0, sleep=slept.append
+    )
     assert slept == [1.0, 1.0, 1.0]  # 70, 60, 52 above 48 + 3; 49 within
     now = [0.0]
 
     def advance(seconds: float) -> None:
         now[0] += seconds
 
-    assert not wait_for_cooldown(lambda: 80.0, 40.0, tolerance_c=3.0, timeout_s=5.0, poll_s=1.0,
-                                 sleep=advance, monotonic=lambda: now[0])
+    assert not wait_for_cooldown(
+        lambda: 80.0, 40.0, tolerance_c=3.0, timeout_s=5.0, poll_s=1.0, sleep=advance, monotonic=lambda: now[0]
+    )
     assert now[0] == pytest.approx(5.0)
 
 
@@ -220,7 +234,7 @@ class FakeWindow:
 class FakeZeus:
     """Energy = a constant power x the window's wall time."""
 
-    gpu_indices = [0]
+    gpu_indices: ClassVar[list[int]] = [0]
 
     def __init__(self, power_w: float) -> None:
         self.power_w = power_w
@@ -247,13 +261,23 @@ def test_measurement_window_energy_split_and_clock(monkeypatch):
     temperatures = iter([45.0, 45.0])
     controller = FrequencyController.open("dry-run", handle_sigterm=False)
     zeus = FakeZeus(power_w=200.0)
-    profiler = DeviceProfiler("A100-SXM4-40GB", frequency=controller, min_window_s=0.2, warmup=1, repeats=3,
-                              zeus_monitor=zeus, read_temperature_c=lambda: next(temperatures))
+    profiler = DeviceProfiler(
+        "A100-SXM4-40GB",
+        frequency=controller,
+        min_window_s=0.2,
+        warmup=1,
+        repeats=3,
+        zeus_monitor=zeus,
+        read_temperature_c=lambda: next(temperatures),
+    )
     replay = PartitionReplay.build([s.ops for s in small_ptype().slots], [small_ptype().collective], "cpu")
     window_runs: list[int] = []
     fill_window = DeviceProfiler._fill_window
-    monkeypatch.setattr(DeviceProfiler, "_fill_window",
-                        lambda self, *args: window_runs.append(fill_window(self, *args)) or window_runs[-1])
+    monkeypatch.setattr(
+        DeviceProfiler,
+        "_fill_window",
+        lambda self, *args: window_runs.append(fill_window(self, *args)) or window_runs[-1],
+    )
     with profiler:
         measurement = profiler._measure(replay, 1200, 1, 8)
         assert controller.applied_clock_mhz == 1200
@@ -274,8 +298,7 @@ def test_gpu_measures_traced_partition(tiny_dump, cuda_gpu_name):
     types, tables = tiny_dump
     ptype = next(iter(types.values()))
     # no frequency controller: measured at the card's current clock (never change a lent card's clocks)
-    with DeviceProfiler(cuda_gpu_name, node_tables=tables, min_window_s=1.0, warmup=2,
-                        repeats=5) as profiler:
+    with DeviceProfiler(cuda_gpu_name, node_tables=tables, min_window_s=1.0, warmup=2, repeats=5) as profiler:
         measurement = profiler.measure(ptype, PartitionConfig(1410, 8, ptype.launch_slots[0]))
         sequential = profiler.measure(ptype, PartitionConfig(1410, 8, None))
     assert measurement.time_s > 0 and sequential.time_s > 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_harness import run_distributed
 from eager_parity import assert_matches_eager, eager_reference, mark_sequence_dynamic
 
@@ -44,8 +43,13 @@ def _dynamic_seq_worker(rank, world_size, mode, dump_dir):
         return result
 
     compile_step.split_nanobatches = recording_split
-    compiled = torch.compile(model, backend="kareus", fullgraph=True, options={"dump_dir": dump_dir},
-                             dynamic=True if mode == "dynamic_true" else None)
+    compiled = torch.compile(
+        model,
+        backend="kareus",
+        fullgraph=True,
+        options={"dump_dir": dump_dir},
+        dynamic=True if mode == "dynamic_true" else None,
+    )
     fallbacks = []
     for seq in SEQ_LENS:
         batch = model.example_batch(mbs=4, seq=seq)
@@ -71,11 +75,14 @@ def _dynamic_seq_worker(rank, world_size, mode, dump_dir):
     return splits, fallbacks
 
 
-@pytest.mark.parametrize("mode", [
-    "automatic",
-    pytest.param("mark_dynamic", marks=pytest.mark.slow),
-    pytest.param("dynamic_true", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "automatic",
+        pytest.param("mark_dynamic", marks=pytest.mark.slow),
+        pytest.param("dynamic_true", marks=pytest.mark.slow),
+    ],
+)
 def test_split_applies_and_matches_eager_when_sequence_length_changes_every_step(mode, tmp_path, capsys):
     for splits, fallbacks in run_distributed(_dynamic_seq_worker, 2, mode, str(tmp_path)):
         assert fallbacks == []
@@ -83,7 +90,8 @@ def test_split_applies_and_matches_eager_when_sequence_length_changes_every_step
         # Automatic dynamic: one static compile, then one symbolic one; the others compile
         # symbolically at once. Never one graph per sequence length.
         assert [symbolic for _, symbolic, _ in splits] == (
-            [False, True] if mode == "automatic" else [True] if mode == "mark_dynamic" else [True, True])
+            [False, True] if mode == "automatic" else [True] if mode == "mark_dynamic" else [True, True]
+        )
     if mode == "automatic":
         _check_symbolic_dump(tmp_path, capsys)
 
@@ -97,12 +105,16 @@ def _check_symbolic_dump(dump_dir, capsys):
     symbolic = [d for d in dumps if any(g.get("symbols") for g in d["graphs"])]
     assert len(symbolic) == 1
     forward = next(g for g in symbolic[0]["graphs"] if g["name"] == "forward")
-    (name, sequence), = forward["symbols"].items()
+    ((name, sequence),) = forward["symbols"].items()
     assert sequence["min"] == 2 and sequence["max"] is None and sequence["hint"] in SEQ_LENS
     assert any(n["symbolic_shape"] and name in n["symbolic_shape"] for n in forward["nodes"])
     capsys.readouterr()
-    main(["inspect", str(next(p for p, d in zip(sorted(dump_dir.glob("kareus_graph_*_rank0.json")), dumps)
-                              if d is symbolic[0]))])
+    main(
+        [
+            "inspect",
+            str(next(p for p, d in zip(sorted(dump_dir.glob("kareus_graph_*_rank0.json")), dumps) if d is symbolic[0])),
+        ]
+    )
     assert f"forward: symbolic sizes {name}[2, inf] = {sequence['hint']}" in capsys.readouterr().out
 
 
@@ -112,11 +124,14 @@ def _live_tuning_worker(rank, world_size, plan_out):
 
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = build_model("tiny-llama", ParallelLayout.from_default_group(tp=2, cp=1), num_layers=2,
-                        dtype=torch.float32)
+    model = build_model("tiny-llama", ParallelLayout.from_default_group(tp=2, cp=1), num_layers=2, dtype=torch.float32)
     model.init_weights(seed=0)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"tune": "simulated", "plan_out": plan_out, "tune_seq": [128, 256]})
+    compiled = torch.compile(
+        model,
+        backend="kareus",
+        fullgraph=True,
+        options={"tune": "simulated", "plan_out": plan_out, "tune_seq": [128, 256]},
+    )
     for seq in (100, 200, 128):
         batch = model.example_batch(mbs=2, seq=seq, seed=seq)
         mark_sequence_dynamic(batch)
@@ -135,7 +150,9 @@ def test_compile_time_tuning_of_a_symbolic_graph_plans_and_deploys_its_buckets(t
     results = run_distributed(_live_tuning_worker, 2, str(plan_out), timeout_s=600)
     plan = load_plan(plan_out)
     assert plan.buckets == (128, 256) and plan.workload["seq"] == 256
-    assert plan.bucket(128).data["stages"][0]["graphs"]["forward"]["fingerprint"] != \
-        plan.data["stages"][0]["graphs"]["forward"]["fingerprint"]
+    assert (
+        plan.bucket(128).data["stages"][0]["graphs"]["forward"]["fingerprint"]
+        != plan.data["stages"][0]["graphs"]["forward"]["fingerprint"]
+    )
     for names, count in results:
         assert names == ["backward", "forward"] and count >= 4  # forward and backward of both buckets

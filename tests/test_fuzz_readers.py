@@ -56,9 +56,15 @@ from kareus_fx.report import inspector, plan_report, plan_summary
 from kareus_fx.report.dump_summary import collectives_by_layer_text
 from kareus_fx.report.inspector import inspected_html
 
-EXAMPLES = int(os.environ.get("KAREUS_FUZZ_EXAMPLES", 2000))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck), print_blob=True)
+EXAMPLES = int(os.environ.get("KAREUS_FUZZ_EXAMPLES", "2000"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+    print_blob=True,
+)
 PNG = b"\x89PNG\r\n\x1a\nstand-in"
 
 
@@ -99,8 +105,9 @@ def _with_nanobatched_point(plan: dict) -> dict:
     for key, indices in fastest["choices"].items():
         split = next(i for i, option in enumerate(data["microbatch_options"][key]) if not option["sequential"])
         choices[key] = [split, *indices[1:]]
-    data["iteration_frontier"].insert(0, {"time_s": fastest["time_s"] * 0.95, "energy_j": fastest["energy_j"] * 1.02,
-                                          "choices": choices})
+    data["iteration_frontier"].insert(
+        0, {"time_s": fastest["time_s"] * 0.95, "energy_j": fastest["energy_j"] * 1.02, "choices": choices}
+    )
     return data
 
 
@@ -153,7 +160,7 @@ def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool)
     plan = load_plan(path)
     if _seen(plan.data, done):
         return
-    rc, out, err = _cli("--diff", str(seed_path), str(path))
+    rc, _out, err = _cli("--diff", str(seed_path), str(path))
     assert rc == 0 and err == "", err
     assert inspected_html(inspector.load_inspectable(path)).rstrip().endswith("</html>")
     fastest = plan.point_index("max-throughput")
@@ -173,7 +180,9 @@ def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool)
                 # what compile() asks per microbatch: the schedule of each of the graph's partition types
                 partitioning = SimpleNamespace(types=dict.fromkeys(graph["partition_types"]))
                 for microbatch in range(plan.workload["microbatches"]):
-                    deployed._schedules(name, deployed._option(name, microbatch), partitioning, graph["partition_types"])
+                    deployed._schedules(
+                        name, deployed._option(name, microbatch), partitioning, graph["partition_types"]
+                    )
             with contextlib.suppress(PlanMismatchError):  # this process is not the planned job
                 deployment._check_plan_fits(plan, KareusOptions(gpu=plan.gpu, stage=stage))
 
@@ -184,7 +193,7 @@ def _dump_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool)
     dump = load_dump(path)
     if _seen(dump, done):
         return
-    rc, out, err = _cli("--diff", str(seed_path), str(path))
+    rc, _out, err = _cli("--diff", str(seed_path), str(path))
     assert rc == 0 and err == "", err
     assert inspected_html(inspector.load_inspectable(path)).rstrip().endswith("</html>")
     collectives_by_layer_text(dump)

@@ -7,10 +7,10 @@ not measurements.
 from __future__ import annotations
 
 import pytest
-from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 
 from kareus_fx.capture.dump import load_dump, partition_types_from_dump
 from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.workload import PartitionConfig
 
 
@@ -35,8 +35,11 @@ def test_simulator_prefers_overlap_to_sequential_on_traced_types(llama_types):
     for ptype in llama_types.values():
         sequential = profiler.measure(ptype, PartitionConfig(clock_mhz=1410, comm_sms=24, launch_slot=None))
         overlapped = min(
-            (profiler.measure(ptype, PartitionConfig(clock_mhz=1410, comm_sms=sms, launch_slot=slot))
-             for slot in ptype.launch_slots for sms in (6, 12, 18)),
+            (
+                profiler.measure(ptype, PartitionConfig(clock_mhz=1410, comm_sms=sms, launch_slot=slot))
+                for slot in ptype.launch_slots
+                for sms in (6, 12, 18)
+            ),
             key=lambda m: m.time_s,
         )
         assert overlapped.time_s < sequential.time_s, ptype.type_id

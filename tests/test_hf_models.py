@@ -20,7 +20,6 @@ from collections import Counter
 
 import pytest
 import torch
-
 from dist_harness import run_distributed
 
 pytest.importorskip("transformers")
@@ -33,9 +32,16 @@ def _tiny_config(arch: str):
     from transformers import LlamaConfig, Qwen3Config
 
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[arch]
-    return cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-               max_position_embeddings=64)
+    return cls(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
 
 
 def _batch() -> dict[str, torch.Tensor]:
@@ -58,34 +64,48 @@ def _shard(model, mesh, sequence_parallel: bool) -> None:
     )
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    tp_plan = {key.removeprefix("layers.*."): value
-               for key, value in model.config.base_model_tp_plan.items() if value in styles}
+    tp_plan = {
+        key.removeprefix("layers.*."): value
+        for key, value in model.config.base_model_tp_plan.items()
+        if value in styles
+    }
     for i, layer in enumerate(model.model.layers):
         plan = {key: styles[value]() for key, value in tp_plan.items()}
         if sequence_parallel:  # torchtitan's layout: the residual stream is sharded on the sequence
-            plan.update({
-                "input_layernorm": SequenceParallel(),
-                "post_attention_layernorm": SequenceParallel(),
-                "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-            })
+            plan.update(
+                {
+                    "input_layernorm": SequenceParallel(),
+                    "post_attention_layernorm": SequenceParallel(),
+                    "self_attn": PrepareModuleInput(
+                        input_kwarg_layouts={"hidden_states": Shard(1)},
+                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    ),
+                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                    "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+                    "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+                }
+            )
             if i == 0:  # the embedding output enters the stack replicated: keep this rank's part
-                plan[""] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
+                plan[""] = PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+                )
         parallelize_module(layer, mesh, plan)
     if sequence_parallel:
-        parallelize_module(model, mesh, {
-            "model.norm": SequenceParallel(use_local_output=True),
-            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        })
+        parallelize_module(
+            model,
+            mesh,
+            {
+                "model.norm": SequenceParallel(use_local_output=True),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            },
+        )
 
 
 def _grads(model) -> dict[str, torch.Tensor]:
-    return {name: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().clone()
-            for name, p in model.named_parameters()}
+    return {
+        name: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).detach().clone()
+        for name, p in model.named_parameters()
+    }
 
 
 def _hf_worker(rank, world_size, arch: str, sequence_parallel: bool, options: dict):
@@ -130,7 +150,7 @@ def _hf_worker(rank, world_size, arch: str, sequence_parallel: bool, options: di
     grads = _grads(model)
     assert grads.keys() == eager_grads.keys()
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     deployed = []
     if "tune" in options:
         from kareus_fx.deploy.deployment import deployed_graphs
@@ -139,13 +159,16 @@ def _hf_worker(rank, world_size, arch: str, sequence_parallel: bool, options: di
     return {"halves": splits[0].halves, "outputs": splits[0].outputs, "deployed": deployed}
 
 
-@pytest.mark.parametrize("arch, sequence_parallel, kinds", [
-    ("llama", False, ("all_reduce",)),
-    ("qwen3", False, ("all_reduce",)),
-    ("llama", True, ("all_gather", "reduce_scatter")),
-], ids=["llama-tp2", "qwen3-tp2", "llama-tp2-sequence-parallel"])
-def test_hf_model_splits_without_fallback_tunes_deploys_and_matches_eager(arch, sequence_parallel, kinds,
-                                                                          tmp_path):
+@pytest.mark.parametrize(
+    "arch, sequence_parallel, kinds",
+    [
+        ("llama", False, ("all_reduce",)),
+        ("qwen3", False, ("all_reduce",)),
+        ("llama", True, ("all_gather", "reduce_scatter")),
+    ],
+    ids=["llama-tp2", "qwen3-tp2", "llama-tp2-sequence-parallel"],
+)
+def test_hf_model_splits_without_fallback_tunes_deploys_and_matches_eager(arch, sequence_parallel, kinds, tmp_path):
     """Compile-time tuning on the simulated A100 (``tune: "simulated"``): the partitions of each
     graph's collectives (sequence parallelism: its all-gathers and reduce-scatters, tuned as
     all-reduces are) get frontiers, and the plan is deployed at compile time."""
@@ -158,8 +181,9 @@ def test_hf_model_splits_without_fallback_tunes_deploys_and_matches_eager(arch, 
         assert {name for name, _ in result["deployed"]} == {"forward", "backward"}, result["deployed"]
     plan = load_plan(plan_out)
     assert plan.data["simulated"]
-    tuned = Counter((t["graph"], t["collective"]["kind"]) for t in plan.data["partition_types"].values()
-                    if t["frontier"])
+    tuned = Counter(
+        (t["graph"], t["collective"]["kind"]) for t in plan.data["partition_types"].values() if t["frontier"]
+    )
     for graph in ("forward", "backward"):
         for kind in kinds:
             assert tuned[graph, kind] >= 1, tuned
@@ -199,4 +223,4 @@ def test_hf_llama_odd_batch_splits_unevenly_on_one_process():
     assert [(s.split, s.halves) for s in splits] == [(True, (2, 1))], [s.reason for s in splits]
     torch.testing.assert_close(loss, eager_loss, **TOL)
     for name, grad in _grads(model).items():
-        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")

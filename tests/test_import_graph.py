@@ -97,8 +97,10 @@ def test_no_import_cycles() -> None:
         for component in cycles:
             edges = nx.find_cycle(graph.subgraph(component))
             shown.append(" -> ".join([edge[0] for edge in edges] + [edges[0][0]]))
-        pytest.fail("import cycles between modules (give the code both need one home that both import):\n  "
-                    + "\n  ".join(shown))
+        pytest.fail(
+            "import cycles between modules (give the code both need one home that both import):\n  "
+            + "\n  ".join(shown)
+        )
 
 
 def test_few_loose_modules_at_the_top() -> None:
@@ -112,7 +114,7 @@ def test_few_loose_modules_at_the_top() -> None:
 def test_readme_layout_table_has_one_row_per_room() -> None:
     """README "Layout": one row per package folder, none for a folder that is gone."""
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Layout"):].split("\n\n")[1]
+    table = readme[readme.index("## Layout") :].split("\n\n")[1]
     rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
     rooms = {str(folder.relative_to(ROOT)) + "/" for folder in _package_folders().values()}
     assert sorted(r for r in rows if r in rooms or r.startswith("kareus_fx/")) == sorted(rooms)

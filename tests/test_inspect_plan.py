@@ -76,7 +76,7 @@ def _png_size(src: str) -> tuple[int, int]:
 
     prefix = "data:image/png;base64,"
     assert src.startswith(prefix)
-    data = base64.b64decode(src[len(prefix):], validate=True)
+    data = base64.b64decode(src[len(prefix) :], validate=True)
     assert data.startswith(PNG_SIGNATURE)
     with Image.open(io.BytesIO(data)) as image:
         image.verify()
@@ -116,7 +116,7 @@ def test_inspect_plan_html_is_well_formed_with_frontier_and_timelines(planned, t
         width, height = _png_size(img["src"])
         assert width > 500 and height > 100
     text = out.read_text()
-    assert "src=\"http" not in text and "<script" not in text  # self-contained
+    assert 'src="http' not in text and "<script" not in text  # self-contained
     assert "Chosen configuration (max throughput)" in text and "Partition timelines" in text
 
 
@@ -174,8 +174,9 @@ def test_diff_reports_a_changed_configuration(planned, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "[max-throughput configuration]" in out
     assert f"0/forward microbatches 0-3: clock {clock} -> {clock - 30} MHz" in out
-    assert (f"0/forward microbatches 0-3 {type_id}: {clock} MHz, 8 SMs, slot 0 -> "
-            f"{clock - 30} MHz, 12 SMs, slot 0") in out
+    assert (
+        f"0/forward microbatches 0-3 {type_id}: {clock} MHz, 8 SMs, slot 0 -> {clock - 30} MHz, 12 SMs, slot 0"
+    ) in out
     assert "1/forward" not in out and "0/backward" not in out  # untouched steps are not reported
 
     assert main(["inspect", "--diff", str(planned[0]), str(tmp_path / "a.json")]) == 0

@@ -46,8 +46,11 @@ def test_a_cast_read_by_two_kernels_is_recomputed_not_stored():
     """A bf16 -> fp32 cast that two kernels read is recomputed by each from the bf16 tensor
     (Inductor inlines it), so no kernel writes or reads the fp32 copy."""
     rows, width = 64, 256
-    args = (torch.randn(rows, width, dtype=torch.bfloat16), torch.randn(rows, width, dtype=torch.bfloat16),
-            torch.randn(width, width, dtype=torch.bfloat16))
+    args = (
+        torch.randn(rows, width, dtype=torch.bfloat16),
+        torch.randn(rows, width, dtype=torch.bfloat16),
+        torch.randn(width, width, dtype=torch.bfloat16),
+    )
     gm = make_fx(_cast_read_by_two_kernels, decomposition_table=select_decomp_table())(*args)
     gpu = gpu_spec()
     analyse_graph(gm, gpu)

@@ -52,23 +52,40 @@ def test_inserted_block_is_the_first_difference_of_a_clean_insertion():
 
 
 def _kernel_node(name: str, kernel: str | None) -> dict:
-    return {"name": name, "op": f"aten.{name}", "kind": "compute", "shape": [8], "dtype": "torch.bfloat16",
-            "flops": 1.0, "bytes": 2.0, "bound": "memory", "kernel": kernel}
+    return {
+        "name": name,
+        "op": f"aten.{name}",
+        "kind": "compute",
+        "shape": [8],
+        "dtype": "torch.bfloat16",
+        "flops": 1.0,
+        "bytes": 2.0,
+        "bound": "memory",
+        "kernel": kernel,
+    }
 
 
 def test_copies_chain_a_kernel_that_spans_the_layer_boundary():
     """A layer (norm mm add) whose residual add fuses into the next layer's norm: a 3-layer
     slice extended to 5 layers runs the kernels of a 5-layer trace, one add+norm per boundary."""
+
     def layers(n: int) -> list[dict]:
         nodes = [_kernel_node("embed", "k0")]
         for i in range(n):
-            nodes += [_kernel_node("norm", f"k{2 * i}"), _kernel_node("mm", f"m{i}"),
-                      _kernel_node("add", f"k{2 * i + 2}")]
+            nodes += [
+                _kernel_node("norm", f"k{2 * i}"),
+                _kernel_node("mm", f"m{i}"),
+                _kernel_node("add", f"k{2 * i + 2}"),
+            ]
         return [*nodes, _kernel_node("head", f"k{2 * n}")]
 
     def kernels(nodes):
-        return [k.target for k in fused_kernels(OpCost(n["name"], n["op"], n["flops"], n["bytes"], n["bound"],
-                                                       n["kernel"]) for n in nodes)]
+        return [
+            k.target
+            for k in fused_kernels(
+                OpCost(n["name"], n["op"], n["flops"], n["bytes"], n["bound"], n["kernel"]) for n in nodes
+            )
+        ]
 
     two, three = ({"graphs": [{"name": "forward", "nodes": layers(n)}]} for n in (2, 3))
     five = extend_dump(two, three, 3, 5, "toy")["graphs"][0]["nodes"]
@@ -118,8 +135,9 @@ def test_six_layer_slice_gives_the_full_traces_graphs(tmp_path):
             assert _op_multiset(sp.outside) == _op_multiset(fp.outside)
             assert Counter(_kernels(sp.outside.ops)) == Counter(_kernels(fp.outside.ops))
 
-    short, long = (load_dump(next((tmp_path / "slice").glob(f"stage0-nanobatched-slice{k}/*.json")))
-                   for k in SLICE_LAYERS)
+    short, long = (
+        load_dump(next((tmp_path / "slice").glob(f"stage0-nanobatched-slice{k}/*.json"))) for k in SLICE_LAYERS
+    )
     seven = partitioned_graphs(extend_dump(short, long, SLICE_LAYERS[1], 7, "stage 0"))
     assert seven["forward"].fingerprint != sliced[0].partitioned["forward"].fingerprint
 

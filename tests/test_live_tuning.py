@@ -25,21 +25,25 @@ def _live_worker(rank, world_size, plan_out):
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = build_model("tiny-llama", ParallelLayout.from_default_group(tp=world_size), num_layers=LAYERS,
-                        dtype=torch.float32)
+    model = build_model(
+        "tiny-llama", ParallelLayout.from_default_group(tp=world_size), num_layers=LAYERS, dtype=torch.float32
+    )
     model.init_weights(seed=0)
     batches = [model.example_batch(mbs=MBS, seq=SEQ, seed=mb) for mb in range(2)]
 
     eager_losses, eager_grads = train_microbatches(model, model, batches)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"tune": "simulated", "plan_out": plan_out, "microbatches": 2,
-                                      "inductor": False})
+    compiled = torch.compile(
+        model,
+        backend="kareus",
+        fullgraph=True,
+        options={"tune": "simulated", "plan_out": plan_out, "microbatches": 2, "inductor": False},
+    )
     for _ in range(2):
         losses, grads = train_microbatches(model, compiled, batches)
         for loss, eager in zip(losses, eager_losses):
             torch.testing.assert_close(loss, eager, **TOL)
         for name, grad in grads.items():
-            torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     return [(g.name, list(g.microbatches), g.nanobatched, len(g.partitions)) for g in deployed_graphs()]
 
 
@@ -50,8 +54,19 @@ def test_tuning_the_live_graph_writes_and_deploys_a_plan(tmp_path):
     results = run_distributed(_live_worker, 2, str(plan_out), timeout_s=600)
     plan = load_plan(plan_out)
     assert plan.workload | {"layers": plan.workload["layers"]} == {
-        "model": "live-graph", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": MBS, "seq": SEQ,
-        "layers": None, "stage_layers": None, "world_size": 2, "preset": None, "dtype": "float32"}
+        "model": "live-graph",
+        "tp": 2,
+        "cp": 1,
+        "pp": 1,
+        "microbatches": 2,
+        "mbs": MBS,
+        "seq": SEQ,
+        "layers": None,
+        "stage_layers": None,
+        "world_size": 2,
+        "preset": None,
+        "dtype": "float32",
+    }
     assert plan.data["simulated"] and plan.data["partition_types"]
     point = plan.point_index("max-throughput")
     for graphs in results:
@@ -70,7 +85,10 @@ def test_live_tuning_refuses_a_pipeline_stage_and_a_missing_output(tmp_path):
     with pytest.raises(Exception, match=r"option 'tune' needs 'plan_out'"):
         compiled(torch.randn(3, 4))
     torch._dynamo.reset()
-    compiled = torch.compile(torch.nn.Linear(4, 2), backend="kareus",
-                             options={"tune": "simulated", "plan_out": str(tmp_path / "p.json"), "stage": 1})
+    compiled = torch.compile(
+        torch.nn.Linear(4, 2),
+        backend="kareus",
+        options={"tune": "simulated", "plan_out": str(tmp_path / "p.json"), "stage": 1},
+    )
     with pytest.raises(Exception, match=r"plans the live graph as one pipeline stage, but options stage=1"):
         compiled(torch.randn(3, 4))

@@ -23,8 +23,22 @@ from kareus_fx.plan.planner import PlanRequest, validate_plan_request
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.pipeline_hook import StepContext
 
-ARGV = ["--model", "tiny-llama", "--tp", "2", "--pp", "2", "--microbatches", "2", "--mbs", "2", "--seq", "1536",
-        "--layers", "2"]
+ARGV = [
+    "--model",
+    "tiny-llama",
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--microbatches",
+    "2",
+    "--mbs",
+    "2",
+    "--seq",
+    "1536",
+    "--layers",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +61,9 @@ def test_max_clock_plan_runs_every_microbatch_at_the_maximum_clock_with_a_tuned_
     assert {(p["comm_sms"], p["launch_slot"]) for p in tuned} != {(tuned[0]["comm_sms"], 0)}
     # The baselines stay the comparison; Kareus's fastest plan is no slower than nanobatching's.
     methods = data["methods"]
-    assert min(t for t, _ in methods["kareus"]["frontier"]) <= min(t for t, _ in methods["nanobatching"]["frontier"]) * (1 + 1e-6)
+    assert min(t for t, _ in methods["kareus"]["frontier"]) <= min(
+        t for t, _ in methods["nanobatching"]["frontier"]
+    ) * (1 + 1e-6)
     assert methods["megatron+perseus"]["metrics"]["max_throughput_energy_reduction"] is not None
 
 
@@ -70,8 +86,18 @@ def test_deploying_a_max_clock_plan_requests_no_clock(max_clock_plan, small_real
 
 
 def test_max_clock_only_with_a_clock_stride_is_refused(no_tracing, tmp_path, capsys):
-    request = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=1, mbs=2, seq=256, layers=1,
-                          clock_stride_mhz=60, max_clock_only=True)
+    request = PlanRequest(
+        model="tiny-llama",
+        tp=2,
+        cp=1,
+        pp=1,
+        microbatches=1,
+        mbs=2,
+        seq=256,
+        layers=1,
+        clock_stride_mhz=60,
+        max_clock_only=True,
+    )
     with pytest.raises(OptionsError, match="--max-clock-only tunes at the maximum clock only"):
         validate_plan_request(request)
     assert cli.main(["plan", *ARGV, "--max-clock-only", "--clock-stride", "60", "--out", str(tmp_path)]) == 2

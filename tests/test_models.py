@@ -11,6 +11,7 @@ and backward compilers that keep the aten graphs for inspection; it also counts 
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections import Counter
@@ -18,8 +19,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_distributed
+
 from kareus_fx.errors import ParallelConfigError
 from kareus_fx.models import ParallelLayout, UnknownModelError, build_model, get_config, model_names
 
@@ -52,9 +53,7 @@ class RecordingBackend:
 
             return compiler
 
-        return aot_eager(
-            gm, example_inputs, fw_compiler=keep(self.forward), bw_compiler=keep(self.backward)
-        )
+        return aot_eager(gm, example_inputs, fw_compiler=keep(self.forward), bw_compiler=keep(self.backward))
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -92,14 +91,10 @@ def expected_grads(full, sharded) -> dict[str, torch.Tensor]:
 def assert_grads_match(full, sharded, what: str) -> None:
     expected = expected_grads(full, sharded)
     for name, p in sharded.named_parameters():
-        torch.testing.assert_close(
-            p.grad, expected[name], **TOL, msg=lambda m: f"{what} {name}: {m}"
-        )
+        torch.testing.assert_close(p.grad, expected[name], **TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
-def _reference_and_sharded(
-    name: str, tp: int, cp: int, attention: str = "kareus", mbs: int = 2, seq: int = 16
-):
+def _reference_and_sharded(name: str, tp: int, cp: int, attention: str = "kareus", mbs: int = 2, seq: int = 16):
     """Seeded unsharded model with SDPA attention (with grads of one step) and its shard on a
     (tp, cp) layout with ``attention``."""
     torch.manual_seed(0)
@@ -156,8 +151,7 @@ def _compiled_worker(rank, world_size, name, tp, cp):
     (fw,), (bw,) = backend.forward, backend.backward
     gathers = [n for n in fw.graph.nodes if n.target is ALL_GATHER]
     between = [  # call_function nodes between consecutive all-gathers of the forward graph
-        [n.target for n in _nodes_between(a, b) if n.op == "call_function"]
-        for a, b in zip(gathers, gathers[1:])
+        [n.target for n in _nodes_between(a, b) if n.op == "call_function"] for a, b in itertools.pairwise(gathers)
     ]
     return {
         "dynamo_graphs": len(backend.dynamo_graphs),
@@ -204,12 +198,8 @@ def test_cp2_compiled_collectives():
     layers = get_config("tiny-llama").num_layers
     for r in results:
         assert r["dynamo_graphs"] == 1
-        assert per_owner(r["forward"]) == Counter(
-            {("all_gather", f"layer{i}"): 2 for i in range(layers)}
-        )
-        assert per_owner(r["backward"]) == Counter(
-            {("reduce_scatter", f"layer{i}"): 2 for i in range(layers)}
-        )
+        assert per_owner(r["forward"]) == Counter({("all_gather", f"layer{i}"): 2 for i in range(layers)})
+        assert per_owner(r["backward"]) == Counter({("reduce_scatter", f"layer{i}"): 2 for i in range(layers)})
         # K's and V's all-gathers of one layer have only K's wait between them
         assert r["between_gathers"][0::2] == [[str(WAIT)]] * layers
 
@@ -255,9 +245,7 @@ def _assert_dtensor_grads_match(full, sharded, what: str) -> None:
     expected = dict(full.named_parameters())
     for name, p in sharded.named_parameters():
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        torch.testing.assert_close(
-            grad, expected[name].grad, **TOL, msg=lambda m: f"{what} {name}: {m}"
-        )
+        torch.testing.assert_close(grad, expected[name].grad, **TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
 def test_dtensor_model_matches_unsharded_and_compiles():
@@ -281,7 +269,7 @@ def test_tp_must_divide_heads():
     with pytest.raises(ParallelConfigError, match=r"tp=3 does not divide 16 attention heads"):
         get_config("qwen3-1.7b").check_parallel(tp=3, cp=2)  # checked before building anything
     get_config("qwen3-1.7b").check_parallel(tp=8, cp=2)
-    with pytest.raises(ParallelConfigError, match="tp=3 does not divide 8 KV heads of llama3.2-3b"):
+    with pytest.raises(ParallelConfigError, match=r"tp=3 does not divide 8 KV heads of llama3.2-3b"):
         with torch.device("meta"):
             build_model("llama3.2-3b", ParallelLayout(tp=3), num_layers=1)
 

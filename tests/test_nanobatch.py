@@ -58,6 +58,7 @@ class Capture:
         def compiler(gm, example_inputs):
             store.append(gm)
             return make_boxed_func(gm.forward)
+
         return compiler
 
     def __call__(self, gm, example_inputs):
@@ -65,8 +66,7 @@ class Capture:
             result = split_nanobatches(gm, example_inputs, **self.split_kwargs)
             self.results.append(result)
             gm = result.gm
-        return aot_autograd(fw_compiler=self._keep(self.fw), bw_compiler=self._keep(self.bw))(
-            gm, example_inputs)
+        return aot_autograd(fw_compiler=self._keep(self.fw), bw_compiler=self._keep(self.bw))(gm, example_inputs)
 
     @property
     def result(self):
@@ -86,8 +86,13 @@ def run_eager_and_compiled(model, inputs, backend, *, seed=0):
         loss = fn(*inputs)
         loss.backward()
         grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        grads.update({f"input{i}": torch.ops._c10d_functional.wait_tensor(x.grad).clone()
-                      for i, x in enumerate(inputs) if x.requires_grad})
+        grads.update(
+            {
+                f"input{i}": torch.ops._c10d_functional.wait_tensor(x.grad).clone()
+                for i, x in enumerate(inputs)
+                if x.requires_grad
+            }
+        )
         return loss.detach(), grads
 
     ref = run(model)
@@ -190,10 +195,19 @@ def attention_inputs(b=4, t=6, vocab=40, seed=0):
 
 
 def forward_compute_counts(gm) -> Counter:
-    compute = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.embedding.default,
-               aten._scaled_dot_product_flash_attention_for_cpu.default,
-               aten._log_softmax.default, aten.nll_loss_forward.default, aten.gelu.default,
-               aten.silu.default, aten.tanh.default, aten.rsqrt.default}
+    compute = {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.embedding.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._log_softmax.default,
+        aten.nll_loss_forward.default,
+        aten.gelu.default,
+        aten.silu.default,
+        aten.tanh.default,
+        aten.rsqrt.default,
+    }
     return Counter(n.target for n in gm.graph.nodes if n.target in compute)
 
 
@@ -218,7 +232,8 @@ def test_mlp_splits_and_matches_eager():
     plain = Capture(split=False)
     run_eager_and_compiled(model, inputs, plain)
     assert forward_compute_counts(backend.fw[0]) == Counter(
-        {k: 2 * v for k, v in forward_compute_counts(plain.fw[0]).items()})
+        {k: 2 * v for k, v in forward_compute_counts(plain.fw[0]).items()}
+    )
 
 
 def test_attention_block_splits_batch_inputs_and_matches_eager():
@@ -261,8 +276,7 @@ class WeightedCE(nn.Module):
 
     def forward(self, ids, labels):
         logits = self.head(self.emb(ids)).flatten(0, 1)
-        return F.cross_entropy(logits, labels.flatten(), weight=self.class_weight,
-                               label_smoothing=0.1)
+        return F.cross_entropy(logits, labels.flatten(), weight=self.class_weight, label_smoothing=0.1)
 
 
 def test_cross_entropy_weights_smoothing_and_an_all_ignored_nanobatch():
@@ -318,12 +332,12 @@ class MaskMadeInGraph(nn.Module):
     def forward(self, x, lengths):
         b, t, d = x.shape
         ones = torch.ones(b, t, dtype=torch.long)
-        positions = ones.cumsum(-1) - 1                            # (b, t), made in the graph
-        keep = torch.arange(t)[None, :] < lengths[:, None]         # (b, t) from a batch input
-        bias = torch.zeros(1, t, d).expand(b, -1, -1)              # shared, batch-sized
+        positions = ones.cumsum(-1) - 1  # (b, t), made in the graph
+        keep = torch.arange(t)[None, :] < lengths[:, None]  # (b, t) from a batch input
+        bias = torch.zeros(1, t, d).expand(b, -1, -1)  # shared, batch-sized
         h = self.lin(x.reshape(-1, d)).unflatten(0, (b, t)) + self.pos(positions) + bias
         h = h.masked_fill(~keep[..., None], 0.0)
-        per_row = h.view(b, -1).pow(2).sum(-1)                     # (b,)
+        per_row = h.view(b, -1).pow(2).sum(-1)  # (b,)
         return per_row.sum() / keep.sum()
 
 
@@ -385,14 +399,20 @@ _TABLE = torch.randn(10, 8, generator=_SMALL_INPUTS)
 _B, _T, _D = 5, 3, 8
 _SMALL = {
     # name: (function of x (B, T, D) and w (D, D), expected to split)
-    "t_major_reshape": (lambda x, w: (x.transpose(0, 1).reshape(_T * _B, _D) @ w)
-                        .reshape(_T, _B, _D).transpose(0, 1).pow(2).sum(), True),
+    "t_major_reshape": (
+        lambda x, w: (x.transpose(0, 1).reshape(_T * _B, _D) @ w).reshape(_T, _B, _D).transpose(0, 1).pow(2).sum(),
+        True,
+    ),
     "batched_matmul": (lambda x, w: (x @ w @ x.transpose(-1, -2)).sum(), True),
     "topk_values": (lambda x, w: (x @ w).topk(2, dim=-1).values.sum(), True),
-    "stack_and_expand": (lambda x, w: torch.stack([x @ w, x], 1).unsqueeze(0)
-                         .expand(3, -1, -1, -1, -1).sum(0).pow(2).sum(), True),
-    "shared_batch_sized_operand": (lambda x, w: ((x @ w) * torch.arange(_B * _T * _D).float()
-                                                 .view(_B, _T, _D).sin()).sum(), True),
+    "stack_and_expand": (
+        lambda x, w: torch.stack([x @ w, x], 1).unsqueeze(0).expand(3, -1, -1, -1, -1).sum(0).pow(2).sum(),
+        True,
+    ),
+    "shared_batch_sized_operand": (
+        lambda x, w: ((x @ w) * torch.arange(_B * _T * _D).float().view(_B, _T, _D).sin()).sum(),
+        True,
+    ),
     "where_with_made_zeros": (lambda x, w: torch.where(x > 0, x @ w, torch.zeros(_B, _T, _D)).sum(), True),
     "new_zeros": (lambda x, w: ((x @ w) + x.new_zeros(_B, _T, 1)).sum(), True),
     "table_lookup": (lambda x, w: (_TABLE[(x.abs() * 3).long().clamp(max=9)[..., 0]] @ w).pow(2).sum(), True),
@@ -407,18 +427,28 @@ _SMALL = {
     "gram_over_batch": (lambda x, w: (x.reshape(_B * _T, _D).t() @ (x @ w).reshape(_B * _T, _D)).sum(), False),
     "chunk_of_batch": (lambda x, w: (x @ w).chunk(2)[0].sum(), False),
     # advanced indexing (HF's mask builder): batch arange on the batch dim, shared elsewhere
-    "index_by_batch_arange": (lambda x, w: (x[torch.arange(_B)[:, None], torch.arange(_T).flip(0)[None, :]]
-                                            @ w).pow(2).sum(), True),
-    "hf_padding_mask_lookup": (lambda x, w: ((x @ w).sum(-1)[:, None, None, :]
-                                             * (x[..., 0] > 0)[torch.arange(_B)[:, None, None, None] + 0,
-                                                               torch.arange(_T)[None, None, None, :]]).sum(), True),
+    "index_by_batch_arange": (
+        lambda x, w: (x[torch.arange(_B)[:, None], torch.arange(_T).flip(0)[None, :]] @ w).pow(2).sum(),
+        True,
+    ),
+    "hf_padding_mask_lookup": (
+        lambda x, w: (
+            (x @ w).sum(-1)[:, None, None, :]
+            * (x[..., 0] > 0)[torch.arange(_B)[:, None, None, None] + 0, torch.arange(_T)[None, None, None, :]]
+        ).sum(),
+        True,
+    ),
     "shared_index_off_the_batch_dim": (lambda x, w: (x @ w)[:, torch.tensor([2, 0])].pow(2).sum(), True),
     "index_by_reversed_batch": (lambda x, w: (x[torch.arange(_B).flip(0)] @ w * x).sum(), False),
     "index_by_shifted_batch_arange": (lambda x, w: (x[(torch.arange(_B) + 1) % _B] @ w * x).sum(), False),
     "batch_arange_with_a_partner_varying_over_it": (
-        lambda x, w: (x[torch.arange(_B)[:, None], torch.arange(_B)[:, None] % _T] @ w).sum(), False),
-    "one_batch_arange_on_two_dims": (lambda x, w: (x @ w).sum(-1)[:, :1].expand(_B, _B)[
-        torch.arange(_B), torch.arange(_B)].pow(2).sum(), False),
+        lambda x, w: (x[torch.arange(_B)[:, None], torch.arange(_B)[:, None] % _T] @ w).sum(),
+        False,
+    ),
+    "one_batch_arange_on_two_dims": (
+        lambda x, w: (x @ w).sum(-1)[:, :1].expand(_B, _B)[torch.arange(_B), torch.arange(_B)].pow(2).sum(),
+        False,
+    ),
     # a cache built in the graph: an empty shared tensor concatenated with batch tensors
     "cat_onto_empty_cache": (lambda x, w: torch.cat([torch.tensor([]), x @ w], dim=-2).pow(2).sum(), True),
     "cat_shifts_the_batch": (lambda x, w: (torch.cat([torch.zeros(1, _T, _D), x @ w], 0)[:_B] * x).sum(), False),
@@ -520,7 +550,7 @@ def test_dropout_splits_when_rng_allowed_or_inactive():
 def test_batch_of_one_falls_back():
     torch.manual_seed(0)
     model = MLP()
-    ref, got, backend = _expect_fallback(model, (torch.randn(1, 16), torch.randn(1, 16)), "batch of 1")
+    ref, got, _backend = _expect_fallback(model, (torch.randn(1, 16), torch.randn(1, 16)), "batch of 1")
     assert_same(ref, got)
 
 
@@ -599,8 +629,9 @@ def _node_metadata(gm, bodies):
             value = node.meta.get("example_value")
             leaves = value if isinstance(value, (tuple, list)) else (value,)
             out[f"{prefix}:{node.name}"] = tuple(
-                (tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad)
-                if isinstance(v, torch.Tensor) else v for v in leaves)
+                (tuple(v.shape), v.stride(), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else v
+                for v in leaves
+            )
     return out
 
 
@@ -633,7 +664,7 @@ def test_verify_checks_a_node_the_memo_answers(monkeypatch):
 
     def corrupt(gm, expected, bodies):
         node = [n for n in gm.graph.nodes if op_name(n) == "linear" and n.meta[NANOBATCH_META] == 1][-1]
-        value, info, half = expected[node]
+        _value, info, half = expected[node]
         expected[node] = (torch.empty(4, 5, 3), info, half)
 
     torch.manual_seed(0)
@@ -651,7 +682,7 @@ def test_verify_checks_the_bodies_of_a_repeated_function(monkeypatch):
         hop = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.autograd_function_apply][-1]
         fwd_body = bodies[hop][0]
         node = next(n for n in fwd_body.graph.nodes if op_name(n) == "mul")
-        value, info, half = expected[node]
+        _value, info, half = expected[node]
         expected[node] = (torch.empty(4, 5, 3), info, half)
 
     torch.manual_seed(0)
@@ -756,8 +787,7 @@ def test_funcol_in_autograd_function_splits_into_two_collectives(gloo_group):
     assert _count(plain.fw[0], all_reduce) == 2
     assert _count(backend.fw[0], all_reduce) == 2 * _count(plain.fw[0], all_reduce)
     assert _count(backend.bw[0], all_reduce) == 2 * _count(plain.bw[0], all_reduce)
-    hops = [n for n in backend.result.gm.graph.nodes
-            if n.target is torch.ops.higher_order.autograd_function_apply]
+    hops = [n for n in backend.result.gm.graph.nodes if n.target is torch.ops.higher_order.autograd_function_apply]
     assert sorted(n.meta[NANOBATCH_META] for n in hops) == [0, 0, 0, 1, 1, 1]
 
 
@@ -791,7 +821,7 @@ def test_issue_order_interleaves_collectives(gloo_group):
         out = torch.compile(fn, backend=backend, dynamic=False)(x)
         torch.testing.assert_close(out, fn(x), rtol=RTOL, atol=ATOL)
     gm = backend.result.gm
-    nodes = [n for n in gm.graph.nodes]
+    nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     colls = [n for n in nodes if op_name(n) == "c10d.all_reduce"]
     linears = [n for n in nodes if op_name(n) == "linear"]
@@ -862,8 +892,7 @@ def test_labels_of_aten_forward_and_backward():
 
 
 def _depends_on_batch(n, gm, labels):
-    return labels.get(n.name) is not None or any(
-        labels.get(a.name) is not None for a in n.all_input_nodes)
+    return labels.get(n.name) is not None or any(labels.get(a.name) is not None for a in n.all_input_nodes)
 
 
 def _descendants_of_both(gm, labels):
@@ -959,7 +988,7 @@ def test_reshape_mixing_batch_is_refused():
     with pytest.raises(Unsupported):
         _reshape_batch(_An(), None, (4, 5, 6), BatchDim(0), (2, 2, 30))  # batch cut in two dims
     with pytest.raises(Unsupported):
-        _reshape_batch(_An(), None, (4, 6), BatchDim(0), (2, 12))      # halves of the batch merged
+        _reshape_batch(_An(), None, (4, 6), BatchDim(0), (2, 12))  # halves of the batch merged
 
 
 def test_odd_batch_half_sizes_are_ceil_then_floor():
@@ -1000,8 +1029,10 @@ def _reference_split_worker(rank, world_size):
             model.zero_grad(set_to_none=True)
             loss = fn(**batch)
             loss.backward()
-            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                     for n, p in model.named_parameters()}
+            grads = {
+                n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                for n, p in model.named_parameters()
+            }
             runs.append((loss.detach(), grads))
         assert_same(*runs)
         report[kind] = (backend.result.split, backend.result.reason)

@@ -57,8 +57,14 @@ def test_an_argument_without_a_json_form_gives_no_encoding():
     assert encode_arguments(x) is None
 
 
-@pytest.mark.parametrize("bad", [{"args": "x", "kwargs": {}}, {"args": [{"what": 1}], "kwargs": {}},
-                                 {"args": [{"dtype": "not_a_dtype"}], "kwargs": {}}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"args": "x", "kwargs": {}},
+        {"args": [{"what": 1}], "kwargs": {}},
+        {"args": [{"dtype": "not_a_dtype"}], "kwargs": {}},
+    ],
+)
 def test_a_malformed_encoding_is_a_value_error(bad):
     with pytest.raises(ValueError):
         decode_arguments(bad, lambda name: None, torch.device("cpu"))

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_distributed
+
 from kareus_fx.models import ParallelLayout, build_model
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -60,7 +60,9 @@ def _reference_model_worker(rank, world_size, name, tp, cp, options, dump_root):
     (eager_loss, eager_grads), (loss, grads) = _eager_then_compiled(model, batch, {**options, "dump_dir": dump_dir})
     torch.testing.assert_close(loss, eager_loss, **TOL)
     for param_name, grad in grads.items():
-        torch.testing.assert_close(grad, eager_grads[param_name], **TOL, msg=lambda m: f"{param_name}: {m}")
+        torch.testing.assert_close(
+            grad, eager_grads[param_name], **TOL, msg=lambda m, param_name=param_name: f"{param_name}: {m}"
+        )
     return _collective_counts(dump_dir)
 
 
@@ -68,14 +70,19 @@ OP_BY_OP = {"inductor": False}
 
 
 @pytest.mark.parametrize("options", [{"nanobatch": False}, {}], ids=["sequential", "nanobatched"])
-@pytest.mark.parametrize("name, codegen", [
-    ("tiny-llama", {}),
-    ("tiny-qwen", OP_BY_OP),
-    pytest.param("tiny-qwen", {}, marks=pytest.mark.slow, id="tiny-qwen-inductor"),
-], ids=["tiny-llama", "tiny-qwen", "tiny-qwen-inductor"])
+@pytest.mark.parametrize(
+    "name, codegen",
+    [
+        ("tiny-llama", {}),
+        ("tiny-qwen", OP_BY_OP),
+        pytest.param("tiny-qwen", {}, marks=pytest.mark.slow, id="tiny-qwen-inductor"),
+    ],
+    ids=["tiny-llama", "tiny-qwen", "tiny-qwen-inductor"],
+)
 def test_tp2_reference_model_matches_eager(name, codegen, options, tmp_path):
-    counts = run_distributed(_reference_model_worker, 2, name, 2, 1, {**options, **codegen}, str(tmp_path),
-                             timeout_s=600)
+    counts = run_distributed(
+        _reference_model_worker, 2, name, 2, 1, {**options, **codegen}, str(tmp_path), timeout_s=600
+    )
     copies = 1 if options.get("nanobatch", True) is False else 2  # two nanobatches: twice the collectives
     layers = 2
     for rank_counts in counts:
@@ -109,7 +116,7 @@ def _dtensor_worker(rank, world_size, options):
         full = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
         eager = eager_grads[param_name]
         eager = eager.full_tensor() if hasattr(eager, "full_tensor") else eager
-        torch.testing.assert_close(full, eager, **TOL, msg=lambda m: f"{param_name}: {m}")
+        torch.testing.assert_close(full, eager, **TOL, msg=lambda m, param_name=param_name: f"{param_name}: {m}")
 
 
 @pytest.mark.parametrize("options", [{"nanobatch": False}, {}], ids=["sequential", "nanobatched"])

@@ -49,7 +49,7 @@ def _check_issue_order(graph):
         if node["kind"] != "wait":
             continue
         first_use = min(users[node["name"]])
-        between = graph["nodes"][i + 1:first_use]
+        between = graph["nodes"][i + 1 : first_use]
         assert all(n["kind"] == "other" for n in between), (node["name"], [n["name"] for n in between])
 
 

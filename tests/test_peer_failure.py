@@ -31,7 +31,7 @@ from conftest import train_microbatches
 from dist_harness import PRELOAD, _free_port
 from test_codegen import _scheduled_plan
 
-WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=2, mbs=2, seq=256, layers=1)
+WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": 2, "seq": 256, "layers": 1}
 TIMEOUT_S = 20.0
 DEFAULT_MHZ = 1410
 
@@ -50,7 +50,7 @@ def _rank(rank: int, port: int, plan_path: str, tmp: str, sys_path: list[str], e
     """One rank (module docstring); reports (rank, event, value) on ``events``; never returns normally."""
     sys.path.extend(p for p in sys_path if p not in sys.path)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    stacks = open(os.path.join(tmp, f"rank{rank}_stacks.txt"), "w")  # noqa: SIM115 - lives as long as the rank
+    stacks = open(os.path.join(tmp, f"rank{rank}_stacks.txt"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         import torch.distributed as dist
@@ -64,16 +64,26 @@ def _rank(rank: int, port: int, plan_path: str, tmp: str, sys_path: list[str], e
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         torch.manual_seed(0)
         torch._dynamo.reset()
-        model = build_model(WORKLOAD["model"], ParallelLayout.from_default_group(tp=2, cp=1),
-                            num_layers=WORKLOAD["layers"], dtype=torch.float32)
+        model = build_model(
+            WORKLOAD["model"],
+            ParallelLayout.from_default_group(tp=2, cp=1),
+            num_layers=WORKLOAD["layers"],
+            dtype=torch.float32,
+        )
         model.init_weights(seed=0)
         batches = [model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb) for mb in range(2)]
         state_path = os.path.join(tmp, f"clock{rank}.json")
-        controller = FrequencyController.open("simulated", default_clock_mhz=DEFAULT_MHZ, state_path=state_path,
-                                              lock_dir=os.path.join(tmp, "locks"), handle_sigterm=False)
+        controller = FrequencyController.open(
+            "simulated",
+            default_clock_mhz=DEFAULT_MHZ,
+            state_path=state_path,
+            lock_dir=os.path.join(tmp, "locks"),
+            handle_sigterm=False,
+        )
         prepare_collectives(plan_path, "max-throughput", [dist.group.WORLD], timeout_s=TIMEOUT_S)
-        compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                                 options={"plan": plan_path, "clock_controller": controller})
+        compiled = torch.compile(
+            model, backend="kareus", fullgraph=True, options={"plan": plan_path, "clock_controller": controller}
+        )
         train_microbatches(model, compiled, batches)
         events.put((rank, "stepped", os.getpid()))
         if rank == 1:
@@ -115,8 +125,12 @@ def test_killing_one_rank_makes_the_other_raise_within_the_timeout_with_its_cloc
     ctx.set_forkserver_preload(PRELOAD)
     events, go = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(plan_path), str(tmp_path), list(sys.path), events, go),
-                         daemon=True) for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_rank, args=(r, port, str(plan_path), str(tmp_path), list(sys.path), events, go), daemon=True
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:
@@ -129,10 +143,12 @@ def test_killing_one_rank_makes_the_other_raise_within_the_timeout_with_its_cloc
         killed_unix_s = time.time()
         try:
             rank, (failed_unix_s, message, locked, state_pid) = _expect(events, "failed", TIMEOUT_S + 30)
-        except AssertionError:
+        except AssertionError as err:
             os.kill(pids[0], signal.SIGUSR1)
             time.sleep(1)
-            raise AssertionError(f"rank 0 did not fail; its threads:\n{(tmp_path / 'rank0_stacks.txt').read_text()}")
+            raise AssertionError(
+                f"rank 0 did not fail; its threads:\n{(tmp_path / 'rank0_stacks.txt').read_text()}"
+            ) from err
     finally:
         for p in procs:
             p.join(timeout=10)

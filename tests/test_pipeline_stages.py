@@ -53,7 +53,10 @@ def test_explicit_layer_counts_split_in_order_and_bad_counts_are_refused():
     assert ranges == [range(0, 16), range(16, 28)]
     assert group_stages(28, 2, (16, 12)) == [StageGroup("first", 16, (0,)), StageGroup("last", 12, (1,))]
     assert group_stages(30, 4, (8, 8, 8, 6)) == [
-        StageGroup("first", 8, (0,)), StageGroup("middle", 8, (1, 2)), StageGroup("last", 6, (3,))]
+        StageGroup("first", 8, (0,)),
+        StageGroup("middle", 8, (1, 2)),
+        StageGroup("last", 6, (3,)),
+    ]
     with pytest.raises(ParallelConfigError, match=r"add up to the model's 28 layers; e.g. \[14, 14\]"):
         stage_layer_range(28, 2, 0, (16, 13))
     with pytest.raises(ParallelConfigError, match="must each be >= 1"):
@@ -231,7 +234,9 @@ def _split_matches_whole_worker(rank, world_size, name, pp, num_layers, counts=N
             got[full_name] = got[full_name] + param.grad if full_name in got else param.grad
     assert set(got) == set(expected)
     for full_name, grad in got.items():
-        torch.testing.assert_close(grad, expected[full_name], **TOL, msg=lambda m: f"{full_name}: {m}")
+        torch.testing.assert_close(
+            grad, expected[full_name], **TOL, msg=lambda m, full_name=full_name: f"{full_name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("pp,num_layers,counts", [(2, 2, None), (3, 4, None), (3, 5, (1, 3, 1))])
@@ -268,7 +273,7 @@ def _compiled_stage_worker(rank, world_size, index, dump_dir):
         out, grads = _stage_step(model, batch, output_grad, compiled)
     torch.testing.assert_close(out, eager_out, **TOL)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     (path,) = Path(dump_dir).glob(f"kareus_graph_*_rank{dist.get_rank()}.json")
     forward = json.loads(path.read_text())["graphs"][0]
     kinds = Counter(n["collective"]["kind"] for n in forward["nodes"] if n["kind"] == "collective")
@@ -292,10 +297,9 @@ def test_compiled_stage_matches_eager_tp2(index, tmp_path):
 
 def _partition_types(tmp_path, spec: TraceSpec) -> dict[str, dict[str, int]]:
     """{graph name: {partition type id: count}} of ``spec``'s traced stage (nanobatched)."""
-    from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
-
     from kareus_fx.capture.dump import load_dump, partition_types_from_dump
     from kareus_fx.capture.tracing import trace_full_size
+    from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
 
     dump_dir = tmp_path / f"pp{spec.pp}-stage{spec.stage}-layers{spec.layers}"
     with warnings.catch_warnings():

@@ -23,17 +23,39 @@ RTOL = 1e-6
     [
         (["--preset", "qwen3-1.7b-tp9"], "unknown preset 'qwen3-1.7b-tp9'; did you mean"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--gpu", "V100"], "unknown GPU"),
-        (["--model", "qwen3-1.7b", "--tp", "3", "--mbs", "8", "--seq", "4096"], "tp=3 does not divide 16 attention heads"),
-        (["--model", "llama3.2-3b", "--tp", "8", "--pp", "4", "--microbatches", "2", "--mbs", "8", "--seq", "4096"],
-         "2 microbatches cannot fill a 4-stage 1F1B pipeline"),
-        (["--model", "llama3.2-3b", "--tp", "8", "--pp", "40", "--microbatches", "64", "--mbs", "8", "--seq", "4096"],
-         "pp=40 pipeline stages need at least 40 decoder layers"),
+        (
+            ["--model", "qwen3-1.7b", "--tp", "3", "--mbs", "8", "--seq", "4096"],
+            "tp=3 does not divide 16 attention heads",
+        ),
+        (
+            ["--model", "llama3.2-3b", "--tp", "8", "--pp", "4", "--microbatches", "2", "--mbs", "8", "--seq", "4096"],
+            "2 microbatches cannot fill a 4-stage 1F1B pipeline",
+        ),
+        (
+            [
+                "--model",
+                "llama3.2-3b",
+                "--tp",
+                "8",
+                "--pp",
+                "40",
+                "--microbatches",
+                "64",
+                "--mbs",
+                "8",
+                "--seq",
+                "4096",
+            ],
+            "pp=40 pipeline stages need at least 40 decoder layers",
+        ),
         (["--model", "llama3.2-3b", "--mbs", "8"], "--model needs --seq"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cuda"], "on-device"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--nproc", "8"], "--nproc starts the processes of a distributed"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--peer-timeout", "5"], "--peer-timeout applies to"),
-        (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cpu-replay", "--workers", "2"],
-         "cpu-replay measures with its process groups"),
+        (
+            ["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cpu-replay", "--workers", "2"],
+            "cpu-replay measures with its process groups",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_tracing(no_tracing, monkeypatch, tmp_path, capsys, argv, message):
@@ -46,17 +68,33 @@ def test_bad_input_is_refused_before_tracing(no_tracing, monkeypatch, tmp_path, 
 
 def _dominates(front, other) -> bool:
     """Every point of ``other`` is matched by a point of ``front`` no slower and no costlier."""
-    return all(
-        any(t <= ot * (1 + RTOL) and e <= oe * (1 + RTOL) for t, e in front) for ot, oe in other
-    )
+    return all(any(t <= ot * (1 + RTOL) and e <= oe * (1 + RTOL) for t, e in front) for ot, oe in other)
 
 
 @pytest.fixture(scope="module")
 def small_plan(tmp_path_factory):
     """A real plan: Llama-3.2-3B's shapes at TP8 with 2 layers over 2 pipeline stages."""
     out = tmp_path_factory.mktemp("plan")
-    argv = ["plan", "--model", "llama3.2-3b", "--tp", "8", "--pp", "2", "--microbatches", "4", "--mbs", "4",
-            "--seq", "2048", "--layers", "2", "--out", str(out), "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "llama3.2-3b",
+        "--tp",
+        "8",
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--mbs",
+        "4",
+        "--seq",
+        "2048",
+        "--layers",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+    ]
     assert cli.main(argv) == 0
     return out
 
@@ -65,8 +103,13 @@ def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
     plan = load_plan(small_plan / "plan.json")
     assert plan.workload["pp"] == 2 and plan.workload["world_size"] == 16
     assert plan.workload["stage_layers"] == [1, 1]  # a --model request: Megatron-LM's even split
-    assert set(plan.data["methods"]) == {"megatron", "megatron+perseus", "nanobatching",
-                                         "nanobatching+perseus", "kareus"}
+    assert set(plan.data["methods"]) == {
+        "megatron",
+        "megatron+perseus",
+        "nanobatching",
+        "nanobatching+perseus",
+        "kareus",
+    }
     with open(small_plan / "frontier.csv") as f:
         rows = list(csv.DictReader(f))
     assert {r["method"] for r in rows} == set(plan.data["methods"])
@@ -96,8 +139,9 @@ def test_small_plan_reports_what_its_profiling_costs_on_the_device(small_plan):
     types = load_plan(small_plan / "plan.json").data["partition_types"]
     default_sms = gpu_params("A100-SXM4-40GB").params.default_comm_sms
     with sqlite3.connect(small_plan / "work" / "profile.sqlite") as conn:
-        nanobatching_configs = conn.execute("SELECT COUNT(*) FROM measurements WHERE comm_sms = ? AND launch_slot = 0",
-                                            (default_sms,)).fetchone()[0]
+        nanobatching_configs = conn.execute(
+            "SELECT COUNT(*) FROM measurements WHERE comm_sms = ? AND launch_slot = 0", (default_sms,)
+        ).fetchone()[0]
     assert nanobatching_configs == 18 * len(types)
     assert split["sequences"] == sequences and split["tuning"] + split["nanobatching"] == stored
     assert 0 < split["nanobatching"] <= 18 * len(types) and split["tuning"] >= stored - 18 * len(types)
@@ -141,8 +185,9 @@ def test_small_plan_frontier_points_replay_from_their_choices(small_plan):
     w = plan.workload
     dag = build_1f1b_dag(w["pp"], w["microbatches"])
     for index, point in enumerate(plan.frontier):
-        durations = {node: plan.option(index, node.stage, node.instruction, node.microbatch)["time_s"]
-                     for node in dag.nodes}
+        durations = {
+            node: plan.option(index, node.stage, node.instruction, node.microbatch)["time_s"] for node in dag.nodes
+        }
         assert makespan_s(dag, durations) == pytest.approx(point["time_s"], rel=1e-9)
 
 
@@ -154,8 +199,11 @@ def test_qwen_preset_json_reports_the_four_methods(tmp_path, capsys):
     methods = result["methods"]
     for name in ("megatron", "megatron+perseus", "nanobatching+perseus", "kareus"):
         assert methods[name]["frontier"] and set(methods[name]["metrics"]) == {
-            "max_throughput_time_reduction", "max_throughput_energy_reduction",
-            "iso_time_energy_reduction", "iso_energy_time_reduction"}
+            "max_throughput_time_reduction",
+            "max_throughput_energy_reduction",
+            "iso_time_energy_reduction",
+            "iso_energy_time_reduction",
+        }
     assert _dominates(methods["kareus"]["frontier"], methods["megatron+perseus"]["frontier"])
     assert _dominates(methods["kareus"]["frontier"], methods["nanobatching+perseus"]["frontier"])
     assert result["wall_s"] > 0

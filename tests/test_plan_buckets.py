@@ -22,7 +22,7 @@ from eager_parity import assert_matches_eager, eager_reference, mark_sequence_dy
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, load_plan, validate_plan, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-WORKLOAD = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=1, mbs=2, layers=2)
+WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 1, "mbs": 2, "layers": 2}
 BUCKET_CLOCKS_MHZ = {128: 1200, 256: 990}
 
 
@@ -43,9 +43,12 @@ def _with_bucket_clocks(data):
         for name in ("forward", "backward"):
             key = instruction_key(0, name)
             types = sorted(set(bucket["stages"][0]["graphs"][name]["partition_types"].values()))
-            option = {**bucket["microbatch_options"][key][0], "clock_mhz": BUCKET_CLOCKS_MHZ[bucket["seq"]],
-                      "sequential": False,
-                      "configs": {tid: {"comm_sms": 4, "launch_slot": None} for tid in types}}
+            option = {
+                **bucket["microbatch_options"][key][0],
+                "clock_mhz": BUCKET_CLOCKS_MHZ[bucket["seq"]],
+                "sequential": False,
+                "configs": {tid: {"comm_sms": 4, "launch_slot": None} for tid in types},
+            }
             bucket["microbatch_options"][key] = [option]
             for point in bucket["iteration_frontier"]:
                 point["choices"][key] = [0]
@@ -62,8 +65,10 @@ def test_bucketed_plan_holds_a_frontier_per_bucket_and_old_plans_still_load(buck
     assert plan.bucket_for(1) == 128 and plan.bucket_for(129) == 256 and plan.bucket_for(257) is None
     small = plan.bucket(128)
     assert small.workload["seq"] == 128 and small.frontier
-    assert small.data["stages"][0]["graphs"]["forward"]["fingerprint"] != \
-        plan.data["stages"][0]["graphs"]["forward"]["fingerprint"]
+    assert (
+        small.data["stages"][0]["graphs"]["forward"]["fingerprint"]
+        != plan.data["stages"][0]["graphs"]["forward"]["fingerprint"]
+    )
     capsys.readouterr()
     main(["inspect", str(tmp_path / "plan.json")])
     out = capsys.readouterr().out
@@ -92,12 +97,17 @@ def _deployed_model(plan_path):
 
     torch.manual_seed(0)
     torch._dynamo.reset()
-    model = build_model(WORKLOAD["model"], ParallelLayout.from_default_group(tp=2, cp=1),
-                        num_layers=WORKLOAD["layers"], dtype=torch.float32)
+    model = build_model(
+        WORKLOAD["model"],
+        ParallelLayout.from_default_group(tp=2, cp=1),
+        num_layers=WORKLOAD["layers"],
+        dtype=torch.float32,
+    )
     model.init_weights(seed=0)
     controller = FrequencyController.open("dry-run", handle_sigterm=False)
-    compiled = torch.compile(model, backend="kareus", fullgraph=True,
-                             options={"plan": plan_path, "clock_controller": controller})
+    compiled = torch.compile(
+        model, backend="kareus", fullgraph=True, options={"plan": plan_path, "clock_controller": controller}
+    )
     return model, controller, compiled
 
 
@@ -110,8 +120,11 @@ def _run_call(compiled, controller, batch):
         warnings.simplefilter("always")
         loss = compiled(**batch)
         loss.backward()
-    return (loss, [r.clock_mhz for r in controller.requests[before:]],
-            [str(w.message) for w in caught if "bucket" in str(w.message)])
+    return (
+        loss,
+        [r.clock_mhz for r in controller.requests[before:]],
+        [str(w.message) for w in caught if "bucket" in str(w.message)],
+    )
 
 
 def _bucket_worker(rank, world_size, plan_path):

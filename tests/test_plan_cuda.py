@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from kareus_fx import cli
+from kareus_fx.capture.dump import load_dump
 from kareus_fx.cost_models.hardware import canonical_gpu_name
+from kareus_fx.errors import OptionsError
+from kareus_fx.plan import planner as planner_module
+from kareus_fx.plan.planner import PlanRequest, make_plan, validate_plan_request
 from kareus_fx.runtime.clock_backends import ClockControlError
 from kareus_fx.runtime.device_profiler import DeviceProfiler, build_kernel, node_tables_from_dump
 from kareus_fx.runtime.frequency import FrequencyController
 
-from kareus_fx import cli
-from kareus_fx.capture.dump import load_dump
-from kareus_fx.errors import OptionsError
-from kareus_fx.plan import planner as planner_module
-from kareus_fx.plan.planner import PlanRequest, make_plan, validate_plan_request
-
-TINY = dict(model="tiny-llama", tp=2, cp=1, pp=1, microbatches=1, mbs=2, seq=64, layers=2)
+TINY = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 1, "mbs": 2, "seq": 64, "layers": 2}
 TINY_ARGV = ["--model", "tiny-llama", "--tp", "2", "--mbs", "2", "--seq", "64", "--layers", "2"]
 MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
 
@@ -73,7 +73,9 @@ def test_cuda_request_checks_workers_mode_and_card(fake_a100):
 
 
 def test_cli_device_window_reaches_the_request(fake_a100):
-    args = cli._parser().parse_args(["plan", *TINY_ARGV, "--gpu", "a100", "--profiler", "cuda", "--device-window", "2.5"])
+    args = cli._parser().parse_args(
+        ["plan", *TINY_ARGV, "--gpu", "a100", "--profiler", "cuda", "--device-window", "2.5"]
+    )
     req = cli._plan_request(args)
     assert req.device_window_s == 2.5
     validate_plan_request(req)
@@ -117,8 +119,10 @@ def test_cuda_factory_builds_one_device_profiler_replaying_each_graph_from_its_d
             assert device._table(ops, name) == expected[kind][name], what
         # The same node name is in both dumps with different shapes (the nanobatch is half the batch).
         sequential_mm = next(op for op in stage.sequential["forward"].ops if op.target in MATMULS)
-        assert (expected["sequential"]["forward"][sequential_mm.name]["shape"]
-                != expected["nanobatched"]["forward"][sequential_mm.name]["shape"])
+        assert (
+            expected["sequential"]["forward"][sequential_mm.name]["shape"]
+            != expected["nanobatched"]["forward"][sequential_mm.name]["shape"]
+        )
         # The ops of a partition type replay (on CPU here) from the keyed table.
         ptype = stage.partitioned["forward"].ptypes[0]
         ops = [op for slot in ptype.slots for op in slot.ops]
@@ -148,8 +152,9 @@ def test_cuda_factory_opens_the_controller_in_the_requested_mode(tiny_traced, tm
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_plan_measures_on_device_in_dry_run(tmp_path, cuda_gpu_name):
     """A whole plan measured on this GPU; dry-run: the card's clock is never changed."""
-    req = PlanRequest(**TINY, gpu=cuda_gpu_name, profiler="cuda", clock_mode="dry-run",
-                      device_window_s=0.2, clock_stride_mhz=150)
+    req = PlanRequest(
+        **TINY, gpu=cuda_gpu_name, profiler="cuda", clock_mode="dry-run", device_window_s=0.2, clock_stride_mhz=150
+    )
     data = make_plan(req, tmp_path, progress=False).data
     assert data["profiler"] == "cuda" and data["simulated"] is False
     assert "measured on one GPU" in data["measurement"] and "dry-run" in data["measurement"]

@@ -16,8 +16,15 @@ from kareus_fx.plan.plan_format import PlanFormatError, load_plan, validate_plan
 
 
 def _option(clock_mhz, time_s, energy_j, configs=None):
-    return {"clock_mhz": clock_mhz, "sequential": configs is None, "configs": configs, "time_s": time_s,
-            "energy_j": energy_j, "dynamic_energy_j": energy_j / 2, "static_energy_j": energy_j / 2}
+    return {
+        "clock_mhz": clock_mhz,
+        "sequential": configs is None,
+        "configs": configs,
+        "time_s": time_s,
+        "energy_j": energy_j,
+        "dynamic_energy_j": energy_j / 2,
+        "static_energy_j": energy_j / 2,
+    }
 
 
 def _hand_plan() -> dict:
@@ -26,17 +33,43 @@ def _hand_plan() -> dict:
     return {
         "format": "kareus-plan",
         "schema_version": 1,
-        "workload": {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": 4,
-                     "seq": 64, "layers": 2, "world_size": 2},
+        "workload": {
+            "model": "tiny-llama",
+            "tp": 2,
+            "cp": 1,
+            "pp": 1,
+            "microbatches": 2,
+            "mbs": 4,
+            "seq": 64,
+            "layers": 2,
+            "world_size": 2,
+        },
         "gpu": "A100-SXM4-40GB",
         "profiler": "simulated:test",
         "energy_scope": "one pipeline",
-        "stages": [{"stage": 0, "graphs": {
-            name: {"fingerprint": "f" + name, "partition_types": {"local0": "T0"}} for name in ("forward", "backward")}}],
-        "partition_types": {"T0": {"graph": "forward", "count": 2, "fingerprint": "x", "collective": {"kind": "all_reduce", "bytes": 4096, "group_size": 2},
-                                   "slots": [{"ops": ["aten.mm.default"], "flops": 1e6, "bytes": 1e4},
-                                             {"ops": ["aten.add.Tensor"], "flops": 1e3, "bytes": 1e4}],
-                                   "launch_slots": [0, 1], "frontier": []}},
+        "stages": [
+            {
+                "stage": 0,
+                "graphs": {
+                    name: {"fingerprint": "f" + name, "partition_types": {"local0": "T0"}}
+                    for name in ("forward", "backward")
+                },
+            }
+        ],
+        "partition_types": {
+            "T0": {
+                "graph": "forward",
+                "count": 2,
+                "fingerprint": "x",
+                "collective": {"kind": "all_reduce", "bytes": 4096, "group_size": 2},
+                "slots": [
+                    {"ops": ["aten.mm.default"], "flops": 1e6, "bytes": 1e4},
+                    {"ops": ["aten.add.Tensor"], "flops": 1e3, "bytes": 1e4},
+                ],
+                "launch_slots": [0, 1],
+                "frontier": [],
+            }
+        },
         "microbatch_options": {
             "0/forward": [_option(1410, 1.0, 10.0, config), _option(1200, 1.2, 8.0)],
             "0/backward": [_option(1410, 2.0, 20.0, config), _option(1200, 2.4, 16.0)],
@@ -71,7 +104,7 @@ def test_corrupt_json_is_a_validation_error_naming_the_file(tmp_path):
     path.write_text(json.dumps(_hand_plan())[:-40])
     with pytest.raises(PlanFormatError, match=r"plan.json is not a kareus plan: invalid JSON at line 1"):
         load_plan(path)
-    with pytest.raises(PlanFormatError, match="cannot read kareus plan .*missing.json: No such file"):
+    with pytest.raises(PlanFormatError, match=r"cannot read kareus plan .*missing.json: No such file"):
         load_plan(tmp_path / "missing.json")
 
 
@@ -88,17 +121,28 @@ def _broken(edit):
         (lambda d: d.update(schema_version=99), "reads version 1"),
         (lambda d: d["workload"].pop("tp"), r"plan.json: workload: missing tp;"),
         (lambda d: d["workload"].update(pp=2), "expected 2 stages"),
-        (lambda d: d["workload"].update(stage_layers=[1, 1]), r"workload.stage_layers: expected one layer count per stage \(1\)"),
+        (
+            lambda d: d["workload"].update(stage_layers=[1, 1]),
+            r"workload.stage_layers: expected one layer count per stage \(1\)",
+        ),
         (lambda d: d["workload"].update(stage_layers=[3]), r"counts \[3\] add up to 3, not the model's 2 layers"),
         (lambda d: d["workload"].update(stage_layers=[0]), "stage_layers"),
-        (lambda d: d["microbatch_options"].pop("0/backward"), r"microbatch_options: expected exactly the keys \['0/forward', '0/backward'\]"),
+        (
+            lambda d: d["microbatch_options"].pop("0/backward"),
+            r"microbatch_options: expected exactly the keys \['0/forward', '0/backward'\]",
+        ),
         (lambda d: d["iteration_frontier"][0]["choices"]["0/forward"].__setitem__(1, 5), "option 5 out of range"),
         (lambda d: d["iteration_frontier"][0]["choices"]["0/forward"].pop(), "expected 2 entries"),
-        (lambda d: d["microbatch_options"]["0/forward"][0]["configs"].update(T9={"comm_sms": 1, "launch_slot": 0}),
-         "unknown partition type 'T9'"),
+        (
+            lambda d: d["microbatch_options"]["0/forward"][0]["configs"].update(T9={"comm_sms": 1, "launch_slot": 0}),
+            "unknown partition type 'T9'",
+        ),
         (lambda d: d["microbatch_options"]["0/forward"][1].update(time_s=float("nan")), "finite number"),
         (lambda d: d["partition_types"]["T0"].update(launch_slots=[3]), "outside the type's 2 slots"),
-        (lambda d: d["stages"][0]["graphs"]["forward"]["partition_types"].update(x="T7"), "unknown partition type 'T7'"),
+        (
+            lambda d: d["stages"][0]["graphs"]["forward"]["partition_types"].update(x="T7"),
+            "unknown partition type 'T7'",
+        ),
         (lambda d: d["microbatch_options"]["0/forward"][1].update(sequential=False), "configs must be null exactly"),
     ],
 )
@@ -130,5 +174,7 @@ def test_a_400_digit_integer_is_refused_not_a_crash():
     math.isfinite on an int of 400 digits, which raises OverflowError."""
     data = _hand_plan()
     data["microbatch_options"]["0/forward"][0]["time_s"] = 10**400
-    with pytest.raises(PlanFormatError, match=r"microbatch_options.0/forward\[0\].time_s: expected a number >= 0 and <= 1e\+30"):
+    with pytest.raises(
+        PlanFormatError, match=r"microbatch_options.0/forward\[0\].time_s: expected a number >= 0 and <= 1e\+30"
+    ):
         validate_plan(data, "plan.json")

@@ -37,8 +37,9 @@ class CountingProfiler:
 
 
 def _configs() -> list[PartitionConfig]:
-    return [PartitionConfig(clock, sms, slot) for clock in (1200, 1410) for sms in (2, 4, 8)
-            for slot in (None, 0, 2, 5)]
+    return [
+        PartitionConfig(clock, sms, slot) for clock in (1200, 1410) for sms in (2, 4, 8) for slot in (None, 0, 2, 5)
+    ]
 
 
 def test_fingerprint_depends_on_structure_only():
@@ -53,10 +54,17 @@ def test_fingerprint_depends_on_structure_only():
 
 
 def test_fingerprint_is_stable_across_processes():
-    code = ("from kareus_fx.cost_models.analytic_workloads import llama_attention_partition as f; "
-            "from kareus_fx.cost_models.profile_db import fingerprint; print(fingerprint(f()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONHASHSEED": "123"})
+    code = (
+        "from kareus_fx.cost_models.analytic_workloads import llama_attention_partition as f; "
+        "from kareus_fx.cost_models.profile_db import fingerprint; print(fingerprint(f()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "123"},
+    )
     assert out.stdout.strip() == fingerprint(llama_attention_partition())
 
 
@@ -219,7 +227,7 @@ def test_corrupt_database_is_refused_and_left_unchanged(tmp_path):
     path = tmp_path / "p.sqlite"
     _filled_db(path)
     data = bytearray(path.read_bytes())
-    data[2 * 4096: 2 * 4096 + 200] = bytes(range(200))  # garbage over a b-tree page's header
+    data[2 * 4096 : 2 * 4096 + 200] = bytes(range(200))  # garbage over a b-tree page's header
     path.write_bytes(bytes(data))
     _refused_unchanged(path, r"corrupt or truncated|not a usable profile database")
 

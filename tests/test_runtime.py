@@ -5,6 +5,7 @@ No test changes a GPU's clocks: real-mode tests use fake Zeus GPU objects.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -13,13 +14,14 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import run_distributed
 from zeus.device.gpu import ZeusGPUNoPermissionError
 
-from dist_harness import run_distributed
 from kareus_fx.compose.pipeline import PipelineNode, one_f_one_b_order
 from kareus_fx.errors import KareusError
 from kareus_fx.runtime.clock_backends import (
@@ -79,15 +81,13 @@ def test_dry_run_controller_receives_plan_clocks_in_1f1b_order():
                 for _ in range(iterations):
                     for instruction, mb in order:
                         with steps.step(instruction, mb):
-                            assert current_clock_mhz() == planned_clock_mhz(
-                                PipelineNode(stage, instruction, mb)
-                            )
+                            assert current_clock_mhz() == planned_clock_mhz(PipelineNode(stage, instruction, mb))
             controller.flush()
         expected_nodes = [PipelineNode(stage, inst, mb) for inst, mb in order] * iterations
         requests = controller.requests
         assert [r.clock_mhz for r in requests] == [planned_clock_mhz(n) for n in expected_nodes]
         assert [r.instruction for r in requests] == [str(n) for n in expected_nodes]
-        assert all(a.time_s <= b.time_s for a, b in zip(requests, requests[1:]))
+        assert all(a.time_s <= b.time_s for a, b in itertools.pairwise(requests))
         assert controller.applied_clock_mhz is None  # restored on leaving the with block
 
 
@@ -186,9 +186,7 @@ CHILD_TRAINING_LOOP = textwrap.dedent(
 def _start_child_training_loop(state_path: Path, steps: int) -> subprocess.Popen:
     python_path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": python_path}
-    return subprocess.Popen(
-        [sys.executable, "-c", CHILD_TRAINING_LOOP, str(state_path), str(steps)], env=env
-    )
+    return subprocess.Popen([sys.executable, "-c", CHILD_TRAINING_LOOP, str(state_path), str(steps)], env=env)
 
 
 def test_sigterm_to_a_running_process_leaves_the_simulated_clock_restored(tmp_path):
@@ -223,9 +221,7 @@ def test_sigterm_handler_restores_then_calls_the_previous_handler(tmp_path):
     received = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
     try:
-        controller = FrequencyController.open(
-            "simulated", default_clock_mhz=1980, state_path=tmp_path / "clock.json"
-        )
+        controller = FrequencyController.open("simulated", default_clock_mhz=1980, state_path=tmp_path / "clock.json")
         controller.request(1410)
         controller.flush(timeout_s=30)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -292,7 +288,7 @@ def test_real_mode_locks_and_resets_through_zeus():
         controller.flush(timeout_s=30)
         controller.request(1410)  # already applied: no second call
         controller.flush(timeout_s=30)
-        with pytest.raises(ClockRequestError, match="outside the GPU's supported range 210..1980"):
+        with pytest.raises(ClockRequestError, match=r"outside the GPU's supported range 210..1980"):
             controller.request(2100)
     assert gpus.calls == [("reset", 0), ("set", 0, 1410, 1410), ("reset", 0)]
 
@@ -499,7 +495,7 @@ def test_energy_monitor_on_cpu_reports_time_and_no_energy():
 class FakeZeusMonitor:
     """Stands in for ``ZeusMonitor`` on two GPUs with fixed readings."""
 
-    gpu_indices = [0, 1]
+    gpu_indices: ClassVar[list[int]] = [0, 1]
 
     def __init__(self) -> None:
         self.open: set[str] = set()
@@ -519,7 +515,7 @@ def test_energy_monitor_sums_gpus_and_compares_with_plan():
     monitor = IterationEnergyMonitor(zeus_monitor=zeus)
     with pytest.raises(ZeroDivisionError):
         with monitor.iteration():
-            1 / 0
+            raise ZeroDivisionError
     assert monitor.measurements == [] and zeus.open == set()  # the failed window was cancelled
     with monitor.iteration():
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import replace
 
@@ -9,7 +10,11 @@ import numpy as np
 import pytest
 
 from kareus_fx.cost_models.analytic_workloads import (
-    elementwise, gemm, kareus_attention_tp2, llama_attention_partition, llama_mlp_partition,
+    elementwise,
+    gemm,
+    kareus_attention_tp2,
+    llama_attention_partition,
+    llama_mlp_partition,
 )
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.cost_models.kernel_model import KernelModel, memory_share
@@ -98,13 +103,15 @@ def test_collective_and_memory_bound_kernel_prolong_each_other(sim, attn):
     assert norm_draw > 3 * qkv_draw
     norm_rates = km.kernel(norm.flops, norm.bytes, sms, FMAX)
     qkv_rates = km.kernel(qkv.flops, qkv.bytes, sms, FMAX)
-    norm_kappa, qkv_kappa = (km.comm_contention(r.memory_share) / km.hbm_saturation_bytes_per_s
-                             for r in (norm_rates, qkv_rates))
+    norm_kappa, qkv_kappa = (
+        km.comm_contention(r.memory_share) / km.hbm_saturation_bytes_per_s for r in (norm_rates, qkv_rates)
+    )
     assert 1 / (1 + norm_kappa * norm_draw) < 0.5 / (1 + qkv_kappa * qkv_draw)
 
 
 def test_lower_clock_moves_the_energy_optimal_launch_slot(sim, attn):
     """3.2.3: the energy-optimal launch slot depends on the clock."""
+
     def best_slot(clock: int, sms: int) -> int:
         return min(attn.launch_slots, key=lambda s: energy(sim, attn, clock, sms, s))
 
@@ -141,13 +148,13 @@ def test_dynamic_power_is_monotonic_in_clock(sim, attn):
     for cfg in (lambda f: PartitionConfig(f, 6, QKV), lambda f: PartitionConfig(f, 6, None)):
         preds = [sim.predict(attn, cfg(f)) for f in clocks]
         power = [p.measurement.dynamic_energy_j / p.measurement.time_s for p in preds]
-        for (a, b), p in zip(zip(power, power[1:]), preds[1:]):
+        for (a, b), p in zip(itertools.pairwise(power), preds[1:]):
             if p.throttled:  # at the cap: dynamic power = TDP - static, flat
                 assert b == pytest.approx(spec.tdp_w - spec.static_power_w) and b >= a - 1e-9
             else:
                 assert b > a
     v = [sim.power.voltage(f) for f in clocks]
-    assert all(b >= a for a, b in zip(v, v[1:])) and v[-1] == pytest.approx(1.0)
+    assert all(b >= a for a, b in itertools.pairwise(v)) and v[-1] == pytest.approx(1.0)
 
 
 def test_power_capped_at_tdp():
@@ -172,7 +179,7 @@ def test_power_capped_at_tdp():
 def test_a40_throttles_near_its_cap():
     """The A40 (300 W) is power-capped at its top clocks: time stops improving there."""
     sim = Simulator("A40")
-    gemm = [OpCost("gemm", "aten.mm.default", 2.0 * 8192 ** 3, 3 * 8192 * 8192 * 2.0)]
+    gemm = [OpCost("gemm", "aten.mm.default", 2.0 * 8192**3, 3 * 8192 * 8192 * 2.0)]
     top = sim.predict_sequence(gemm, (), sim.spec.clock_max_mhz)
     assert top.throttled and top.measurement.energy_j / top.measurement.time_s <= sim.spec.tdp_w + 1e-6
     low = sim.predict_sequence(gemm, (), 1005)
@@ -195,13 +202,13 @@ def test_memory_and_collective_bandwidth_saturate_with_sms():
     spec = gpu_spec(A100)
     km = KernelModel(spec, gpu_params(A100).params)
     bw = [km.memory_bandwidth(n, FMAX) for n in range(1, 109)]
-    assert all(b > a for a, b in zip(bw, bw[1:]))
+    assert all(b > a for a, b in itertools.pairwise(bw))
     assert bw[3] == pytest.approx(4 * bw[0], rel=0.05)  # linear at few SMs
     assert bw[-1] <= spec.hbm_bandwidth_bytes_per_s and bw[-1] > 0.7 * spec.hbm_bandwidth_bytes_per_s
     assert bw[-1] - bw[79] < 0.1 * bw[-1]  # saturated
-    coll = CollectiveSpec("all_reduce", 32 * 2 ** 20, 2)
+    coll = CollectiveSpec("all_reduce", 32 * 2**20, 2)
     t = [km.collective_time(coll, n, FMAX) for n in range(1, 31)]
-    assert all(b < a for a, b in zip(t, t[1:]))
+    assert all(b < a for a, b in itertools.pairwise(t))
     assert t[0] / t[1] > 1.6 and t[-2] / t[-1] < 1.05  # halves at first, flat at the end
 
 
@@ -274,8 +281,10 @@ def test_every_known_gpu_simulates(attn):
         sim = Simulator(gpu)
         m = sim.measure(attn, PartitionConfig(sim.spec.clock_max_mhz, 8, 1))
         assert m.time_s > 0 and m.dynamic_energy_j > 0
-    assert Simulator("H100-SXM5-80GB").measure(attn, PartitionConfig(1980, 8, 1)).time_s < \
-        Simulator(A100).measure(attn, PartitionConfig(1410, 8, 1)).time_s
+    assert (
+        Simulator("H100-SXM5-80GB").measure(attn, PartitionConfig(1980, 8, 1)).time_s
+        < Simulator(A100).measure(attn, PartitionConfig(1410, 8, 1)).time_s
+    )
 
 
 def test_simulator_is_fast(sim):

@@ -15,11 +15,11 @@ never by index.
 from __future__ import annotations
 
 import pytest
-from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.cost_models.simulator import Simulator
 
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.capture.tracing import TraceSpec, trace_full_size
+from kareus_fx.cost_models.hardware import gpu_spec
+from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.plan.graph_workload import partitioned_graphs
 from kareus_fx.tuner.space import comm_sm_grid
 from kareus_fx.workload import PartitionConfig, PartitionType
@@ -85,8 +85,9 @@ def test_interior_comm_sm_count_minimises_energy_at_max_clock(sim, attn):
     best = best_sms(sim, attn, FMAX, linear)
     assert SM_SWEEP[0] < best < SM_SWEEP[-1], f"energy-optimal SM count {best} is at the edge: {e}"
     assert e[SM_SWEEP[0]] > 1.05 * e[best] and e[SM_SWEEP[-1]] > 1.01 * e[best], e
-    few, opt, many = (sim.predict(attn, PartitionConfig(FMAX, n, linear), timeline=True)
-                      for n in (SM_SWEEP[0], best, SM_SWEEP[-1]))
+    few, opt, many = (
+        sim.predict(attn, PartitionConfig(FMAX, n, linear), timeline=True) for n in (SM_SWEEP[0], best, SM_SWEEP[-1])
+    )
     assert few.exposed_comm_s > 5 * opt.exposed_comm_s
     # Too many: the collective stays hidden, but the linear beside it runs on fewer SMs.
     assert many.exposed_comm_s < 0.1 * few.exposed_comm_s
@@ -101,19 +102,24 @@ def test_memory_bound_launch_slot_runs_longer_at_max_clock(sim, attn):
     intensity = {i: attn.slots[i].flops / attn.slots[i].bytes for i in (norm, linear)}  # FLOP per byte
     assert intensity[norm] < 1 and intensity[linear] > 100, intensity
     best = best_sms(sim, attn, FMAX, linear)
-    with_norm, with_linear, alone = (sim.predict(attn, PartitionConfig(FMAX, best, slot), timeline=True)
-                                     for slot in (norm, linear, None))
+    with_norm, with_linear, alone = (
+        sim.predict(attn, PartitionConfig(FMAX, best, slot), timeline=True) for slot in (norm, linear, None)
+    )
     assert _slot_time_s(with_norm, attn, norm) > 1.03 * _slot_time_s(alone, attn, norm)
     # Beside the fused norm (one short slot) the collective runs about 1.24x as long as beside
     # the linear; 1.3x before fusion, when the norm slot moved ten times the bytes.
     assert _collective_time_s(with_norm) > 1.1 * _collective_time_s(with_linear)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 15: on the middle layer's partition (the type's exemplar) the simulated A100 prices the norm "
-    "launch within -0.5 % to +0.4 % of the linear launch at 11-30 SMs (below the linear launch at 12, 13, "
-    "29 and 30); on the first layer's it was +0.06 % to +0.7 %. The paper's Figure 3d vs 3b gap needs "
-    "more contention than the calibrated model has"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "issue 15: on the middle layer's partition (the type's exemplar) the simulated A100 prices the norm "
+        "launch within -0.5 % to +0.4 % of the linear launch at 11-30 SMs (below the linear launch at 12, 13, "
+        "29 and 30); on the first layer's it was +0.06 % to +0.7 %. The paper's Figure 3d vs 3b gap needs "
+        "more contention than the calibrated model has"
+    ),
+)
 def test_memory_bound_launch_slot_costs_more_at_max_clock(sim, attn):
     """3.2.2 (Figure 3d vs 3b): launched with the QKV linear the collective costs less energy than
     launched with the RMSNorm block, at every SM count from the one that minimises the linear
@@ -128,10 +134,14 @@ def test_memory_bound_launch_slot_costs_more_at_max_clock(sim, attn):
         assert energy_j(sim, attn, FMAX, n, norm) > energy_j(sim, attn, FMAX, n, linear), n
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "with fused kernels (issue 14) and the split contention (issue 15) the simulated A100's optimum "
-    "launches with the memory-bound RoPE slot at both 1,410 and 1,100 MHz (python bench/section3_traced.py "
-    "--tp 4 --clocks 1410 1100), so the clock does not move it as in the paper's Figure 3f; issue 15"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "with fused kernels (issue 14) and the split contention (issue 15) the simulated A100's optimum "
+        "launches with the memory-bound RoPE slot at both 1,410 and 1,100 MHz (python bench/section3_traced.py "
+        "--tp 4 --clocks 1410 1100), so the clock does not move it as in the paper's Figure 3f; issue 15"
+    ),
+)
 def test_lower_clock_moves_the_energy_optimal_launch_slot(sim, attn):
     """3.2.3 (Figure 3b vs 3f): over the tuner's (SM count, launch slot) space, the energy-optimal
     schedule launches the collective with a compute-bound kernel at the maximum clock and with a
@@ -140,8 +150,7 @@ def test_lower_clock_moves_the_energy_optimal_launch_slot(sim, attn):
     grid = comm_sm_grid(gpu_spec(A100), attn.collective.group_size)
 
     def optimum(clock_mhz: int) -> tuple[int, int]:
-        return min(((n, s) for n in grid for s in attn.launch_slots),
-                   key=lambda c: energy_j(sim, attn, clock_mhz, *c))
+        return min(((n, s) for n in grid for s in attn.launch_slots), key=lambda c: energy_j(sim, attn, clock_mhz, *c))
 
     (_, fast_slot), (_, slow_slot) = optimum(FMAX), optimum(LOW_CLOCK_MHZ)
     assert fast_slot != slow_slot

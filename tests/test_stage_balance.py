@@ -21,11 +21,12 @@ from kareus_fx.plan.presets import PRESETS
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_transfer import stage_transfer_s
 
+
 def _compositions(total: int, parts: int):
     """Every split of ``total`` layers over ``parts`` stages, each at least one."""
     for cuts in itertools.combinations(range(1, total), parts - 1):
         edges = (0, *cuts, total)
-        yield tuple(b - a for a, b in zip(edges, edges[1:]))
+        yield tuple(b - a for a, b in itertools.pairwise(edges))
 
 
 def _bottleneck_s(counts, costs) -> float:
@@ -72,11 +73,14 @@ def test_every_preset_is_balanced_and_an_explicit_split_is_checked():
         trace_plan_stages(plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k", stage_layers=(15, 12)), None)
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    ("15,12", "add up to the model's 28 layers"),
-    ("10,10,8", "3 stage layer counts [10, 10, 8] for a 2-stage pipeline"),
-    ("lopsided", "expected even, balanced or one layer count per stage"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("15,12", "add up to the model's 28 layers"),
+        ("10,10,8", "3 stage layer counts [10, 10, 8] for a 2-stage pipeline"),
+        ("lopsided", "expected even, balanced or one layer count per stage"),
+    ],
+)
 def test_cli_refuses_a_bad_stage_split_before_tracing(no_tracing, tmp_path, capsys, value, message):
     argv = ["plan", "--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--stage-layers", value, "--out", str(tmp_path)]
     try:
@@ -92,8 +96,9 @@ def test_cli_refuses_a_bad_stage_split_before_tracing(no_tracing, tmp_path, caps
 # Llama-3.2-3B's shapes at TP8 with 20 layers over 3 stages: the 128k-word LM head and loss weigh
 # about a layer, a middle stage sends both ways, and every split from 6 to 8 layers a stage extends
 # the same slices (no full trace).
-SMALL = PlanRequest(model="llama3.2-3b", tp=8, cp=1, pp=3, microbatches=4, mbs=4, seq=2048, layers=20,
-                    stage_layers="balanced")
+SMALL = PlanRequest(
+    model="llama3.2-3b", tp=8, cp=1, pp=3, microbatches=4, mbs=4, seq=2048, layers=20, stage_layers="balanced"
+)
 KINDS = ("nanobatched", "sequential")
 
 
@@ -104,9 +109,13 @@ def _megatron_bottleneck_s(traced) -> float:
     spec = profiler.simulator.spec
     stage_of = {s: t for t in traced for s in t.stages}
     sends = stage_transfer_s([stage_of[s].sent_bytes for s in range(SMALL.pp)], SMALL.tp, SMALL.cp, spec)
-    return max(sum(profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz).time_s + sends[(s, name)]
-                   for name, g in stage_of[s].sequential.items())
-               for s in range(SMALL.pp))
+    return max(
+        sum(
+            profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz).time_s + sends[(s, name)]
+            for name, g in stage_of[s].sequential.items()
+        )
+        for s in range(SMALL.pp)
+    )
 
 
 def test_planner_resolves_balanced_to_the_split_whose_full_stages_are_most_even(tmp_path):
@@ -114,13 +123,20 @@ def test_planner_resolves_balanced_to_the_split_whose_full_stages_are_most_even(
     full-size stage graphs have the fastest slowest stage (sends included)."""
     req, traced = trace_plan_stages(SMALL, tmp_path / "balanced")
     assert isinstance(req.stage_layers, tuple) and sum(req.stage_layers) == 20
-    slices = {role: [{kind: next((tmp_path / "balanced" / f"stage{stage}-{kind}-slice{k}").glob("*.json"))
-                      for kind in KINDS} for k in SLICE_LAYERS]
-              for role, stage in (("first", 0), ("middle", 1), ("last", 2))}
+    slices = {
+        role: [
+            {kind: next((tmp_path / "balanced" / f"stage{stage}-{kind}-slice{k}").glob("*.json")) for kind in KINDS}
+            for k in SLICE_LAYERS
+        ]
+        for role, stage in (("first", 0), ("middle", 1), ("last", 2))
+    }
     splits = [split for split in _compositions(20, 3) if min(split) >= 6]
-    bottleneck = {split: _megatron_bottleneck_s(_trace_stages(dataclasses.replace(req, stage_layers=split),
-                                                              tmp_path / "-".join(map(str, split)), slices))
-                  for split in splits}
+    bottleneck = {
+        split: _megatron_bottleneck_s(
+            _trace_stages(dataclasses.replace(req, stage_layers=split), tmp_path / "-".join(map(str, split)), slices)
+        )
+        for split in splits
+    }
     assert req.stage_layers == min(bottleneck, key=bottleneck.get), bottleneck
     assert bottleneck[req.stage_layers] == pytest.approx(_megatron_bottleneck_s(traced), rel=1e-12)
 
@@ -139,8 +155,9 @@ def test_every_bucket_of_a_balanced_bucketed_plan_gets_the_largest_buckets_split
 
     monkeypatch.setattr(buckets, "make_plan", plan)
     monkeypatch.setattr(buckets, "bucketed_plan_data", lambda by_seq: {"buckets": sorted(by_seq)})
-    req = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=128, layers=4,
-                      stage_layers="balanced")
+    req = PlanRequest(
+        model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=128, layers=4, stage_layers="balanced"
+    )
     outcome = buckets.make_bucketed_plan(req, [128, 64, 32], tmp_path)
     assert planned == [(128, "balanced"), (32, (3, 1)), (64, (3, 1))]
     assert outcome.data["buckets"] == [32, 64, 128]

@@ -45,8 +45,14 @@ def test_a_stage_boundary_between_p4d_nodes_runs_at_the_gpus_share_of_400_gbps()
 def test_forwards_send_to_the_next_stage_and_backwards_to_the_previous():
     waits = stage_transfer_s([QWEN_TP8_BYTES] * 3, 8, 1, A100)
     link = link_wait_s(QWEN_TP8_BYTES, 8, 1, 0, A100)
-    assert waits == {(0, "forward"): link, (1, "forward"): link, (2, "forward"): 0.0,
-                     (0, "backward"): 0.0, (1, "backward"): link, (2, "backward"): link}
+    assert waits == {
+        (0, "forward"): link,
+        (1, "forward"): link,
+        (2, "forward"): 0.0,
+        (0, "backward"): 0.0,
+        (1, "backward"): link,
+        (2, "backward"): link,
+    }
 
 
 def test_a_gpu_without_a_node_fact_is_refused_across_nodes():
@@ -58,8 +64,10 @@ def test_a_gpu_without_a_node_fact_is_refused_across_nodes():
 
 
 def test_a_send_lengthens_each_option_at_the_blocking_power():
-    options = [InstructionOption(time_s=0.1, energy_j=30.0, knob=1410),
-               MicrobatchPoint(0.09, 28.0, 20.0, 8.0, 1410, None)]
+    options = [
+        InstructionOption(time_s=0.1, energy_j=30.0, knob=1410),
+        MicrobatchPoint(0.09, 28.0, 20.0, 8.0, 1410, None),
+    ]
     waited = _with_link_wait(options, 0.003, 85.0)
     assert [o.time_s for o in waited] == pytest.approx([0.103, 0.093])
     assert [o.energy_j for o in waited] == pytest.approx([30.255, 28.255])

@@ -73,13 +73,15 @@ def _fresh_process_prints(probe: str) -> list[str]:
 
 def test_fork_only_where_this_is_the_only_thread():
     """In a fresh process (as ``kareus plan`` traces), fork; once another thread runs, spawn."""
-    probe = ("import threading\n"
-             "from kareus_fx.capture.trace_pool import start_method\n"
-             "alone = start_method()\n"
-             "release = threading.Event()\n"
-             "threading.Thread(target=release.wait).start()\n"
-             "print(alone, start_method())\n"
-             "release.set()\n")
+    probe = (
+        "import threading\n"
+        "from kareus_fx.capture.trace_pool import start_method\n"
+        "alone = start_method()\n"
+        "release = threading.Event()\n"
+        "threading.Thread(target=release.wait).start()\n"
+        "print(alone, start_method())\n"
+        "release.set()\n"
+    )
     assert _fresh_process_prints(probe) == ["fork", "spawn"]
 
 
@@ -87,11 +89,13 @@ def test_this_processs_own_traces_leave_no_thread_that_stops_a_later_fork():
     """torch.fx's interpreter opens a tqdm bar on every run, and tqdm's monitor thread outlived it:
     after a first pool had traced here, every later pool spawned. With the pool's tqdm switch the
     process stays single-threaded (without it: 2 threads and ``spawn``)."""
-    probe = ("import threading, torch, torch.fx\n"
-             "from kareus_fx.capture.trace_pool import run_calls, start_method\n"
-             "run_calls([], 1)\n"
-             "torch.fx.Interpreter(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))).run(torch.ones(1, 2))\n"
-             "print(threading.active_count(), start_method())\n")
+    probe = (
+        "import threading, torch, torch.fx\n"
+        "from kareus_fx.capture.trace_pool import run_calls, start_method\n"
+        "run_calls([], 1)\n"
+        "torch.fx.Interpreter(torch.fx.symbolic_trace(torch.nn.Linear(2, 2))).run(torch.ones(1, 2))\n"
+        "print(threading.active_count(), start_method())\n"
+    )
     assert _fresh_process_prints(probe) == ["1", "fork"]
 
 
@@ -115,14 +119,18 @@ def test_a_workers_error_is_raised_here_with_its_type_and_message(tmp_path, star
 def test_a_workers_warnings_are_issued_here_once(tmp_path, start_method):
     """Two workers issue the same warning: it is issued here, once, with its category and text."""
     markers = [tmp_path / "worker-0-ran", tmp_path / "worker-1-ran"]
-    calls = [functools.partial(_warn_fallback, markers[0]), functools.partial(_warn_fallback, markers[1]),
-             functools.partial(_after, *markers)]
+    calls = [
+        functools.partial(_warn_fallback, markers[0]),
+        functools.partial(_warn_fallback, markers[1]),
+        functools.partial(_after, *markers),
+    ]
     with warnings.catch_warnings(record=True) as issued:
         warnings.simplefilter("default")
         *worker_pids, parent_pid = run_calls(calls, processes=3)
     assert os.getpid() == parent_pid not in worker_pids
     assert [(w.category, str(w.message)) for w in issued] == [
-        (UserWarning, "kareus: the split pass cannot prove stage 0 safe; it runs un-split")]
+        (UserWarning, "kareus: the split pass cannot prove stage 0 safe; it runs un-split")
+    ]
     assert issued[0].filename == __file__
 
 
@@ -168,8 +176,9 @@ def test_parallel_traces_give_the_serial_plan(tmp_path, monkeypatch):
     """A PP2 tiny-llama whose stages (6 layers each) are traced as slices: 4 traces, run in one
     process and in two. Dumps equal (but the graph counter); the plan's stages, partition types,
     microbatch options and frontiers equal exactly."""
-    req = planner.PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=512, layers=12,
-                              clock_stride_mhz=240)
+    req = planner.PlanRequest(
+        model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=512, layers=12, clock_stride_mhz=240
+    )
     traced = _trace_serially_and_in_parallel(req, tmp_path, monkeypatch)
     serial, parallel = (_dump_contents(tmp_path / f"p{p}" / "dumps") for p in (1, 2))
     assert len(serial) == 12  # 2 stages x (2 slices x 2 splits + 1 extended dump per split)

@@ -32,7 +32,6 @@ from kareus_fx.tuner import (
 )
 from kareus_fx.tuner.acquisition import PASSES, allocate_pass_counts
 from kareus_fx.tuner.mbo import capped_batch_size
-from kareus_fx.tuner.space import N_FEATURES, slot_roofline_times_s
 from kareus_fx.tuner.pareto import (
     Normalizer,
     domination_gap,
@@ -42,6 +41,7 @@ from kareus_fx.tuner.pareto import (
     pareto_mask,
     reference_point,
 )
+from kareus_fx.tuner.space import N_FEATURES, slot_roofline_times_s
 from kareus_fx.tuner.surrogate import BootstrapXGB, XGBParams
 from kareus_fx.tuner.synthetic import SyntheticProfiler, synthetic_partition_types
 from kareus_fx.workload import CollectiveSpec, Measurement, PartitionConfig, PartitionType
@@ -151,8 +151,8 @@ def test_hiding_capacity_and_compute_time_features() -> None:
     first, last = space.launch_options[0], space.launch_options[-2]
     sms = space.comm_sms
     # more SMs: the collective hides under more of the computation, which runs on fewer SMs
-    assert all(f(1200, a, first, 5) < f(1200, b, first, 5) for a, b in zip(sms, sms[1:]))
-    assert all(f(1200, a, first, 6) < f(1200, b, first, 6) for a, b in zip(sms, sms[1:]))
+    assert all(f(1200, a, first, 5) < f(1200, b, first, 5) for a, b in itertools.pairwise(sms))
+    assert all(f(1200, a, first, 6) < f(1200, b, first, 6) for a, b in itertools.pairwise(sms))
     # a later launch leaves less computation to hide under; the compute estimate does not care
     assert f(1200, 9, last, 5) < f(1200, 9, first, 5)
     assert f(1200, 9, last, 6) == f(1200, 9, first, 6)
@@ -160,6 +160,7 @@ def test_hiding_capacity_and_compute_time_features() -> None:
     assert f(900, 9, first, 5) > f(1410, 9, first, 5) and f(900, 9, first, 6) > f(1410, 9, first, 6)
     # sequential: nothing to hide under, and the computation has every SM
     assert f(1200, 9, None, 5) == 0 and f(1200, 9, None, 6) < f(1200, 3, first, 6)
+
     # feature 6 is the roofline estimate, min-max scaled (fastest: sequential at the top clock)
     def compute_s(clock: int, comm_sms: int) -> float:
         return slot_roofline_times_s(MEDIUM, A100, clock).sum() * A100.sm_count / (A100.sm_count - comm_sms)
@@ -170,9 +171,7 @@ def test_hiding_capacity_and_compute_time_features() -> None:
 
 
 def test_search_space_small_group_stride_and_bigger_gpu() -> None:
-    pair = PartitionType(
-        "pair", "forward", SMALL.slots, CollectiveSpec("all_reduce", 1e6, 2), 1, (0,)
-    )
+    pair = PartitionType("pair", "forward", SMALL.slots, CollectiveSpec("all_reduce", 1e6, 2), 1, (0,))
     assert build_search_space(pair, A100).comm_sms == tuple(range(1, 21))
     h100 = gpu_spec("H100-SXM5-80GB")
     assert build_search_space(SMALL, h100).comm_sms == tuple(range(3, 37, 3))  # 30 * 132 / 108
@@ -258,7 +257,7 @@ def test_capped_budget_keeps_the_number_of_refits() -> None:
     assert capped_batch_size(budget, planned=160, n_init=40) == 20  # uncapped: the budget's batch
     assert capped_batch_size(budget, planned=81, n_init=40) == 7  # 41 left over 6 batches
     assert capped_batch_size(budget, planned=40, n_init=40) == 1
-    settings = MBOSettings(threshold=0.0, budgets={k: budget for k in ("small", "medium", "large")})
+    settings = MBOSettings(threshold=0.0, budgets=dict.fromkeys(("small", "medium", "large"), budget))
     res = tune_partition(MEDIUM, SyntheticProfiler(), settings=settings, seed=0)  # 720 configs, cap 108
     assert res.stats.n_init == 40 and res.stats.batch_size == 12
     assert res.stats.batches == 6 and res.stats.measured == 108
@@ -322,9 +321,7 @@ def test_every_pass_contributes_candidates() -> None:
     assert set(sources) == {"initial", *PASSES}
     batch1 = [p.source for p in res.points if p.batch == 1]
     budget = MBOSettings().budget_for(LARGE)
-    assert Counter(batch1) == Counter(
-        {k: v for k, v in allocate_pass_counts(budget.batch_size).items() if v}
-    )
+    assert Counter(batch1) == Counter({k: v for k, v in allocate_pass_counts(budget.batch_size).items() if v})
     assert res.stats.measured <= budget.max_measurements
     assert sum(res.frontier_sources().values()) == pytest.approx(1.0)
 
@@ -437,7 +434,7 @@ class LoggingProfiler(SyntheticProfiler):
 def test_killed_run_resumes_without_measuring_twice(tmp_path) -> None:
     db, log = tmp_path / "profiles.sqlite", tmp_path / "measured.log"
     env = dict(os.environ, DB=str(db), LOG=str(log), KILL_AT="20", TEST_DIR=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_RUN], env=env, capture_output=True, text=True, check=False)
     assert proc.returncode == -9, proc.stderr
     killed_at = log.read_text().splitlines()
     # two finished types of 30 measurements, then 19 of the third (past its initial sample of 12)
@@ -452,8 +449,11 @@ def test_killed_run_resumes_without_measuring_twice(tmp_path) -> None:
     assert len(lines) == sum(r.stats.measured for r in resumed.values()) > len(killed_at)
     # the resumed run is the run that was never killed
     fresh = tune_partition_types(
-        synthetic_partition_types(), functools.partial(SyntheticProfiler), settings=RESUME_SETTINGS,
-        workers=1, progress=False,
+        synthetic_partition_types(),
+        functools.partial(SyntheticProfiler),
+        settings=RESUME_SETTINGS,
+        workers=1,
+        progress=False,
     )
     for tid, res in fresh.items():
         assert [p.config for p in resumed[tid].points] == [p.config for p in res.points]

@@ -49,12 +49,12 @@ from kareus_fx.plan.presets import PRESETS
 
 __all__ = [
     "ABLATIONS",
+    "RULES",
+    "SUITES",
     "BenchCase",
     "BenchError",
     "Comparison",
     "MetricRule",
-    "RULES",
-    "SUITES",
     "compare",
     "load_baseline",
     "run_bench_command",
@@ -100,8 +100,13 @@ SUITES: dict[str, tuple[BenchCase, ...]] = {
     # with smaller counts (not checked against a 28-layer trace). The even split keeps 2 layers a
     # stage: balancing 4 layers would trace the role slices and then the stages in full (its own
     # tests are tests/test_stage_balance.py).
-    "smoke": (BenchCase("qwen3-1.7b-tp8-mbs8-seq4k", {"layers": 4, "stage_layers": "even"},
-                        note="4 of 28 layers (2 per stage, even split) so the suite fits CI's 5 minutes on 2 cores"),),
+    "smoke": (
+        BenchCase(
+            "qwen3-1.7b-tp8-mbs8-seq4k",
+            {"layers": 4, "stage_layers": "even"},
+            note="4 of 28 layers (2 per stage, even split) so the suite fits CI's 5 minutes on 2 cores",
+        ),
+    ),
     # Releases: every preset of the paper at full size (testbed, table 3; emulation, table 5).
     "paper": tuple(BenchCase(name) for name in PRESETS),
 }
@@ -219,9 +224,12 @@ def _tuner_quality(plan: Mapping[str, Any], dump_root: Path, clock_stride_mhz: i
     records = plan["partition_types"]
     # Per pipeline stage: a local type id names different plan types on different stages (the
     # first layer of the last stage reads the activation it received, not one it computed).
-    local_to_plan = {stage["stage"]: {local: plan_id for graph in stage["graphs"].values()
-                                      for local, plan_id in graph["partition_types"].items()}
-                     for stage in plan["stages"]}
+    local_to_plan = {
+        stage["stage"]: {
+            local: plan_id for graph in stage["graphs"].values() for local, plan_id in graph["partition_types"].items()
+        }
+        for stage in plan["stages"]
+    }
     ptypes = {}
     for path in sorted(dump_root.glob("stage*-nanobatched*/kareus_graph_*.json")):  # also the layer slices
         stage = int(path.parent.name.removeprefix("stage").split("-")[0])
@@ -234,28 +242,49 @@ def _tuner_quality(plan: Mapping[str, Any], dump_root: Path, clock_stride_mhz: i
                 ptypes[plan_id] = rebuilt
     missing = sorted(set(records) - set(ptypes))
     if missing:
-        raise BenchError(f"could not rebuild partition types {', '.join(missing)} from the planner's dumps "
-                         f"in {dump_root}; the dump and plan formats disagree (a bug: report it)")
+        raise BenchError(
+            f"could not rebuild partition types {', '.join(missing)} from the planner's dumps "
+            f"in {dump_root}; the dump and plan formats disagree (a bug: report it)"
+        )
 
     profiler = SimulatedProfiler(plan["gpu"])
     settings = MBOSettings(clock_stride_mhz=clock_stride_mhz)
     out = {}
     for tid, record in records.items():
         tuning = record["tuning"]
-        points = [MeasuredPoint(PartitionConfig(p["clock_mhz"], p["comm_sms"], p["launch_slot"]),
-                                Measurement(p["time_s"], p["energy_j"], p["dynamic_energy_j"], p["static_energy_j"]),
-                                p["found_by"], 0)
-                  for p in record["frontier"]]
-        stats = TuningStats(space_size=tuning["space_size"], measured=tuning["measured"], batches=tuning["batches"],
-                            n_init=0, batch_size=0, max_batches=0, stop_reason=tuning["stop_reason"])
+        points = [
+            MeasuredPoint(
+                PartitionConfig(p["clock_mhz"], p["comm_sms"], p["launch_slot"]),
+                Measurement(p["time_s"], p["energy_j"], p["dynamic_energy_j"], p["static_energy_j"]),
+                p["found_by"],
+                0,
+            )
+            for p in record["frontier"]
+        ]
+        stats = TuningStats(
+            space_size=tuning["space_size"],
+            measured=tuning["measured"],
+            batches=tuning["batches"],
+            n_init=0,
+            batch_size=0,
+            max_batches=0,
+            stop_reason=tuning["stop_reason"],
+        )
         tuned = TuningResult(tid, plan["gpu"], "mbo", 0, points, stats)
         exhaustive = exhaustive_search(ptypes[tid], profiler, settings=settings)
         if exhaustive.stats.space_size < tuning["space_size"]:
-            raise BenchError(f"{tid}: the full space has {exhaustive.stats.space_size} configs, fewer than the "
-                             f"{tuning['space_size']} the tuner searched; the runner and the planner use "
-                             f"different settings")
-        out[tid] = {"hv_ratio": frontier_hv_ratio(tuned, exhaustive), "fraction_measured": tuning["fraction_measured"],
-                    "measured": tuning["measured"], "space_size": tuning["space_size"], "count": record["count"]}
+            raise BenchError(
+                f"{tid}: the full space has {exhaustive.stats.space_size} configs, fewer than the "
+                f"{tuning['space_size']} the tuner searched; the runner and the planner use "
+                f"different settings"
+            )
+        out[tid] = {
+            "hv_ratio": frontier_hv_ratio(tuned, exhaustive),
+            "fraction_measured": tuning["fraction_measured"],
+            "measured": tuning["measured"],
+            "space_size": tuning["space_size"],
+            "count": record["count"],
+        }
     return out
 
 
@@ -281,8 +310,10 @@ def compare(results: Mapping[str, Any], baseline: Mapping[str, Any]) -> list[Com
     rows = []
     for case, result in results.items():
         if case not in baseline:
-            raise BenchError(f"the baseline has no entry for {case!r} (it has {', '.join(baseline) or 'none'}); "
-                             f"record one with `kareus bench --update`")
+            raise BenchError(
+                f"the baseline has no entry for {case!r} (it has {', '.join(baseline) or 'none'}); "
+                f"record one with `kareus bench --update`"
+            )
         base_metrics = baseline[case]["metrics"]
         for metric in sorted(set(result["metrics"]) | set(base_metrics)):
             rule = RULES.get(metric)
@@ -314,11 +345,21 @@ def comparison_table(rows: Sequence[Comparison], title: str) -> Table:
     for row in rows:
         change = ""
         if row.baseline is not None and row.value is not None:
-            change = (f"{row.value / row.baseline:.2f}x" if row.metric.startswith("wall.")
-                      else f"{row.value - row.baseline:+.4f}")
+            change = (
+                f"{row.value / row.baseline:.2f}x"
+                if row.metric.startswith("wall.")
+                else f"{row.value - row.baseline:+.4f}"
+            )
         status = f"[bold red]{row.status}[/bold red]" if row.status in ("REGRESSED", "missing") else row.status
-        table.add_row(escape(row.case), row.metric, _number(row.baseline, row.metric), _number(row.value, row.metric),
-                      change, row.tolerance, status)
+        table.add_row(
+            escape(row.case),
+            row.metric,
+            _number(row.baseline, row.metric),
+            _number(row.value, row.metric),
+            change,
+            row.tolerance,
+            status,
+        )
     return table
 
 
@@ -330,10 +371,14 @@ def load_baseline(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise BenchError(f"baseline file {path} does not exist; record one with `kareus bench --update`") from None
     except (OSError, json.JSONDecodeError) as err:
-        raise BenchError(f"cannot read baseline file {path} ({err}); fix it or record a new one with --update") from None
+        raise BenchError(
+            f"cannot read baseline file {path} ({err}); fix it or record a new one with --update"
+        ) from None
     if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT or data.get("version") != BASELINE_VERSION:
-        raise BenchError(f"{path} is not a version-{BASELINE_VERSION} {BASELINE_FORMAT} file; "
-                         f"record a new one with `kareus bench --update`")
+        raise BenchError(
+            f"{path} is not a version-{BASELINE_VERSION} {BASELINE_FORMAT} file; "
+            f"record a new one with `kareus bench --update`"
+        )
     return data["results"]
 
 
@@ -349,24 +394,32 @@ def write_baseline(path: Path, results: Mapping[str, Any]) -> None:
         "version": BASELINE_VERSION,
         "updated_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "note": "quality metrics are simulator predictions (deterministic); wall metrics are in units of a "
-                "reference workload timed in the same process (kareus_fx/bench/reference.py) and only "
-                "regress when more than 2x slower; info.wall_s has the seconds on the recording machine",
+        "reference workload timed in the same process (kareus_fx/bench/reference.py) and only "
+        "regress when more than 2x slower; info.wall_s has the seconds on the recording machine",
         "results": {**kept, **results},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
 
 
-def run_bench_command(suite: str | Sequence[BenchCase], baseline_path: Path, *, update: bool = False,
-                      as_json: bool = False, ablate: str | None = None, console: Console | None = None) -> int:
+def run_bench_command(
+    suite: str | Sequence[BenchCase],
+    baseline_path: Path,
+    *,
+    update: bool = False,
+    as_json: bool = False,
+    ablate: str | None = None,
+    console: Console | None = None,
+) -> int:
     """``kareus bench``: run ``suite`` (a name in :data:`SUITES`, or cases), compare or update.
 
     Returns the exit status: 1 if any metric regressed, 0 otherwise."""
     if ablate is not None and ablate not in ABLATIONS:
         raise BenchError(f"unknown ablation {ablate!r}; choose one of {', '.join(ABLATIONS)}")
     if update and ablate:
-        raise BenchError("--update with --ablate would record a deliberately worse planner as the baseline; "
-                         "drop one of them")
+        raise BenchError(
+            "--update with --ablate would record a deliberately worse planner as the baseline; drop one of them"
+        )
     suite_name = suite if isinstance(suite, str) else "custom"
     cases = SUITES[suite] if isinstance(suite, str) else tuple(suite)
     console = console or Console()
@@ -380,11 +433,15 @@ def run_bench_command(suite: str | Sequence[BenchCase], baseline_path: Path, *, 
         results[case.name] = run_case(case, ablate)
         info = results[case.name]["info"]
         reference = info["reference_s"]
-        log.print(f"  done in {time.perf_counter() - started:.1f} s (planning {info['wall_s']['total_s']:.1f} s; "
-                  f"reference workload {reference['before']:.3f} s before, {reference['after']:.3f} s after)")
+        log.print(
+            f"  done in {time.perf_counter() - started:.1f} s (planning {info['wall_s']['total_s']:.1f} s; "
+            f"reference workload {reference['before']:.3f} s before, {reference['after']:.3f} s after)"
+        )
         if info["load_changed"]:
-            log.print("  [yellow]warning: the machine's speed changed by more than 1.5x while this case ran; "
-                      "its wall metrics are unreliable (rerun on a quieter machine)[/yellow]")
+            log.print(
+                "  [yellow]warning: the machine's speed changed by more than 1.5x while this case ran; "
+                "its wall metrics are unreliable (rerun on a quieter machine)[/yellow]"
+            )
 
     if update:
         write_baseline(baseline_path, results)
@@ -397,14 +454,26 @@ def run_bench_command(suite: str | Sequence[BenchCase], baseline_path: Path, *, 
     rows = compare(results, baseline)
     regressed = [r for r in rows if r.status in ("REGRESSED", "missing")]
     if as_json:
-        print(json.dumps({"suite": suite_name, "ablate": ablate, "results": results,
-                          "comparison": [dataclasses.asdict(r) for r in rows],
-                          "regressed": [f"{r.case} {r.metric}" for r in regressed]}, allow_nan=False))
+        print(
+            json.dumps(
+                {
+                    "suite": suite_name,
+                    "ablate": ablate,
+                    "results": results,
+                    "comparison": [dataclasses.asdict(r) for r in rows],
+                    "regressed": [f"{r.case} {r.metric}" for r in regressed],
+                },
+                allow_nan=False,
+            )
+        )
     else:
         console.print(comparison_table(rows, title=f"kareus bench --suite {suite_name} against {baseline_path}"))
     for r in regressed:
-        print(f"kareus bench: regression: {r.case} {r.metric}: {_number(r.baseline, r.metric)} -> "
-              f"{_number(r.value, r.metric)} (tolerance {r.tolerance})", file=sys.stderr)
+        print(
+            f"kareus bench: regression: {r.case} {r.metric}: {_number(r.baseline, r.metric)} -> "
+            f"{_number(r.value, r.metric)} (tolerance {r.tolerance})",
+            file=sys.stderr,
+        )
     if not regressed:
         (log if as_json else console).print(f"no regressions ({len(rows)} metrics within tolerance)")
     return 1 if regressed else 0

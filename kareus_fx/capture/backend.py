@@ -17,8 +17,9 @@ reads the options, opens the graph's dump file (``options={"dump_dir": ...}``) a
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.fx
@@ -33,17 +34,16 @@ from kareus_fx.plan.live_tuning import LiveTuning
 _graph_counter = itertools.count()
 
 
-def kareus_backend(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], options: Any = None
-) -> Callable[..., Any]:
+def kareus_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Any = None) -> Callable[..., Any]:
     """Compile one Dynamo graph. ``options`` is what ``torch.compile(..., options=...)`` received."""
     opts = KareusOptions.from_user(options)
     gpu = gpu_spec(opts.gpu)
     dump = _dump_file(opts, next(_graph_counter))
     if opts.tune is not None and opts.tune_request is None:
         return LiveTuning(gm, example_inputs, opts, gpu, dump)
-    return compile_graph(gm, example_inputs, gpu, dump, deployment_from_options(opts), nanobatch=opts.nanobatch,
-                         inductor=opts.inductor)
+    return compile_graph(
+        gm, example_inputs, gpu, dump, deployment_from_options(opts), nanobatch=opts.nanobatch, inductor=opts.inductor
+    )
 
 
 def _dump_file(opts: KareusOptions, index: int) -> GraphDumpFile | None:

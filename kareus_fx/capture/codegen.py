@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import heapq
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch._guards
 import torch.fx
@@ -43,7 +43,14 @@ from torch._inductor.virtualized import V
 
 from kareus_fx.passes.nanobatch import NANOBATCH_META
 
-__all__ = ["GraphCodegen", "InductorKernel", "NanobatchFusionChoices", "hold_plan_order", "output_code", "reading_kernels"]
+__all__ = [
+    "GraphCodegen",
+    "InductorKernel",
+    "NanobatchFusionChoices",
+    "hold_plan_order",
+    "output_code",
+    "reading_kernels",
+]
 
 # Inductor config for the kareus graphs (module docstring).
 ORDER_HOLDING_CONFIG: dict[str, Any] = {
@@ -56,8 +63,12 @@ ORDER_HOLDING_CONFIG: dict[str, Any] = {
 
 def _nanobatches(node: Any) -> set[int]:
     """Nanobatch labels of the aten nodes a (fused) scheduler node computes (shared work: none)."""
-    return {origin.meta.get(NANOBATCH_META) for sub in node.get_nodes() if sub.node is not None
-            for origin in sub.node.origins} - {None}
+    return {
+        origin.meta.get(NANOBATCH_META)
+        for sub in node.get_nodes()
+        if sub.node is not None
+        for origin in sub.node.origins
+    } - {None}
 
 
 class NanobatchFusionChoices(InductorChoices):
@@ -106,12 +117,17 @@ def _read_kernels(nodes: list[Any]) -> list[InductorKernel]:
     for node in nodes:
         if isinstance(node, NopKernelSchedulerNode) or isinstance(node.node, MultiOutput):
             continue  # no kernel: an alias, or one output of a multi-output extern kernel
-        origins = sorted({o for sub in node.get_nodes() if sub.node is not None for o in sub.node.origins},
-                         key=lambda o: o.name)
-        kernels.append(InductorKernel(
-            origins=tuple(o.name for o in origins), targets=tuple(str(o.target) for o in origins),
-            extern=isinstance(node, ExternKernelSchedulerNode), bytes=float(node.get_read_write_buffers_sizes()),
-        ))
+        origins = sorted(
+            {o for sub in node.get_nodes() if sub.node is not None for o in sub.node.origins}, key=lambda o: o.name
+        )
+        kernels.append(
+            InductorKernel(
+                origins=tuple(o.name for o in origins),
+                targets=tuple(str(o.target) for o in origins),
+                extern=isinstance(node, ExternKernelSchedulerNode),
+                bytes=float(node.get_read_write_buffers_sizes()),
+            )
+        )
     return kernels
 
 
@@ -167,8 +183,10 @@ class GraphCodegen:
         context = torch._guards.TracingContext.try_get()
         if context is not None and context.output_strides:
             context.output_strides.clear()
-        with (V.set_choices_handler(NanobatchFusionChoices()),
-              inductor_config.patch({**ORDER_HOLDING_CONFIG, "_post_fusion_custom_pass": hold_plan_order})):
+        with (
+            V.set_choices_handler(NanobatchFusionChoices()),
+            inductor_config.patch({**ORDER_HOLDING_CONFIG, "_post_fusion_custom_pass": hold_plan_order}),
+        ):
             return compile_fx_inner(gm, example_inputs, is_backward=self.is_backward, is_inference=self.is_inference)
 
 

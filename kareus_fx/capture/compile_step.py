@@ -23,7 +23,8 @@ device's graphs, which made the meta-device trace of ``kareus plan`` differ from
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
@@ -46,9 +47,15 @@ __all__ = ["compile_autograd", "compile_graph"]
 
 
 def compile_graph(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
-    deployment: Deployment | BucketedDeployment | None, *, nanobatch: bool = True,
-    split: NanobatchResult | None = None, inductor: bool = True,
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    gpu: GPUSpec,
+    dump: GraphDumpFile | None,
+    deployment: Deployment | BucketedDeployment | None,
+    *,
+    nanobatch: bool = True,
+    split: NanobatchResult | None = None,
+    inductor: bool = True,
 ) -> Callable[..., Any]:
     """Steps 1-5 of the module docstring (``split``: the nanobatch split, when already made;
     ``inductor``: Inductor generates the code, else the graphs run op by op)."""
@@ -56,8 +63,12 @@ def compile_graph(
         split = split_nanobatches(gm, example_inputs)
     split_made = split is not None and split.split
     sequence = sequence_input(gm, split.batch_inputs) if split_made else None
-    if (isinstance(deployment, Deployment) and deployment.sizes is None and sequence is not None
-            and sequence.symbol is not None):
+    if (
+        isinstance(deployment, Deployment)
+        and deployment.sizes is None
+        and sequence is not None
+        and sequence.symbol is not None
+    ):
         deployment = BucketedDeployment.of_one_length(deployment)  # a symbolic length: per call
     if isinstance(deployment, BucketedDeployment):  # one compile per sequence-length bucket
         dumps = iter([dump])  # the first compile dumps
@@ -72,19 +83,28 @@ def compile_graph(
         return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False, inductor=inductor)
     if not split.split:  # fell back: the only graph
         return compile_autograd(gm, example_inputs, gpu, dump, deployment, nanobatched=False, inductor=inductor)
-    compiled = compile_autograd(split.gm, example_inputs, gpu, dump, deployment, nanobatched=True, unsplit=False,
-                                inductor=inductor)
+    compiled = compile_autograd(
+        split.gm, example_inputs, gpu, dump, deployment, nanobatched=True, unsplit=False, inductor=inductor
+    )
     if deployment is not None and deployment.unsplit:
         # The plan runs some microbatches as the un-split Megatron-LM microbatch it priced.
-        unsplit = compile_autograd(gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True,
-                                   inductor=inductor)
+        unsplit = compile_autograd(
+            gm, example_inputs, gpu, None, deployment, nanobatched=False, unsplit=True, inductor=inductor
+        )
         return deployment.select_graph(compiled, unsplit)
     return compiled
 
 
 def compile_autograd(
-    gm: torch.fx.GraphModule, example_inputs: list[Any], gpu: GPUSpec, dump: GraphDumpFile | None,
-    deployment: Deployment | None, *, nanobatched: bool, unsplit: bool | None = None, inductor: bool = True,
+    gm: torch.fx.GraphModule,
+    example_inputs: list[Any],
+    gpu: GPUSpec,
+    dump: GraphDumpFile | None,
+    deployment: Deployment | None,
+    *,
+    nanobatched: bool,
+    unsplit: bool | None = None,
+    inductor: bool = True,
 ) -> Callable[..., Any]:
     """aot_autograd of ``gm`` with steps 3-5 of the module docstring on each aten graph.
 
@@ -92,7 +112,9 @@ def compile_autograd(
     runs beside the nanobatched one; False, the nanobatched one; None, the only graph."""
     forward_labels: dict[str, int | None] = {}
 
-    def compile_aten(name: str, inference: bool = False) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
+    def compile_aten(
+        name: str, inference: bool = False
+    ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
         def compiler(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable[..., Any]:
             with sizes_at(deployment.sizes if deployment is not None else None):
                 return compile_at_sizes(aten_gm, aten_inputs)

@@ -121,8 +121,12 @@ def partitioning_record(partitioning: GraphPartitioning) -> dict[str, Any]:
                 "count": t.count,
                 "collective": asdict(t.collective),
                 "slots": [
-                    {"ops": [op.target for op in slot.ops], "flops": slot.flops, "bytes": slot.bytes,
-                     "bound": slot.bound}
+                    {
+                        "ops": [op.target for op in slot.ops],
+                        "flops": slot.flops,
+                        "bytes": slot.bytes,
+                        "bound": slot.bound,
+                    }
                     for slot in t.slots
                 ],
                 "launch_slots": list(t.launch_slots),
@@ -206,15 +210,27 @@ def partition_types_from_dump(dump: dict[str, Any]) -> dict[str, PartitionType]:
         for record in graph.get("partition_types") or []:
             partition = exemplar[record["type"]]
             slots = tuple(
-                SlotSpec(ops=tuple(
-                    OpCost(name=name, target=nodes[name]["op"], flops=nodes[name]["flops"],
-                           bytes=nodes[name]["bytes"], bound=nodes[name]["bound"], kernel=nodes[name].get("kernel"))
-                    for name in slot))
+                SlotSpec(
+                    ops=tuple(
+                        OpCost(
+                            name=name,
+                            target=nodes[name]["op"],
+                            flops=nodes[name]["flops"],
+                            bytes=nodes[name]["bytes"],
+                            bound=nodes[name]["bound"],
+                            kernel=nodes[name].get("kernel"),
+                        )
+                        for name in slot
+                    )
+                )
                 for slot in partition["slots"]
             )
             types[record["type"]] = PartitionType(
-                type_id=record["type"], graph=graph["name"], slots=slots,
-                collective=CollectiveSpec(**record["collective"]), count=record["count"],
+                type_id=record["type"],
+                graph=graph["name"],
+                slots=slots,
+                collective=CollectiveSpec(**record["collective"]),
+                count=record["count"],
                 launch_slots=tuple(record["launch_slots"]),
             )
     return types
@@ -231,11 +247,19 @@ def _exemplars(partitions: list[dict[str, Any]], nodes: dict[str, dict[str, Any]
     signatures: dict[str, dict[tuple, list[dict[str, Any]]]] = {}
     for partition in partitions:
         signature = tuple(
-            tuple((nodes[name]["op"], nodes[name]["flops"], nodes[name]["bytes"],
-                   i > 0 and nodes[name].get("kernel") is not None
-                   and nodes[name].get("kernel") == nodes[slot[i - 1]].get("kernel"))
-                  for i, name in enumerate(slot))
-            for slot in partition["slots"])
+            tuple(
+                (
+                    nodes[name]["op"],
+                    nodes[name]["flops"],
+                    nodes[name]["bytes"],
+                    i > 0
+                    and nodes[name].get("kernel") is not None
+                    and nodes[name].get("kernel") == nodes[slot[i - 1]].get("kernel"),
+                )
+                for i, name in enumerate(slot)
+            )
+            for slot in partition["slots"]
+        )
         signatures.setdefault(partition["type"], {}).setdefault(signature, []).append(partition)
     exemplars = {}
     for ptype, by_signature in signatures.items():
@@ -246,7 +270,9 @@ def _exemplars(partitions: list[dict[str, Any]], nodes: dict[str, dict[str, Any]
 
 def _op_name(node: torch.fx.Node) -> str:
     if node.op == "call_function":
-        return str(node.target) if hasattr(node.target, "overloadpacket") else getattr(
-            node.target, "__name__", str(node.target)
+        return (
+            str(node.target)
+            if hasattr(node.target, "overloadpacket")
+            else getattr(node.target, "__name__", str(node.target))
         )
     return node.op

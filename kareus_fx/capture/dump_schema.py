@@ -62,8 +62,10 @@ class Node(SchemaModel):
     @model_validator(mode="after")
     def _collective_iff_kind(self) -> Node:
         if (self.kind == "collective") != (self.collective is not None):
-            raise ValueError(f"a {self.kind!r} node has {'no' if self.collective is None else 'a'} collective "
-                             f"record (exactly the 'collective' nodes have one)")
+            raise ValueError(
+                f"a {self.kind!r} node has {'no' if self.collective is None else 'a'} collective "
+                f"record (exactly the 'collective' nodes have one)"
+            )
         return self
 
 
@@ -125,8 +127,9 @@ class Graph(SchemaModel):
     def _partitioned_together(self) -> Graph:
         present = [self.partitions is not None, self.partition_types is not None, self.leftover is not None]
         if any(present) and not all(present):
-            raise ValueError("a partitioned graph has partitions, partition_types and leftover, an "
-                             "un-partitioned one none of them")
+            raise ValueError(
+                "a partitioned graph has partitions, partition_types and leftover, an un-partitioned one none of them"
+            )
         return self
 
 
@@ -175,11 +178,16 @@ def cross_check(dump: DumpFile, fail: Callable[[str, str], None]) -> None:
                 fail(f"{where}.partition_types[{t}]", f"no partition of type {record.type!r}")
             slots = len(graph.partitions[exemplar[record.type]].slots)
             if slots != len(record.slots) or not slots:
-                fail(f"{where}.partition_types[{t}].slots",
-                     f"{len(record.slots)} slots, but its partitions have {slots} (and a type has at least one)")
+                fail(
+                    f"{where}.partition_types[{t}].slots",
+                    f"{len(record.slots)} slots, but its partitions have {slots} (and a type has at least one)",
+                )
             for i, slot in enumerate(record.launch_slots):
                 if slot >= slots:
-                    fail(f"{where}.partition_types[{t}].launch_slots[{i}]", f"slot {slot} outside the type's {slots} slots")
+                    fail(
+                        f"{where}.partition_types[{t}].launch_slots[{i}]",
+                        f"slot {slot} outside the type's {slots} slots",
+                    )
         for name in [*graph.leftover.nodes, *graph.leftover.collectives]:
             if name not in names:
                 fail(f"{where}.leftover", f"node {name!r} is not in the graph's nodes")

@@ -57,8 +57,7 @@ def encode_arguments(node: torch.fx.Node) -> dict[str, Any] | None:
     if node.op != "call_function":
         return None
     try:
-        return {"args": [_encode(a) for a in node.args],
-                "kwargs": {k: _encode(v) for k, v in node.kwargs.items()}}
+        return {"args": [_encode(a) for a in node.args], "kwargs": {k: _encode(v) for k, v in node.kwargs.items()}}
     except UnencodableArgument:
         return None
 
@@ -98,5 +97,7 @@ def decode_arguments(
     kwargs = encoded.get("kwargs")
     if not isinstance(args, list) or not isinstance(kwargs, Mapping):
         raise ValueError("encoded arguments need an 'args' list and a 'kwargs' object")
-    return ([_decode(a, tensor_for, device) for a in args],
-            {str(k): _decode(v, tensor_for, device) for k, v in kwargs.items()})
+    return (
+        [_decode(a, tensor_for, device) for a in args],
+        {str(k): _decode(v, tensor_for, device) for k, v in kwargs.items()},
+    )

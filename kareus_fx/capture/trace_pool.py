@@ -96,14 +96,15 @@ def run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
                 index = pending.pop()
             try:
                 here[index] = calls[index]()
-            except Exception as err:  # raised below, in the calls' order, as a serial run would
+            except Exception as err:  # noqa: BLE001 - raised below, in the calls' order, as a serial run would
                 here[index] = err
         results = [_result(index, here, futures, calls) for index in range(len(calls))]
     registry: dict = {}  # one registry for every worker: a warning they share is issued once
     for recorded in results:
         for warning in recorded.warnings:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno,
-                                   registry=registry)
+            warnings.warn_explicit(
+                warning.message, warning.category, warning.filename, warning.lineno, registry=registry
+            )
     return [recorded.value for recorded in results]
 
 
@@ -162,8 +163,12 @@ def _recording_warnings(call: Callable[[], T]) -> _Recorded[T]:
     return _Recorded(value, tuple(_Warning(str(w.message), w.category, w.filename, w.lineno) for w in issued))
 
 
-def _result(index: int, here: dict[int, T | Exception], futures: dict[int, Future[_Recorded[T]]],
-            calls: Sequence[Callable[[], T]]) -> _Recorded[T]:
+def _result(
+    index: int,
+    here: dict[int, T | Exception],
+    futures: dict[int, Future[_Recorded[T]]],
+    calls: Sequence[Callable[[], T]],
+) -> _Recorded[T]:
     if index in here:
         outcome = here[index]
         if isinstance(outcome, Exception):
@@ -172,8 +177,10 @@ def _result(index: int, here: dict[int, T | Exception], futures: dict[int, Futur
     try:
         return futures[index].result()
     except BrokenProcessPool as err:
-        raise TraceWorkerError(f"the worker process running {_describe(calls[index])} exited before returning "
-                               f"(killed, or crashed: out of memory?): {err}") from err
+        raise TraceWorkerError(
+            f"the worker process running {_describe(calls[index])} exited before returning "
+            f"(killed, or crashed: out of memory?): {err}"
+        ) from err
 
 
 def _import(modules: tuple[str, ...]) -> None:

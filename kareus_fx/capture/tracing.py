@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -109,8 +110,7 @@ def validate_trace_spec(spec: TraceSpec) -> None:
         check_layer_counts(spec.layers or config.num_layers, spec.stage_layers)
     if not 0 <= spec.stage < spec.pp:
         raise ParallelConfigError(
-            f"--stage {spec.stage} is not a stage of a pp={spec.pp} pipeline; "
-            f"choose a stage in 0..{spec.pp - 1}"
+            f"--stage {spec.stage} is not a stage of a pp={spec.pp} pipeline; choose a stage in 0..{spec.pp - 1}"
         )
 
 
@@ -144,9 +144,7 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         sys.excepthook = excepthook
 
 
-def trace_full_size(
-    spec: TraceSpec, *, backend: str = "kareus", options: dict[str, Any] | None = None
-) -> TraceResult:
+def trace_full_size(spec: TraceSpec, *, backend: str = "kareus", options: dict[str, Any] | None = None) -> TraceResult:
     """Build ``spec.model`` (stage ``spec.stage`` of ``spec.pp``) on meta, compile it with
     ``backend`` and run forward + backward once.
 
@@ -221,7 +219,10 @@ def _stage_model(spec: TraceSpec) -> Iterator[tuple[Any, dict[str, torch.Tensor]
             layout = ParallelLayout.from_default_group(tp=spec.tp, cp=spec.cp)
             with torch.device("meta"):
                 model = build_model(
-                    spec.model, layout, num_layers=spec.layers, dtype=spec.dtype,
+                    spec.model,
+                    layout,
+                    num_layers=spec.layers,
+                    dtype=spec.dtype,
                     stage=PipelineStage(spec.stage, spec.pp, spec.stage_layers),
                 )
             yield model, model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")

@@ -71,8 +71,9 @@ def read_bounded_text(path: str | Path, max_bytes: int, error: type[Exception], 
     try:
         size = path.stat().st_size
         if size > max_bytes:
-            raise error(f"{path}: {size} bytes, more than any real {what} ({max_bytes} bytes at most); "
-                        f"this is not a {what}")
+            raise error(
+                f"{path}: {size} bytes, more than any real {what} ({max_bytes} bytes at most); this is not a {what}"
+            )
         return path.read_bytes().decode("utf-8")
     except OSError as err:
         raise error(f"cannot read {what} {path}: {err.strerror}; check the path") from None
@@ -89,8 +90,9 @@ def parse_json(text: str, source: str, error: type[Exception], what: str, fix: s
     try:
         return json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as err:
-        raise error(f"{source} is not a {what}: invalid JSON at line {err.lineno} column {err.colno} "
-                    f"({err.msg}); {fix}") from None
+        raise error(
+            f"{source} is not a {what}: invalid JSON at line {err.lineno} column {err.colno} ({err.msg}); {fix}"
+        ) from None
     except (ValueError, RecursionError) as err:  # NaN/Infinity, an int of > 4300 digits, deep nesting
         raise error(f"{source} is not a {what}: {str(err) or type(err).__name__}; {fix}") from None
 
@@ -127,8 +129,12 @@ def error_text(err: ValidationError, source: str) -> str:
 
 
 def validated_document(
-    schema: type[SchemaModel], data: Any, cross_check: Callable[[Any, Callable[[str, str], None]], None],
-    source: str, error: type[Exception], fix: str,
+    schema: type[SchemaModel],
+    data: Any,
+    cross_check: Callable[[Any, Callable[[str, str], None]], None],
+    source: str,
+    error: type[Exception],
+    fix: str,
 ) -> dict[str, Any]:
     """``data`` validated by ``schema`` and then by ``cross_check`` (which calls its ``fail(field,
     what)`` when parts disagree), as plain data holding only the schema's fields; every problem

@@ -178,9 +178,7 @@ class IterationFrontier:
             for node, index in zip(self.nodes, point.choices)
         }
 
-    def option(
-        self, point: IterationPoint, stage: int, instruction: Instruction, microbatch: int
-    ) -> Any:
+    def option(self, point: IterationPoint, stage: int, instruction: Instruction, microbatch: int) -> Any:
         """The chosen option of one node at ``point``."""
         index = self._node_index[PipelineNode(stage, instruction, microbatch)]
         return self.options[(stage, instruction)][int(point.choices[index])]
@@ -275,9 +273,7 @@ def _normalize_options(
             raise CompositionError(f"option keys must be (stage, instruction) pairs, got {key!r}")
         stage, instruction = key
         if instruction not in INSTRUCTIONS:
-            raise CompositionError(
-                f"unknown instruction {instruction!r} for stage {stage}: use one of {INSTRUCTIONS}"
-            )
+            raise CompositionError(f"unknown instruction {instruction!r} for stage {stage}: use one of {INSTRUCTIONS}")
         if not isinstance(stage, int) or isinstance(stage, bool) or stage < 0:
             raise CompositionError(f"stage must be an integer >= 0, got {stage!r}")
         items = tuple(value.points if hasattr(value, "points") else value)
@@ -287,13 +283,10 @@ def _normalize_options(
             t, e = getattr(option, "time_s", None), getattr(option, "energy_j", None)
             if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (t, e)):
                 raise CompositionError(
-                    f"stage {stage} {instruction}: option {option!r} needs a finite time_s "
-                    "and energy_j"
+                    f"stage {stage} {instruction}: option {option!r} needs a finite time_s and energy_j"
                 )
             if e < 0:
-                raise CompositionError(
-                    f"stage {stage} {instruction}: negative energy in {option!r}"
-                )
+                raise CompositionError(f"stage {stage} {instruction}: negative energy in {option!r}")
             if t < unit_time_s:
                 raise CompositionError(
                     f"stage {stage} {instruction}: option time {t} s is below the time quantum "
@@ -302,12 +295,7 @@ def _normalize_options(
         normalized[(stage, instruction)] = items
     stages = sorted({stage for stage, _ in normalized})
     num_stages = stages[-1] + 1
-    missing = [
-        f"stage {s} {inst}"
-        for s in range(num_stages)
-        for inst in INSTRUCTIONS
-        if (s, inst) not in normalized
-    ]
+    missing = [f"stage {s} {inst}" for s in range(num_stages) for inst in INSTRUCTIONS if (s, inst) not in normalized]
     if missing:
         raise CompositionError(
             f"missing options for {', '.join(missing)} (stages must be 0..{num_stages - 1}, "
@@ -321,9 +309,7 @@ def _candidates(items: tuple[Any, ...], unit_time_s: float) -> CandidateExecutio
     fastest within the quantum): the same candidate set the Perseus planner uses."""
     return CandidateExecutionOptions[int](
         options=[
-            ExecutionOption[int](
-                real_time=float(o.time_s), unit_time=unit_time_s, cost=float(o.energy_j), knob=i
-            )
+            ExecutionOption[int](real_time=float(o.time_s), unit_time=unit_time_s, cost=float(o.energy_j), knob=i)
             for i, o in enumerate(items)
         ]
     )
@@ -394,9 +380,7 @@ def count_solver_steps(
 
 
 def _check_unit_time(unit_time_s: Any) -> None:
-    if not (
-        isinstance(unit_time_s, (int, float)) and math.isfinite(unit_time_s) and unit_time_s > 0
-    ):
+    if not (isinstance(unit_time_s, (int, float)) and math.isfinite(unit_time_s) and unit_time_s > 0):
         raise CompositionError(f"unit_time_s must be a positive number, got {unit_time_s!r}")
 
 
@@ -418,8 +402,7 @@ def _operation_spec(
                 model = ExponentialModel(candidates, search_strategy="best")
             except (ValueError, RuntimeError) as e:
                 raise CompositionError(
-                    f"{label}: lowtime's exponential cost model did not fit ({e}); "
-                    'use cost_model="convex"'
+                    f'{label}: lowtime\'s exponential cost model did not fit ({e}); use cost_model="convex"'
                 ) from e
     else:
         if cost_model == "exponential":
@@ -466,11 +449,7 @@ def compose_iteration(
             negative or sub-quantum option, or a bad parameter.
     """
     _check_unit_time(unit_time_s)
-    if not (
-        isinstance(blocking_power_w, (int, float))
-        and math.isfinite(blocking_power_w)
-        and blocking_power_w >= 0
-    ):
+    if not (isinstance(blocking_power_w, (int, float)) and math.isfinite(blocking_power_w) and blocking_power_w >= 0):
         raise CompositionError(f"blocking_power_w must be a number >= 0, got {blocking_power_w!r}")
     if cost_model not in ("convex", "exponential"):
         raise CompositionError(f'cost_model must be "convex" or "exponential", got {cost_model!r}')
@@ -479,18 +458,14 @@ def compose_iteration(
     coarsened = False
     if max_solver_steps is not None:
         fine_unit_time_s = unit_time_s
-        unit_time_s = choose_unit_time_s(
-            options, num_microbatches, max_solver_steps, min_unit_time_s=unit_time_s
-        )
+        unit_time_s = choose_unit_time_s(options, num_microbatches, max_solver_steps, min_unit_time_s=unit_time_s)
         # A caller may pass an already-coarse floor (one quantum for several frontiers).
         coarsened = unit_time_s > min(fine_unit_time_s, DEFAULT_UNIT_TIME_S)
     num_stages, normalized = _normalize_options(options, unit_time_s)
     pipeline = build_1f1b_dag(num_stages, num_microbatches)
 
     specs = {
-        key: _operation_spec(
-            items, unit_time_s, blocking_power_w, cost_model, f"stage {key[0]} {key[1]}"
-        )
+        key: _operation_spec(items, unit_time_s, blocking_power_w, cost_model, f"stage {key[0]} {key[1]}")
         for key, items in sorted(normalized.items())
     }
 
@@ -525,9 +500,7 @@ def compose_iteration(
     most_options = max(len(items) for items in normalized.values())
     choice_dtype = np.uint16 if most_options <= np.iinfo(np.uint16).max else np.uint32
 
-    def evaluate_choices(
-        choices: np.ndarray, solver_time_s: float, solver_energy_j: float
-    ) -> IterationPoint:
+    def evaluate_choices(choices: np.ndarray, solver_time_s: float, solver_energy_j: float) -> IterationPoint:
         flat = node_offset + choices
         chosen_t, chosen_e = option_times_s[flat], option_energies_j[flat]
         time_s = _longest_path(preds, chosen_t.tolist())[0]
@@ -538,9 +511,7 @@ def compose_iteration(
         return IterationPoint(time_s, energy_j, solver_time_s, solver_energy_j, choices)
 
     def evaluate(solver_time_s: float, solver_cost: float) -> IterationPoint:
-        choices = np.fromiter(
-            (op.assigned_knob for op in operations), dtype=choice_dtype, count=len(nodes)
-        )
+        choices = np.fromiter((op.assigned_knob for op in operations), dtype=choice_dtype, count=len(nodes))
         solver_energy_j = solver_cost + num_stages * solver_time_s * blocking_power_w
         return evaluate_choices(choices, solver_time_s, solver_energy_j)
 
@@ -586,9 +557,7 @@ def compose_iteration(
     )
 
 
-def _longest_path(
-    preds: Sequence[tuple[int, ...]], durations: Sequence[float]
-) -> tuple[float, list[int]]:
+def _longest_path(preds: Sequence[tuple[int, ...]], durations: Sequence[float]) -> tuple[float, list[int]]:
     """Length of the longest path (nodes in topological order, ``preds`` their predecessors)
     and one longest path, last node first."""
     finish = [0.0] * len(preds)

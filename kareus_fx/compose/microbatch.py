@@ -151,14 +151,11 @@ def compose_microbatch(
     if set(partition_points) != set(counts):
         missing = sorted(set(partition_points) ^ set(counts))
         raise CompositionError(
-            f"partition_points and counts must name the same partition types; "
-            f"these appear in only one: {missing}"
+            f"partition_points and counts must name the same partition types; these appear in only one: {missing}"
         )
     for type_id, count in counts.items():
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise CompositionError(
-                f"count of partition type {type_id!r} must be >= 1, got {count!r}"
-            )
+            raise CompositionError(f"count of partition type {type_id!r} must be >= 1, got {count!r}")
     outside_by_clock: Mapping[int, Measurement] | None = outside
     for clock, m in (outside or {}).items():
         _check_measurement(f"outside cost at {clock} MHz", m)
@@ -173,8 +170,7 @@ def compose_microbatch(
         for config, m in partition_points[type_id]:
             if not isinstance(config, PartitionConfig):
                 raise CompositionError(
-                    f"partition type {type_id!r}: points must be "
-                    "(PartitionConfig, Measurement) pairs"
+                    f"partition type {type_id!r}: points must be (PartitionConfig, Measurement) pairs"
                 )
             _check_measurement(f"partition type {type_id!r} at {config}", m)
             per_clock.setdefault(config.clock_mhz, []).append(
@@ -200,9 +196,7 @@ def compose_microbatch(
         for clock, m in sorted(sequential.items())
     ]
     skipped: list[int] = []
-    partitioned_clocks = (
-        set.intersection(*(set(per_clock) for per_clock in by_type.values())) if by_type else set()
-    )
+    partitioned_clocks = set.intersection(*(set(per_clock) for per_clock in by_type.values())) if by_type else set()
     if outside_by_clock is not None:
         partitioned_clocks &= set(outside_by_clock)
     for clock in sorted(all_clocks):
@@ -211,9 +205,7 @@ def compose_microbatch(
                 skipped.append(clock)
             continue
         base = _ZERO if outside_by_clock is None else outside_by_clock[clock]
-        partials = [
-            _Partial(base.time_s, base.energy_j, base.dynamic_energy_j, base.static_energy_j, ())
-        ]
+        partials = [_Partial(base.time_s, base.energy_j, base.dynamic_energy_j, base.static_energy_j, ())]
         for type_id in sorted(by_type):
             options = by_type[type_id][clock]
             partials = pareto_front(
@@ -228,9 +220,7 @@ def compose_microbatch(
                 for o in options
             )
         candidates.extend(
-            MicrobatchPoint(
-                p.time_s, p.energy_j, p.dynamic_energy_j, p.static_energy_j, clock, p.configs
-            )
+            MicrobatchPoint(p.time_s, p.energy_j, p.dynamic_energy_j, p.static_energy_j, clock, p.configs)
             for p in partials
         )
     if not candidates:

@@ -123,11 +123,13 @@ def read_perseus_profile(source: PathOrFile) -> Profile:
                 raise CompositionError(error_text(err, f"{name}:{line}")) from None
             key = (row.stage, row.instruction, row.frequency)
             if key in seen:
-                raise CompositionError(f"{name}:{line}: repeated row for stage {row.stage} {row.instruction} "
-                                       f"at {row.frequency} MHz")
+                raise CompositionError(
+                    f"{name}:{line}: repeated row for stage {row.stage} {row.instruction} at {row.frequency} MHz"
+                )
             seen.add(key)
             profile.setdefault((row.stage, row.instruction), []).append(
-                InstructionOption(time_s=row.time, energy_j=row.energy, knob=row.frequency))
+                InstructionOption(time_s=row.time, energy_j=row.energy, knob=row.frequency)
+            )
     except csv.Error as err:
         raise CompositionError(f"{name}: not a CSV file: {err}") from None
     if not profile:
@@ -144,14 +146,10 @@ def _frequency_of(option: Any) -> int:
         clock = getattr(knob, "clock_mhz", None)
     if isinstance(clock, int):
         return clock
-    raise CompositionError(
-        f"option {option!r} has no clock: need an integer knob (MHz) or a clock_mhz attribute"
-    )
+    raise CompositionError(f"option {option!r} has no clock: need an integer knob (MHz) or a clock_mhz attribute")
 
 
-def write_perseus_profile(
-    target: PathOrFile, profile: Mapping[tuple[int, Instruction], Sequence[Any]]
-) -> None:
+def write_perseus_profile(target: PathOrFile, profile: Mapping[tuple[int, Instruction], Sequence[Any]]) -> None:
     """Write options (``InstructionOption`` with a MHz knob, or ``MicrobatchPoint``) as a Perseus
     profile CSV, by stage then instruction (forward first), each in the given option order.
 
@@ -215,12 +213,11 @@ def read_perseus_plan(source: PathOrFile) -> list[list[int]]:
     try:
         value = ast.literal_eval(body)
     except (ValueError, SyntaxError, MemoryError, RecursionError) as e:
-        raise CompositionError(
-            f"not a Perseus frequency plan (a list of lists of ints): {e}"
-        ) from None
+        raise CompositionError(f"not a Perseus frequency plan (a list of lists of ints): {e}") from None
     try:
         return _FREQUENCY_PLAN.validate_python(value)
     except ValidationError as err:
         name = str(source) if isinstance(source, (str, os.PathLike)) else "<stream>"
-        raise CompositionError(f"{error_text(err, name)}: not a Perseus frequency plan (a list of lists of "
-                               f"clocks in MHz)") from None
+        raise CompositionError(
+            f"{error_text(err, name)}: not a Perseus frequency plan (a list of lists of clocks in MHz)"
+        ) from None

@@ -17,6 +17,7 @@ lowtime operations on it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -49,14 +50,10 @@ def _check_sizes(num_stages: int, num_microbatches: int) -> None:
     if not isinstance(num_stages, int) or num_stages < 1:
         raise CompositionError(f"num_stages must be a positive integer, got {num_stages!r}")
     if not isinstance(num_microbatches, int) or num_microbatches < 1:
-        raise CompositionError(
-            f"num_microbatches must be a positive integer, got {num_microbatches!r}"
-        )
+        raise CompositionError(f"num_microbatches must be a positive integer, got {num_microbatches!r}")
 
 
-def one_f_one_b_order(
-    num_stages: int, num_microbatches: int, stage: int
-) -> list[tuple[Instruction, int]]:
+def one_f_one_b_order(num_stages: int, num_microbatches: int, stage: int) -> list[tuple[Instruction, int]]:
     """The (instruction, microbatch) sequence that ``stage`` runs under 1F1B."""
     _check_sizes(num_stages, num_microbatches)
     if not 0 <= stage < num_stages:
@@ -77,18 +74,13 @@ def build_1f1b_dag(num_stages: int, num_microbatches: int) -> nx.DiGraph:
     _check_sizes(num_stages, num_microbatches)
     dag = nx.DiGraph()
     for stage in range(num_stages):
-        nodes = [
-            PipelineNode(stage, inst, mb)
-            for inst, mb in one_f_one_b_order(num_stages, num_microbatches, stage)
-        ]
+        nodes = [PipelineNode(stage, inst, mb) for inst, mb in one_f_one_b_order(num_stages, num_microbatches, stage)]
         dag.add_nodes_from(nodes)
-        dag.add_edges_from(zip(nodes, nodes[1:]))
+        dag.add_edges_from(itertools.pairwise(nodes))
     for stage in range(num_stages - 1):
         for mb in range(num_microbatches):
             dag.add_edge(PipelineNode(stage, "forward", mb), PipelineNode(stage + 1, "forward", mb))
-            dag.add_edge(
-                PipelineNode(stage + 1, "backward", mb), PipelineNode(stage, "backward", mb)
-            )
+            dag.add_edge(PipelineNode(stage + 1, "backward", mb), PipelineNode(stage, "backward", mb))
     return dag
 
 

@@ -36,17 +36,26 @@ def compose_iterations(
     """:func:`compose_iteration` of each entry of ``options_by_name`` (``kwargs`` go to every
     call), in up to ``processes`` worker processes (1: all in this process, with ``progress``).
     The result has ``options_by_name``'s order."""
-    solving = {name: options for name, options in options_by_name.items()
-               if any(len(list(getattr(o, "points", o))) > 1 for o in options.values())}
+    solving = {
+        name: options
+        for name, options in options_by_name.items()
+        if any(len(list(getattr(o, "points", o))) > 1 for o in options.values())
+    }
     if processes <= 1 or len(solving) <= 1:
-        return {name: compose_iteration(options, num_microbatches, progress=progress, **kwargs)
-                for name, options in options_by_name.items()}
+        return {
+            name: compose_iteration(options, num_microbatches, progress=progress, **kwargs)
+            for name, options in options_by_name.items()
+        }
     # Most options first: the longest solves start first.
     largest_first = sorted(solving, key=lambda n: -sum(len(list(getattr(o, "points", o))) for o in solving[n].values()))
     with ProcessPoolExecutor(max_workers=min(processes, len(solving)), mp_context=mp.get_context("spawn")) as pool:
-        futures = {name: pool.submit(compose_iteration, solving[name], num_microbatches, **kwargs)
-                   for name in largest_first}
-        here = {name: compose_iteration(options, num_microbatches, **kwargs)
-                for name, options in options_by_name.items() if name not in solving}
+        futures = {
+            name: pool.submit(compose_iteration, solving[name], num_microbatches, **kwargs) for name in largest_first
+        }
+        here = {
+            name: compose_iteration(options, num_microbatches, **kwargs)
+            for name, options in options_by_name.items()
+            if name not in solving
+        }
         done = {name: future.result() for name, future in futures.items()}
     return {name: here[name] if name in here else done[name] for name in options_by_name}

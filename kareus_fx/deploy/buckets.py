@@ -90,8 +90,9 @@ class BucketedDeployment:
             bucket = plan.bucket(seq)
             point = bucket.point_index(opts.target)
             clock = clock_binding(bucket, point, opts.clock_controller)
-            buckets[seq] = Deployment(plan=bucket, point_index=point, stage=opts.stage, clock=clock,
-                                      dump_dir=opts.dump_dir)
+            buckets[seq] = Deployment(
+                plan=bucket, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir
+            )
         cursor = buckets[plan.buckets[0]].cursor
         for deployment in buckets.values():
             deployment.cursor = cursor  # one count of microbatches over all buckets
@@ -139,12 +140,16 @@ class BucketedDeployment:
 def _outside_message(plan: Plan, seqs: tuple[int, ...], length: int, fixed: bool) -> str:
     buckets = ",".join(map(str, seqs))
     if fixed and length <= seqs[-1]:
-        fix = ("mark the sequence dim dynamic (torch._dynamo.mark_dynamic(x, 1), or compile with "
-               "dynamic=True) so one graph serves every bucket, or add the length to --seq")
+        fix = (
+            "mark the sequence dim dynamic (torch._dynamo.mark_dynamic(x, 1), or compile with "
+            "dynamic=True) so one graph serves every bucket, or add the length to --seq"
+        )
     else:
         fix = f"re-plan with `kareus plan --seq {buckets},{length}` to cover it"
-    return (f"a call of sequence length {length} is in no bucket of the plan {plan.source} "
-            f"(buckets {buckets}); it runs un-split without the plan. Fix: {fix}")
+    return (
+        f"a call of sequence length {length} is in no bucket of the plan {plan.source} "
+        f"(buckets {buckets}); it runs un-split without the plan. Fix: {fix}"
+    )
 
 
 def _raise_no_sequence(plan: Plan) -> None:

@@ -101,7 +101,16 @@ from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
 Codegen = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 """Compiles one aten graph into a boxed callable (Inductor's inner compile or op by op)."""
 
-__all__ = ["DeployedGraph", "Deployment", "PlanDeviationWarning", "PlanMismatchError", "clock_schedule", "prepare_collectives", "copy_graph", "deployed_graphs"]
+__all__ = [
+    "DeployedGraph",
+    "Deployment",
+    "PlanDeviationWarning",
+    "PlanMismatchError",
+    "clock_schedule",
+    "copy_graph",
+    "deployed_graphs",
+    "prepare_collectives",
+]
 
 
 class PlanMismatchError(KareusError, ValueError):
@@ -137,8 +146,11 @@ def deployed_graphs() -> list[DeployedGraph]:
 
 
 def prepare_collectives(
-    plan: str | Path | Plan, target: Target = "max-throughput", groups: Iterable[dist.ProcessGroup | None] = (),
-    *, timeout_s: float | None = None,
+    plan: str | Path | Plan,
+    target: Target = "max-throughput",
+    groups: Iterable[dist.ProcessGroup | None] = (),
+    *,
+    timeout_s: float | None = None,
 ) -> frozenset[int]:
     """Create this job's SM-limited communicators at startup (step 5 of the module docstring).
 
@@ -160,8 +172,12 @@ def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
     A plan that locks no clock (``--max-clock-only``) gives a schedule that requests none."""
     workload = plan.workload
     return ClockSchedule.from_entries(
-        ((stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
-         for stage in range(workload["pp"]) for name in INSTRUCTIONS for mb in range(workload["microbatches"])),
+        (
+            (stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
+            for stage in range(workload["pp"])
+            for name in INSTRUCTIONS
+            for mb in range(workload["microbatches"])
+        ),
         requests_clocks=plan.locks_clocks,
     )
 
@@ -179,7 +195,7 @@ class MicrobatchCursor:
     def __init__(self, stage: int, microbatches: int) -> None:
         self.stage = stage
         self.microbatches = microbatches
-        self._calls = {name: 0 for name in INSTRUCTIONS}
+        self._calls = dict.fromkeys(INSTRUCTIONS, 0)
 
     def next(self, instruction: str) -> PipelineNode:
         """The instruction that runs now; a counted one advances the count."""
@@ -228,15 +244,17 @@ class Deployment:
         microbatches = self.plan.workload["microbatches"]
         self.cursor = MicrobatchCursor(self.stage, microbatches)
         self.unsplit = frozenset(mb for mb in range(microbatches) if self._option("forward", mb)["sequential"])
-        disagree = [mb for mb in range(microbatches)
-                    if self._option("backward", mb)["sequential"] != (mb in self.unsplit)]
+        disagree = [
+            mb for mb in range(microbatches) if self._option("backward", mb)["sequential"] != (mb in self.unsplit)
+        ]
         if disagree:
             warnings.warn(
                 f"the plan {self.plan.source} runs the forward and backward of microbatch(es) {disagree} "
                 f"of stage {self.stage} one split and one un-split at point {self.point_index}; a backward "
                 f"comes from its forward's graph, so each runs at its planned clock, un-split after an "
                 f"un-split forward and nanobatched with every partition sequential otherwise, not as priced",
-                PlanDeviationWarning, stacklevel=2,
+                PlanDeviationWarning,
+                stacklevel=2,
             )
 
     def _option(self, name: str, microbatch: int) -> Mapping[str, Any]:
@@ -255,8 +273,14 @@ class Deployment:
         return cls(plan=plan, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir)
 
     def compile(
-        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None, example_inputs: list[Any],
-        codegen: Codegen, *, unsplit: bool | None = None,
+        self,
+        name: str,
+        gm: torch.fx.GraphModule,
+        partitioning: GraphPartitioning | None,
+        example_inputs: list[Any],
+        codegen: Codegen,
+        *,
+        unsplit: bool | None = None,
     ) -> Callable[..., Any]:
         """Check ``gm`` against the plan and compile its variants behind a microbatch dispatcher;
         ``codegen`` compiles each variant (``kareus_fx.capture.codegen.GraphCodegen``).
@@ -279,8 +303,16 @@ class Deployment:
         variants = {}
         for key, per_type in schedules.items():
             microbatches = tuple(mb for mb, k in variant_of.items() if k == key)
-            variants[key] = self._compile_variant(name, gm, partitioning, per_type, microbatches, example_inputs,
-                                                  codegen, nanobatched=partitioning is not None)
+            variants[key] = self._compile_variant(
+                name,
+                gm,
+                partitioning,
+                per_type,
+                microbatches,
+                example_inputs,
+                codegen,
+                nanobatched=partitioning is not None,
+            )
         return self._dispatcher(name, variants, variant_of)
 
     def select_graph(self, nanobatched: Callable[..., Any], unsplit: Callable[..., Any]) -> Callable[..., Any]:
@@ -315,8 +347,13 @@ class Deployment:
             )
 
     def _check_fingerprint(
-        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
-        stage_graph: Mapping[str, Any], *, unsplit: bool = False,
+        self,
+        name: str,
+        gm: torch.fx.GraphModule,
+        partitioning: GraphPartitioning | None,
+        stage_graph: Mapping[str, Any],
+        *,
+        unsplit: bool = False,
     ) -> None:
         record = graph_record(name, gm, partitioning)
         live = graph_fingerprint(record)
@@ -336,7 +373,8 @@ class Deployment:
         live_types = sorted(partitioning.types) if partitioning is not None else []
         planned_types = sorted(stage_graph["partition_types"])
         types_note = (
-            "the same partition types" if live_types == planned_types
+            "the same partition types"
+            if live_types == planned_types
             else f"partition types {live_types or 'none'} (the plan has {planned_types or 'none'})"
         )
         raise PlanMismatchError(
@@ -348,7 +386,10 @@ class Deployment:
         )
 
     def _schedules(
-        self, name: str, option: Mapping[str, Any], partitioning: GraphPartitioning | None,
+        self,
+        name: str,
+        option: Mapping[str, Any],
+        partitioning: GraphPartitioning | None,
         plan_types: Mapping[str, str],
     ) -> dict[str, CommSchedule]:
         """Per local partition type: the option's schedule (every type sequential if it is)."""
@@ -371,9 +412,16 @@ class Deployment:
 
     # ----- compile and dispatch -------------------------------------------------------------------
     def _compile_variant(
-        self, name: str, gm: torch.fx.GraphModule, partitioning: GraphPartitioning | None,
-        per_type: Mapping[str, CommSchedule], microbatches: tuple[int, ...], example_inputs: list[Any],
-        codegen: Codegen, *, nanobatched: bool,
+        self,
+        name: str,
+        gm: torch.fx.GraphModule,
+        partitioning: GraphPartitioning | None,
+        per_type: Mapping[str, CommSchedule],
+        microbatches: tuple[int, ...],
+        example_inputs: list[Any],
+        codegen: Codegen,
+        *,
+        nanobatched: bool,
     ) -> tuple[DeployedGraph, Callable[..., Any]]:
         if partitioning is None:
             variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -381,12 +429,19 @@ class Deployment:
             summary: list[ScheduledPartition] = []
         else:
             variant, copied = copy_partitioned_graph(gm, partitioning)
-            summary = schedule_partitions(variant, copied, per_type, stage=self.stage, instruction=name,
-                                          group_for=self._group_rewrite())
+            summary = schedule_partitions(
+                variant, copied, per_type, stage=self.stage, instruction=name, group_for=self._group_rewrite()
+            )
         compiled = codegen(variant, example_inputs)
-        deployed = DeployedGraph(name=name, stage=self.stage, microbatches=microbatches, gm=variant,
-                                 partitions=tuple(summary), nanobatched=nanobatched,
-                                 output_code=getattr(compiled, "source_code", None))
+        deployed = DeployedGraph(
+            name=name,
+            stage=self.stage,
+            microbatches=microbatches,
+            gm=variant,
+            partitions=tuple(summary),
+            nanobatched=nanobatched,
+            output_code=getattr(compiled, "source_code", None),
+        )
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
             self._write_code(deployed)

@@ -41,8 +41,12 @@ def is_collective_failure(err: BaseException) -> bool:
 
 
 def peer_failure(
-    err: BaseException, node: PipelineNode, graph_name: str, gm: torch.fx.GraphModule,
-    partitions: Sequence[ScheduledPartition], clock: ClockBinding | None,
+    err: BaseException,
+    node: PipelineNode,
+    graph_name: str,
+    gm: torch.fx.GraphModule,
+    partitions: Sequence[ScheduledPartition],
+    clock: ClockBinding | None,
 ) -> PeerFailureError:
     """Restore this rank's clock and describe the failure of ``node``'s ``graph_name`` graph."""
     restored = _restore_clocks(clock)
@@ -52,8 +56,10 @@ def peer_failure(
     if partition is not None:
         ranks = _group_ranks(gm, partition.collectives)
         over = f" over ranks {ranks}" if ranks else ""
-        what = (f"collective {', '.join(partition.collectives)} of partition {partition.partition_id} "
-                f"(type {partition.type_id}, {partition.comm_sms} SMs){over}")
+        what = (
+            f"collective {', '.join(partition.collectives)} of partition {partition.partition_id} "
+            f"(type {partition.type_id}, {partition.comm_sms} SMs){over}"
+        )
     else:
         where = "un-split" if not partitions else "outside its scheduled partitions"
         what = f"a collective of the {graph_name} graph ({where})"

@@ -50,7 +50,9 @@ def _attention_fake(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
 
 
 @torch.library.custom_op("kareus::attention_backward", mutates_args=())
-def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def attention_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of :func:`attention` with respect to ``q``, ``k`` and ``v``.
 
     Explicit softmax-attention backward (the op runs below autograd, so no autograd here):
@@ -78,19 +80,21 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale:
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _attention_backward_fake(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     # Contiguous like the real op's matmul outputs (not empty_like: q, k, v are usually transposed
     # views, and a stride mismatch breaks the views aot_autograd puts after this op).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001 (torch.library signature)
+def _setup_context(ctx, inputs, output) -> None:
     q, k, v, scale = inputs
     ctx.save_for_backward(q, k, v)
     ctx.scale = scale
 
 
-def _backward(ctx, grad_out: Tensor):  # noqa: ANN001, ANN202 (torch.library signature)
+def _backward(ctx, grad_out: Tensor):
     q, k, v = ctx.saved_tensors
     grad_q, grad_k, grad_v = attention_backward(grad_out.contiguous(), q, k, v, ctx.scale)
     return grad_q, grad_k, grad_v, None

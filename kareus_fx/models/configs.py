@@ -66,10 +66,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"{self.name}: {self.num_heads} heads is not a multiple of "
-                f"{self.num_kv_heads} KV heads"
-            )
+            raise ValueError(f"{self.name}: {self.num_heads} heads is not a multiple of {self.num_kv_heads} KV heads")
         if self.head_dim % 2:
             raise ValueError(f"{self.name}: RoPE needs an even head_dim, got {self.head_dim}")
 
@@ -92,8 +89,7 @@ class ModelConfig:
                 g = math.gcd(*(c for c, _ in sharded))
                 choices = ",".join(str(d) for d in range(1, g + 1) if g % d == 0)
                 raise ParallelConfigError(
-                    f"tp={tp} does not divide {count} {what} of {self.name}; "
-                    f"choose tp in {{{choices}}}"
+                    f"tp={tp} does not divide {count} {what} of {self.name}; choose tp in {{{choices}}}"
                 )
 
     def with_layers(self, num_layers: int | None) -> ModelConfig:
@@ -208,15 +204,20 @@ def get_config(name: str) -> ModelConfig:
 
 # The tensor-parallel plan the reference transformer implements (transformers' base_model_tp_plan).
 _LLAMA_TP_PLAN = {
-    "layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
-    "layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
     "layers.*.mlp.down_proj": "rowwise",
 }
 # transformers model types whose decoder the reference transformer reproduces op for op.
 _HF_MODEL_TYPES = ("llama", "qwen3")
-_QK_NORM_TP_PLAN = {"layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-                    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}
+_QK_NORM_TP_PLAN = {
+    "layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+}
 
 
 @functools.lru_cache(maxsize=16)
@@ -230,13 +231,14 @@ def config_from_hf_file(path: str | Path) -> ModelConfig:
     if file.is_dir():
         file = file / "config.json"
     if not file.is_file():
-        raise HFConfigError(f"no Hugging Face config file at {file}; give the path of a model's "
-                            "config.json (or of the directory that holds it)")
+        raise HFConfigError(
+            f"no Hugging Face config file at {file}; give the path of a model's "
+            "config.json (or of the directory that holds it)"
+        )
     try:
         from transformers import AutoConfig
     except ImportError:
-        raise HFConfigError("reading a Hugging Face config needs transformers: "
-                            "pip install 'kareus-fx[hf]'") from None
+        raise HFConfigError("reading a Hugging Face config needs transformers: pip install 'kareus-fx[hf]'") from None
     try:
         raw = json.loads(file.read_text())
         hf = AutoConfig.for_model(**raw) if "model_type" in raw else None
@@ -252,30 +254,47 @@ def _config_from_hf(hf, name: str) -> ModelConfig:
     arch = f"{hf.model_type} ({', '.join(getattr(hf, 'architectures', None) or []) or 'no architectures'})"
     plan = dict(getattr(hf, "base_model_tp_plan", None) or {})
     if not plan:
-        raise HFConfigError(f"{name}: transformers has no tensor-parallel plan for {arch}; kareus "
-                            "plans architectures with a Llama-family TP plan (e.g. llama, qwen3)")
+        raise HFConfigError(
+            f"{name}: transformers has no tensor-parallel plan for {arch}; kareus "
+            "plans architectures with a Llama-family TP plan (e.g. llama, qwen3)"
+        )
     qk_norm = set(_QK_NORM_TP_PLAN) <= set(plan)
     if plan != {**_LLAMA_TP_PLAN, **(_QK_NORM_TP_PLAN if qk_norm else {})}:
-        raise HFConfigError(f"{name}: the tensor-parallel plan of {arch} is not the Llama-family one "
-                            f"the reference transformer implements: {plan}")
+        raise HFConfigError(
+            f"{name}: the tensor-parallel plan of {arch} is not the Llama-family one "
+            f"the reference transformer implements: {plan}"
+        )
     if hf.model_type not in _HF_MODEL_TYPES:  # same plan, other code (Qwen2's q/k/v biases)
-        raise HFConfigError(f"{name}: {arch} is not a model type the reference transformer reproduces; "
-                            f"supported: {', '.join(_HF_MODEL_TYPES)}")
-    unsupported = [f"{key}={getattr(hf, key)!r}" for key, ok in (
-        ("hidden_act", lambda v: v == "silu"), ("attention_bias", lambda v: not v),
-        ("mlp_bias", lambda v: not v)) if hasattr(hf, key) and not ok(getattr(hf, key))]
+        raise HFConfigError(
+            f"{name}: {arch} is not a model type the reference transformer reproduces; "
+            f"supported: {', '.join(_HF_MODEL_TYPES)}"
+        )
+    unsupported = [
+        f"{key}={getattr(hf, key)!r}"
+        for key, ok in (
+            ("hidden_act", lambda v: v == "silu"),
+            ("attention_bias", lambda v: not v),
+            ("mlp_bias", lambda v: not v),
+        )
+        if hasattr(hf, key) and not ok(getattr(hf, key))
+    ]
     rope = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         unsupported.append(f"rope_type={rope_type!r}")
     if unsupported:
-        raise HFConfigError(f"{name}: {arch} has {', '.join(unsupported)}; the reference transformer "
-                            "implements SiLU MLPs without biases and default or llama3 RoPE")
+        raise HFConfigError(
+            f"{name}: {arch} has {', '.join(unsupported)}; the reference transformer "
+            "implements SiLU MLPs without biases and default or llama3 RoPE"
+        )
     scaling = None
     if rope_type == "llama3":
-        scaling = Llama3RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                                    float(rope["high_freq_factor"]),
-                                    int(rope["original_max_position_embeddings"]))
+        scaling = Llama3RopeScaling(
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
     heads = hf.num_attention_heads
     try:
         return ModelConfig(

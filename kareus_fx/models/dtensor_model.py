@@ -32,10 +32,7 @@ class _Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mbs, seq, _ = x.shape
         # -1: this rank's heads once wq/wk/wv are column-sharded
-        q, k, v = (
-            w(x).view(mbs, seq, -1, self.head_dim).transpose(1, 2)
-            for w in (self.wq, self.wk, self.wv)
-        )
+        q, k, v = (w(x).view(mbs, seq, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(mbs, seq, -1))
 

@@ -84,9 +84,7 @@ def stage_role(index: int, num_stages: int) -> StageRole:
 def check_stage_layers(num_layers: int, num_stages: int) -> None:
     """Raise :class:`ParallelConfigError` unless every stage gets at least one layer."""
     if num_stages < 1:
-        raise ParallelConfigError(
-            f"pp must be >= 1, got pp={num_stages}; use pp=1 for no pipeline parallelism"
-        )
+        raise ParallelConfigError(f"pp must be >= 1, got pp={num_stages}; use pp=1 for no pipeline parallelism")
     if num_stages > num_layers:
         raise ParallelConfigError(
             f"pp={num_stages} pipeline stages need at least {num_stages} decoder layers, the model "
@@ -110,8 +108,7 @@ def even_layer_counts(num_layers: int, num_stages: int) -> list[int]:
     return [base + (1 if index < extra else 0) for index in range(num_stages)]
 
 
-def stage_layer_range(num_layers: int, num_stages: int, index: int,
-                      layer_counts: Sequence[int] | None = None) -> range:
+def stage_layer_range(num_layers: int, num_stages: int, index: int, layer_counts: Sequence[int] | None = None) -> range:
     """Global indices of the decoder layers stage ``index`` holds: ``layer_counts`` (one per stage)
     or the even split (see the module docstring)."""
     check_stage_layers(num_layers, num_stages)
@@ -137,13 +134,11 @@ class StageGroup:
         return self.stages[0]
 
 
-def group_stages(num_layers: int, num_stages: int,
-                 layer_counts: Sequence[int] | None = None) -> list[StageGroup]:
+def group_stages(num_layers: int, num_stages: int, layer_counts: Sequence[int] | None = None) -> list[StageGroup]:
     """The pipeline's stages grouped by (role, layer count), in order of their first stage."""
     check_stage_layers(num_layers, num_stages)
     groups: dict[tuple[StageRole, int], list[int]] = {}
     for index in range(num_stages):
-        key = (stage_role(index, num_stages),
-               len(stage_layer_range(num_layers, num_stages, index, layer_counts)))
+        key = (stage_role(index, num_stages), len(stage_layer_range(num_layers, num_stages, index, layer_counts)))
         groups.setdefault(key, []).append(index)
     return [StageGroup(role, count, tuple(stages)) for (role, count), stages in groups.items()]

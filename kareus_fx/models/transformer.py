@@ -146,9 +146,7 @@ class ColumnParallelLinear(nn.Module):
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's rows of the unsharded weight ``full``."""
-        return torch.cat(
-            [seg.chunk(self.tp, 0)[self.tp_rank] for seg in full.split(self.out_segments, 0)]
-        )
+        return torch.cat([seg.chunk(self.tp, 0)[self.tp_rank] for seg in full.split(self.out_segments, 0)])
 
 
 class RowParallelLinear(nn.Module):
@@ -181,9 +179,7 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose rows (vocabulary) are sharded over TP; 1 all-reduce forward."""
 
-    def __init__(
-        self, vocab_size: int, dim: int, layout: ParallelLayout, std: float, dtype=None
-    ) -> None:
+    def __init__(self, vocab_size: int, dim: int, layout: ParallelLayout, std: float, dtype=None) -> None:
         super().__init__()
         self.tp, self.tp_rank, self.tp_group = layout.tp, layout.tp_rank, layout.tp_group_name
         self.local_vocab = vocab_size // layout.tp
@@ -281,9 +277,7 @@ ATTENTION_IMPLS = ("kareus", "sdpa")
 
 
 class Attention(nn.Module):
-    def __init__(
-        self, config: ModelConfig, layout: ParallelLayout, dtype=None, attention: str = "kareus"
-    ) -> None:
+    def __init__(self, config: ModelConfig, layout: ParallelLayout, dtype=None, attention: str = "kareus") -> None:
         super().__init__()
         d, std = config.head_dim, config.init_std
         self.head_dim = d
@@ -300,9 +294,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
-        self.o_proj = RowParallelLinear(
-            config.num_heads * d, config.hidden_size, layout, std, dtype
-        )
+        self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, layout, std, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         mbs, seq, _ = x.shape
@@ -354,9 +346,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: ModelConfig, layout: ParallelLayout, dtype=None, attention: str = "kareus"
-    ) -> None:
+    def __init__(self, config: ModelConfig, layout: ParallelLayout, dtype=None, attention: str = "kareus") -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, dtype)
         self.self_attn = Attention(config, layout, dtype, attention)
@@ -394,13 +384,9 @@ class Transformer(nn.Module):
         self.config, self.layout, self.stage = config, layout, stage
         self.layer_range = stage_layer_range(config.num_layers, stage.num_stages, stage.index, stage.layer_counts)
         h, std = config.hidden_size, config.init_std
-        self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype) if stage.is_first else None
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype) if stage.is_first else None
         self.rotary = RotaryEmbedding(config, layout)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, dtype, attention) for _ in self.layer_range
-        )
+        self.layers = nn.ModuleList(DecoderLayer(config, layout, dtype, attention) for _ in self.layer_range)
         if stage.is_last:
             self.norm = RMSNorm(h, config.norm_eps, dtype)
             self.lm_head = ColumnParallelLinear(h, (config.vocab_size,), layout, std, dtype)
@@ -440,8 +426,11 @@ class Transformer(nn.Module):
         missing = [name for name, needed in wanted.items() if needed and given[name] is None]
         extra = [name for name, needed in wanted.items() if not needed and given[name] is not None]
         if missing or extra:
-            problems = [f"{verb} {', '.join(map(repr, names))}"
-                        for verb, names in (("needs", missing), ("does not take", extra)) if names]
+            problems = [
+                f"{verb} {', '.join(map(repr, names))}"
+                for verb, names in (("needs", missing), ("does not take", extra))
+                if names
+            ]
             raise ValueError(
                 f"{self.stage.role} pipeline stage {self.stage.index} of {self.stage.num_stages} "
                 f"{' and '.join(problems)}; pass the inputs its example_batch() returns"

@@ -31,20 +31,27 @@ def validate_buckets(req: PlanRequest, seqs: Sequence[int]) -> tuple[int, ...]:
     return buckets
 
 
-def make_bucketed_plan(req: PlanRequest, seqs: Sequence[int], work_dir: str | Path, *,
-                       progress: bool = True) -> PlanOutcome:
+def make_bucketed_plan(
+    req: PlanRequest, seqs: Sequence[int], work_dir: str | Path, *, progress: bool = True
+) -> PlanOutcome:
     """One plan holding a frontier per bucket of ``seqs``. The outcome's ``iteration`` and the
     plan's top-level fields are the largest bucket's; ``wall_s`` sums the buckets' phases. One
     model runs every bucket, so a ``"balanced"`` stage split is the largest bucket's, for all."""
     buckets = validate_buckets(req, seqs)
     started = time.perf_counter()
-    outcomes = {buckets[-1]: make_plan(dataclasses.replace(req, seq=buckets[-1]), Path(work_dir) / f"seq{buckets[-1]}",
-                                       progress=progress)}
+    outcomes = {
+        buckets[-1]: make_plan(
+            dataclasses.replace(req, seq=buckets[-1]), Path(work_dir) / f"seq{buckets[-1]}", progress=progress
+        )
+    }
     split = outcomes[buckets[-1]].data["workload"]["stage_layers"]
     req = dataclasses.replace(req, stage_layers=tuple(split) if split is not None else req.stage_layers)
-    outcomes.update({seq: make_plan(dataclasses.replace(req, seq=seq), Path(work_dir) / f"seq{seq}",
-                                    progress=progress)
-                     for seq in buckets[:-1]})
+    outcomes.update(
+        {
+            seq: make_plan(dataclasses.replace(req, seq=seq), Path(work_dir) / f"seq{seq}", progress=progress)
+            for seq in buckets[:-1]
+        }
+    )
     outcomes = dict(sorted(outcomes.items()))
     wall_s: dict[str, float] = {}
     for outcome in outcomes.values():

@@ -64,10 +64,26 @@ from kareus_fx.plan.planner import (
 )
 from kareus_fx.plan.profiling_cost import sequence_fingerprint
 from kareus_fx.runtime.group_replay import EnergyModel, GroupComms, GroupMeasurer, GroupReplay, PeerLostError
-from kareus_fx.workload import CollectiveSpec, Measurement, MeasurementFailedError, OpCost, PartitionConfig, PartitionType
+from kareus_fx.workload import (
+    CollectiveSpec,
+    Measurement,
+    MeasurementFailedError,
+    OpCost,
+    PartitionConfig,
+    PartitionType,
+)
 
-__all__ = ["DEFAULT_PEER_TIMEOUT_S", "Catalog", "GroupWorker", "QueueProfiler", "QueueServer", "Session",
-           "distributed_env", "make_plan_distributed", "serve_or_coordinate"]
+__all__ = [
+    "DEFAULT_PEER_TIMEOUT_S",
+    "Catalog",
+    "GroupWorker",
+    "QueueProfiler",
+    "QueueServer",
+    "Session",
+    "distributed_env",
+    "make_plan_distributed",
+    "serve_or_coordinate",
+]
 
 DEFAULT_PEER_TIMEOUT_S = 300.0
 """How long a profiling group waits for a peer (a collective, the coordinator's heartbeat)."""
@@ -103,8 +119,14 @@ class Session:
 class Catalog:
     """What can be measured, on every rank alike: partition types by plan id, sequences by fingerprint."""
 
-    def __init__(self, kind: str, gpu: str, ptypes: Mapping[str, PartitionType],
-                 sequences: Mapping[str, tuple[tuple[OpCost, ...], tuple[CollectiveSpec, ...]]], sequence_sms: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        gpu: str,
+        ptypes: Mapping[str, PartitionType],
+        sequences: Mapping[str, tuple[tuple[OpCost, ...], tuple[CollectiveSpec, ...]]],
+        sequence_sms: int,
+    ) -> None:
         self.kind = kind
         self.gpu = gpu
         self.ptypes = dict(ptypes)
@@ -132,8 +154,9 @@ class Catalog:
             raise OptionsError(f"partition type {ptype.type_id} is not one of the plan's types")
         return fp, config, {"fp": fp, "clock": config.clock_mhz, "sms": config.comm_sms, "slot": config.launch_slot}
 
-    def sequence(self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec],
-                 clock_mhz: int) -> tuple[str, PartitionConfig, dict[str, Any]]:
+    def sequence(
+        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int
+    ) -> tuple[str, PartitionConfig, dict[str, Any]]:
         fp = sequence_fingerprint(ops, collectives)
         if fp not in self.sequences:
             raise OptionsError("a sequence that is not one of the plan's graphs was asked for")
@@ -149,15 +172,18 @@ class Catalog:
             tid = self._tid[fp]
             return tid, structure_of(self.ptypes[tid])
         ops, collectives = self.sequences[fp]
-        return "sequence", {"ops": [[op.target, float(op.flops), float(op.bytes)] for op in ops],
-                            "collectives": [[c.kind, float(c.bytes), int(c.group_size), int(c.fused)] for c in collectives]}
+        return "sequence", {
+            "ops": [[op.target, float(op.flops), float(op.bytes)] for op in ops],
+            "collectives": [[c.kind, float(c.bytes), int(c.group_size), int(c.fused)] for c in collectives],
+        }
 
 
 class GroupWorker:
     """Replays catalog items with this rank's group (every member calls :meth:`measure` together)."""
 
-    def __init__(self, catalog: Catalog, session: Session, measurer: GroupMeasurer,
-                 tables: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, catalog: Catalog, session: Session, measurer: GroupMeasurer, tables: Mapping[str, Any] | None = None
+    ) -> None:
         self.catalog = catalog
         self.session = session
         self.measurer = measurer
@@ -177,7 +203,9 @@ class GroupWorker:
                 ptype = self.catalog.ptypes[self.catalog.describe(fp)[0]]
                 slots, collectives = [slot.ops for slot in ptype.slots], (ptype.collective,)
             table = self.tables.get(replay_key(op for slot in slots for op in slot))
-            replay = self._replays[fp] = GroupReplay(slots, collectives, self.session.comms, self.measurer.device, table)
+            replay = self._replays[fp] = GroupReplay(
+                slots, collectives, self.session.comms, self.measurer.device, table
+            )
         return self.measurer.measure(replay, int(payload["clock"]), payload["slot"], int(payload["sms"]))
 
 
@@ -201,8 +229,9 @@ class QueueServer:
         fp = item.payload["fp"]
         config = PartitionConfig(int(item.payload["clock"]), int(item.payload["sms"]), item.payload["slot"])
         type_id, structure = self.worker.catalog.describe(fp)
-        _, inserted = self.db.insert(self.worker.catalog.kind, self.worker.catalog.gpu, fp, type_id, structure,
-                                     config, measurement)
+        _, inserted = self.db.insert(
+            self.worker.catalog.kind, self.worker.catalog.gpu, fp, type_id, structure, config, measurement
+        )
         self.queue.log(item.key, s.run, s.rank, inserted)
         self.queue.finish(s.run, item.key)
         return True
@@ -224,8 +253,11 @@ class QueueServer:
                 if self.serve_one():
                     continue
             else:
-                waiting = [item for item in self.queue.claimed_by(self.session.run, self.session.comms.group_index)
-                           if item.key not in done]
+                waiting = [
+                    item
+                    for item in self.queue.claimed_by(self.session.run, self.session.comms.group_index)
+                    if item.key not in done
+                ]
                 if waiting:
                     done.add(waiting[0].key)
                     self._measure(waiting[0].key, waiting[0].payload)
@@ -239,16 +271,20 @@ class QueueServer:
         if beat is None:  # the coordinator has not started the run yet
             waited_s = time.monotonic() - self._started_s
             if waited_s > self.session.peer_timeout_s:
-                raise PeerLostError(f"rank {self.session.rank}: the coordinator (rank 0) did not start the run within "
-                                    f"{self.session.peer_timeout_s:g} s: it died or hangs")
+                raise PeerLostError(
+                    f"rank {self.session.rank}: the coordinator (rank 0) did not start the run within "
+                    f"{self.session.peer_timeout_s:g} s: it died or hangs"
+                )
             return False
         age_s, closed = beat
         if closed:
             return True
         if age_s > self.session.peer_timeout_s:
-            raise PeerLostError(f"rank {self.session.rank}: the coordinator (rank 0) has not been heard from for "
-                                f"{age_s:.0f} s (timeout {self.session.peer_timeout_s:g} s): it died or hangs; restart "
-                                f"the job to resume from the profile database")
+            raise PeerLostError(
+                f"rank {self.session.rank}: the coordinator (rank 0) has not been heard from for "
+                f"{age_s:.0f} s (timeout {self.session.peer_timeout_s:g} s): it died or hangs; restart "
+                f"the job to resume from the profile database"
+            )
         return False
 
 
@@ -266,23 +302,30 @@ class QueueProfiler:
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
         return self._get(*self.catalog.partition(ptype, config))
 
-    def measure_sequence(self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int,
-                         **_: Any) -> Measurement:
+    def measure_sequence(
+        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int, **_: Any
+    ) -> Measurement:
         return self._get(*self.catalog.sequence(ops, collectives, clock_mhz))
 
-    def prefetch(self, partitions: Sequence[tuple[PartitionType, PartitionConfig]] = (),
-                 sequences: Sequence[tuple[Sequence[OpCost], Sequence[CollectiveSpec], int]] = ()) -> None:
+    def prefetch(
+        self,
+        partitions: Sequence[tuple[PartitionType, PartitionConfig]] = (),
+        sequences: Sequence[tuple[Sequence[OpCost], Sequence[CollectiveSpec], int]] = (),
+    ) -> None:
         """Measure a batch at once, spread over every group."""
         wanted = [self.catalog.partition(p, c) for p, c in partitions]
         wanted += [self.catalog.sequence(o, c, clock) for o, c, clock in sequences]
-        self._run({self.catalog.key(fp, config): payload for fp, config, payload in wanted
-                   if self._missing(fp, config)})
+        self._run(
+            {self.catalog.key(fp, config): payload for fp, config, payload in wanted if self._missing(fp, config)}
+        )
 
     def _missing(self, fp: str, config: PartitionConfig) -> bool:
         """Neither a measurement nor a failure is stored for this key."""
         db = self.server.db
-        return (db.get(self.kind, self.gpu_name, fp, config) is None
-                and db.get_failure(self.kind, self.gpu_name, fp, config) is None)
+        return (
+            db.get(self.kind, self.gpu_name, fp, config) is None
+            and db.get_failure(self.kind, self.gpu_name, fp, config) is None
+        )
 
     def _stored(self, fp: str, config: PartitionConfig) -> Measurement | None:
         """The stored measurement (None: not measured); a stored failure raises it again."""
@@ -314,8 +357,9 @@ class QueueProfiler:
             state = server.queue.items(run, keys)
             failed = [item for item in state.values() if item.status == "failed"]
             if failed:
-                raise PeerLostError(f"profiling group {failed[0].group_index} could not measure {failed[0].key}: "
-                                    f"{failed[0].reason}")
+                raise PeerLostError(
+                    f"profiling group {failed[0].group_index} could not measure {failed[0].key}: {failed[0].reason}"
+                )
             if all(item.status == "done" for item in state.values()):
                 return
             self._check_stale(state.values())
@@ -324,10 +368,16 @@ class QueueProfiler:
     def _check_stale(self, items: Any) -> None:
         limit_s = self.server.session.peer_timeout_s + self.allowance_s
         for item in items:
-            claimed = self.server.queue.claimed_since_s(self.server.session.run, item.key) if item.status == "claimed" else None
+            claimed = (
+                self.server.queue.claimed_since_s(self.server.session.run, item.key)
+                if item.status == "claimed"
+                else None
+            )
             if claimed is not None and claimed > limit_s:
-                raise PeerLostError(f"profiling group {item.group_index} claimed {item.key} {claimed:.0f} s ago and "
-                                    f"has not finished it (limit {limit_s:.0f} s): its ranks died or hang")
+                raise PeerLostError(
+                    f"profiling group {item.group_index} claimed {item.key} {claimed:.0f} s ago and "
+                    f"has not finished it (limit {limit_s:.0f} s): its ranks died or hang"
+                )
 
 
 # ----- the session ---------------------------------------------------------------------------------
@@ -360,8 +410,10 @@ def _session(req: PlanRequest, peer_timeout_s: float) -> Iterator[tuple[int, int
     env = distributed_env()
     rank, world, local = env if env is not None else (0, 1, 0)
     if world % (req.tp * req.cp):
-        raise ParallelConfigError(f"{world} processes cannot form groups of tp x cp = {req.tp * req.cp} ranks: "
-                                  f"launch a multiple of {req.tp * req.cp} processes (--nproc or torchrun --nproc-per-node)")
+        raise ParallelConfigError(
+            f"{world} processes cannot form groups of tp x cp = {req.tp * req.cp} ranks: "
+            f"launch a multiple of {req.tp * req.cp} processes (--nproc or torchrun --nproc-per-node)"
+        )
     backend = "gloo" if req.profiler == "cpu-replay" else "nccl"
     if backend == "nccl":
         torch.cuda.set_device(local)
@@ -379,8 +431,9 @@ def _session(req: PlanRequest, peer_timeout_s: float) -> Iterator[tuple[int, int
         dist.destroy_process_group()
 
 
-def make_plan_distributed(req: PlanRequest, work_dir: str | Path, *, progress: bool = True,
-                          peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S) -> PlanOutcome | None:
+def make_plan_distributed(
+    req: PlanRequest, work_dir: str | Path, *, progress: bool = True, peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S
+) -> PlanOutcome | None:
     """Plan ``req`` with every process of the world profiling (module docstring); the plan on rank
     0, None on the others. ``work_dir`` (shared by every rank) keeps the dumps, the profile database
     and the queue."""
@@ -405,8 +458,15 @@ def make_plan_distributed(req: PlanRequest, work_dir: str | Path, *, progress: b
         session = Session(rank, world, local, comms, run, peer_timeout_s)
 
         def coordinate(profiler: QueueProfiler) -> PlanOutcome:
-            outcome = plan_traced(req, traced, work, progress=progress, profiler=profiler, groups=session.groups,
-                                  device=_device_label(req, session))
+            outcome = plan_traced(
+                req,
+                traced,
+                work,
+                progress=progress,
+                profiler=profiler,
+                groups=session.groups,
+                device=_device_label(req, session),
+            )
             outcome.wall_s = {"trace_s": trace_s, **outcome.wall_s, "total_s": time.perf_counter() - started}
             outcome.data["wall_s"] = outcome.wall_s
             return outcome
@@ -418,8 +478,9 @@ def make_plan_distributed(req: PlanRequest, work_dir: str | Path, *, progress: b
     return outcome
 
 
-def serve_or_coordinate(session: Session, worker: GroupWorker, work: Path,
-                        coordinate: Callable[[QueueProfiler], T], allowance_s: float) -> T | None:
+def serve_or_coordinate(
+    session: Session, worker: GroupWorker, work: Path, coordinate: Callable[[QueueProfiler], T], allowance_s: float
+) -> T | None:
     """Rank 0: ``coordinate(profiler)`` (with a heartbeat), then close the queue; every other rank:
     serve the queue until it is closed (module docstring, steps 3-5). The profile database and the
     queue are ``work``'s."""
@@ -444,8 +505,10 @@ def _allowance_s(req: PlanRequest) -> float:
 def _device_label(req: PlanRequest, session: Session) -> str:
     size = len(session.comms.group_ranks)
     if req.profiler == "cpu-replay":
-        return (f"test device: {session.world_size} CPU processes in {session.groups} group(s) of {size} over gloo; "
-                f"wall-clock time, energy from a fixed power model, not a GPU")
+        return (
+            f"test device: {session.world_size} CPU processes in {session.groups} group(s) of {size} over gloo; "
+            f"wall-clock time, energy from a fixed power model, not a GPU"
+        )
     return f"{session.world_size} {canonical_gpu_name(req.gpu)} GPUs in {session.groups} group(s) of {size} over NCCL"
 
 
@@ -468,16 +531,21 @@ def _measurer(req: PlanRequest, session: Session) -> Iterator[GroupMeasurer]:
         idle_c = float(gpus.get_gpu_temperature(index))  # before the first measurement heats the GPU
 
         def cool_down() -> None:
-            wait_for_cooldown(lambda: float(gpus.get_gpu_temperature(index)), idle_c, tolerance_c=3.0,
-                              timeout_s=120.0)
+            wait_for_cooldown(lambda: float(gpus.get_gpu_temperature(index)), idle_c, tolerance_c=3.0, timeout_s=120.0)
 
         def set_clock(clock_mhz: int) -> None:
             controller.request(clock_mhz, instruction="group_profiler")
             controller.flush(timeout_s=30.0)
 
-        yield GroupMeasurer(session.comms, EnergyModel(spec.static_power_w, index, req.device_window_s),
-                            torch.device("cuda", index), warmup=3, repeats=10, set_clock=set_clock,
-                            before_measure=cool_down)
+        yield GroupMeasurer(
+            session.comms,
+            EnergyModel(spec.static_power_w, index, req.device_window_s),
+            torch.device("cuda", index),
+            warmup=3,
+            repeats=10,
+            set_clock=set_clock,
+            before_measure=cool_down,
+        )
     finally:
         controller.restore()  # always: a failed or killed-peer run leaves no GPU at a locked clock
 
@@ -499,4 +567,3 @@ def _heartbeat(path: Path, run: str, rank: int) -> Iterator[None]:
     finally:
         stop.set()
         thread.join()
-

@@ -65,9 +65,18 @@ def graph_fingerprint(graph_record: Mapping[str, Any]) -> str:
     still changes the multiset.
     """
     items = sorted(
-        json.dumps((n["op"], n.get("shape"), n.get("kind"),
-                    None if n.get("collective") is None else {k: v for k, v in n["collective"].items() if k != "group_name"}),
-                   sort_keys=True, default=str)
+        json.dumps(
+            (
+                n["op"],
+                n.get("shape"),
+                n.get("kind"),
+                None
+                if n.get("collective") is None
+                else {k: v for k, v in n["collective"].items() if k != "group_name"},
+            ),
+            sort_keys=True,
+            default=str,
+        )
         for n in graph_record["nodes"]
         if n.get("kind") in ("compute", "collective")
     )
@@ -75,8 +84,14 @@ def graph_fingerprint(graph_record: Mapping[str, Any]) -> str:
 
 
 def _op_cost(node: Mapping[str, Any]) -> OpCost:
-    return OpCost(name=node["name"], target=node["op"], flops=node["flops"], bytes=node["bytes"],
-                  bound=node["bound"], kernel=node.get("kernel"))
+    return OpCost(
+        name=node["name"],
+        target=node["op"],
+        flops=node["flops"],
+        bytes=node["bytes"],
+        bound=node["bound"],
+        kernel=node.get("kernel"),
+    )
 
 
 _COLLECTIVE_FIELDS = tuple(f.name for f in dataclasses.fields(CollectiveSpec))
@@ -98,8 +113,9 @@ def _sequential(graph: Mapping[str, Any], names: Iterable[str] | None = None) ->
             ops.append(_op_cost(node))
         elif node["kind"] == "collective":
             collectives.append(_collective(node))
-    return SequentialGraph(graph=graph["name"], ops=tuple(ops), collectives=tuple(collectives),
-                           fingerprint=graph_fingerprint(graph))
+    return SequentialGraph(
+        graph=graph["name"], ops=tuple(ops), collectives=tuple(collectives), fingerprint=graph_fingerprint(graph)
+    )
 
 
 def _graphs_by_name(dump: Mapping[str, Any], what: str) -> dict[str, Mapping[str, Any]]:
@@ -135,6 +151,7 @@ def partitioned_graphs(dump: Mapping[str, Any]) -> dict[GraphName, PartitionedGr
             )
         leftover = graph["leftover"]
         names = [*leftover["nodes"], *leftover["collectives"]]
-        result[name] = PartitionedGraph(graph=name, ptypes=ptypes, outside=_sequential(graph, names),
-                                        fingerprint=graph_fingerprint(graph))
+        result[name] = PartitionedGraph(
+            graph=name, ptypes=ptypes, outside=_sequential(graph, names), fingerprint=graph_fingerprint(graph)
+        )
     return result

@@ -48,12 +48,24 @@ def launch(nproc: int, argv: Sequence[str], grace_s: float = 10.0) -> int:
     port = _free_port()
     procs = []
     for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         if os.path.exists("/sys/class/net/lo"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        procs.append(subprocess.Popen([sys.executable, "-m", "kareus_fx.cli", *argv], env=env,
-                                      stdout=None if rank == 0 else subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "kareus_fx.cli", *argv],
+                env=env,
+                stdout=None if rank == 0 else subprocess.DEVNULL,
+            )
+        )
     failure: int | None = None
     deadline_s = float("inf")
     try:

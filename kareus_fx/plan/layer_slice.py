@@ -80,7 +80,7 @@ def inserted_block(shorter: Sequence[Hashable], longer: Sequence[Hashable]) -> t
     at = 0
     while at < len(shorter) and shorter[at] == longer[at]:
         at += 1
-    if length <= 0 or at == 0 or longer[at + length:] != shorter[at:]:
+    if length <= 0 or at == 0 or longer[at + length :] != shorter[at:]:
         return None
     return at, length
 
@@ -107,7 +107,9 @@ def added_layer(shorter: Sequence[Hashable], longer: Sequence[Hashable], what: s
     return positions[::-1]
 
 
-def _priced_nodes(graph: Mapping[str, Any], dissolved: frozenset[str]) -> tuple[list[Mapping[str, Any]], list[Hashable]]:
+def _priced_nodes(
+    graph: Mapping[str, Any], dissolved: frozenset[str]
+) -> tuple[list[Mapping[str, Any]], list[Hashable]]:
     """The graph's computation and collective nodes and their comparison keys, with the
     partitions of the ``dissolved`` types counted as leftover work (as the partition pass's edge
     rule leaves them at full size)."""
@@ -123,13 +125,17 @@ def _priced_nodes(graph: Mapping[str, Any], dissolved: frozenset[str]) -> tuple[
     for node in nodes:
         collective = node.get("collective")
         ptype = partition_type.get(node["name"])
-        keys.append((
-            *(repr(node.get(f)) for f in _NODE_FIELDS),
-            None if collective is None else repr(sorted((k, v) for k, v in collective.items() if k != "group_name")),
-            ptype,
-            repr(node.get("slot")) if ptype is not None else None,
-            partitioned and ptype is None,
-        ))
+        keys.append(
+            (
+                *(repr(node.get(f)) for f in _NODE_FIELDS),
+                None
+                if collective is None
+                else repr(sorted((k, v) for k, v in collective.items() if k != "group_name")),
+                ptype,
+                repr(node.get("slot")) if ptype is not None else None,
+                partitioned and ptype is None,
+            )
+        )
     return nodes, keys
 
 
@@ -138,12 +144,15 @@ def _extended_counts(short: Mapping[str, Any], long: Mapping[str, Any], copies: 
     more layer makes rarer, an edge of the slice)."""
     short_counts = {t["type"]: t["count"] for t in short.get("partition_types") or []}
     long_counts = {t["type"]: t["count"] for t in long.get("partition_types") or []}
-    return {t: long_counts.get(t, 0) + copies * (long_counts.get(t, 0) - short_counts.get(t, 0))
-            for t in {*short_counts, *long_counts}}
+    return {
+        t: long_counts.get(t, 0) + copies * (long_counts.get(t, 0) - short_counts.get(t, 0))
+        for t in {*short_counts, *long_counts}
+    }
 
 
-def _copies_with_kernels(block: Sequence[Mapping[str, Any]], long_nodes: Sequence[Mapping[str, Any]], at: int,
-                         copies: int, chain: bool) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]]]:
+def _copies_with_kernels(
+    block: Sequence[Mapping[str, Any]], long_nodes: Sequence[Mapping[str, Any]], at: int, copies: int, chain: bool
+) -> tuple[list[dict[str, Any]], list[Mapping[str, Any]]]:
     """``copies`` copies of ``block`` to insert at ``at`` in ``long_nodes``, named ``<node>~<copy>``
     with kernel ids ``<kernel>~<copy>``, and ``long_nodes[at:]`` with kernel ids that follow them.
 
@@ -154,12 +163,17 @@ def _copies_with_kernels(block: Sequence[Mapping[str, Any]], long_nodes: Sequenc
     into the next, and the last copy into ``long_nodes[at]``, as in a full trace
     (``workload.fused_kernels`` merges consecutive ops of one id). Without it kernels join only
     within a copy, never across its ends."""
-    joins = [chain and block[0].get("kernel") is not None
-             and block[0].get("kernel") == long_nodes[at - 1].get("kernel")]
-    joins += [node.get("kernel") is not None and node.get("kernel") == before.get("kernel")
-              for before, node in pairwise(block)]
+    joins = [
+        chain and block[0].get("kernel") is not None and block[0].get("kernel") == long_nodes[at - 1].get("kernel")
+    ]
+    joins += [
+        node.get("kernel") is not None and node.get("kernel") == before.get("kernel")
+        for before, node in pairwise(block)
+    ]
     inserted: list[dict[str, Any]] = []
-    previous_kernel = long_nodes[at - 1].get("kernel")  # at >= 1: inserted_block refuses 0, the other path follows a node
+    previous_kernel = long_nodes[at - 1].get(
+        "kernel"
+    )  # at >= 1: inserted_block refuses 0, the other path follows a node
     for copy in range(1, copies + 1):
         renamed: dict[str, str] = {}
         for node, joined in zip(block, joins):
@@ -169,8 +183,9 @@ def _copies_with_kernels(block: Sequence[Mapping[str, Any]], long_nodes: Sequenc
                     renamed[kernel] = previous_kernel
                 renamed.setdefault(kernel, f"{kernel}~{copy}")
             previous_kernel = renamed.get(kernel)
-            inserted.append({**node, "name": f"{node['name']}~{copy}", "inputs": [], "partition": None,
-                             "kernel": previous_kernel})
+            inserted.append(
+                {**node, "name": f"{node['name']}~{copy}", "inputs": [], "partition": None, "kernel": previous_kernel}
+            )
     tail = list(long_nodes[at:])
     if copies and joins[0]:  # the block's first kernel in long_nodes[at:] now follows the last copy
         boundary = long_nodes[at].get("kernel")
@@ -188,7 +203,7 @@ def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int
     exact = inserted_block(short_keys, long_keys)
     if exact is not None:  # the graph order of a full trace
         at, length = exact
-        block = long_nodes[at:at + length]
+        block = long_nodes[at : at + length]
         # the node before the block stands for the block's last node, as before each later copy
         chain = long_keys[at - 1] == long_keys[at + length - 1]
     else:
@@ -197,9 +212,11 @@ def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int
         at, chain = positions[-1] + 1, False
     inserted, tail = _copies_with_kernels(block, long_nodes, at, copies, chain)
     nodes = [*long_nodes[:at], *inserted, *tail]
-    record: dict[str, Any] = {"name": long["name"], "nodes": nodes,
-                              "extended": {"inserted_at": at, "block_nodes": len(block), "copies": copies,
-                                           "graph_order": exact is not None}}
+    record: dict[str, Any] = {
+        "name": long["name"],
+        "nodes": nodes,
+        "extended": {"inserted_at": at, "block_nodes": len(block), "copies": copies, "graph_order": exact is not None},
+    }
     if long.get("partition_types") is None:
         return record
     leftover_names = {node["name"] for node, key in zip(long_nodes, long_keys) if key[-1]}
@@ -207,16 +224,22 @@ def _extend_graph(short: Mapping[str, Any], long: Mapping[str, Any], copies: int
     compute = [n for n in left_nodes if n["kind"] == "compute"]
     record.update(
         partitions=[p for p in long["partitions"] if p["type"] not in dissolved],
-        partition_types=[{**t, "count": counts[t["type"]]} for t in long["partition_types"] if t["type"] not in dissolved],
-        leftover={"nodes": [n["name"] for n in compute], "flops": sum(n["flops"] for n in compute),
-                  "bytes": sum(n["bytes"] for n in compute),
-                  "collectives": [n["name"] for n in left_nodes if n["kind"] == "collective"]},
+        partition_types=[
+            {**t, "count": counts[t["type"]]} for t in long["partition_types"] if t["type"] not in dissolved
+        ],
+        leftover={
+            "nodes": [n["name"] for n in compute],
+            "flops": sum(n["flops"] for n in compute),
+            "bytes": sum(n["bytes"] for n in compute),
+            "collectives": [n["name"] for n in left_nodes if n["kind"] == "collective"],
+        },
     )
     return record
 
 
-def extend_dump(short: Mapping[str, Any], long: Mapping[str, Any], long_layers: int, layers: int,
-                what: str) -> dict[str, Any]:
+def extend_dump(
+    short: Mapping[str, Any], long: Mapping[str, Any], long_layers: int, layers: int, what: str
+) -> dict[str, Any]:
     """The summary dump of a ``layers``-layer stage from dumps of a ``long_layers - 1`` and a
     ``long_layers``-layer slice of it (``short``, ``long``: the same stage role, split and
     options). ``what`` names the stage and split in errors."""
@@ -227,6 +250,7 @@ def extend_dump(short: Mapping[str, Any], long: Mapping[str, Any], long_layers: 
     for graph in long["graphs"]:
         if graph["name"] not in short_graphs:
             raise SliceNotRepresentativeError(f"{what}: only one slice trace has a {graph['name']} graph")
-        graphs.append(_extend_graph(short_graphs[graph["name"]], graph, layers - long_layers,
-                                    f"{what} {graph['name']}"))
+        graphs.append(
+            _extend_graph(short_graphs[graph["name"]], graph, layers - long_layers, f"{what} {graph['name']}")
+        )
     return {**long, "graphs": graphs, "extended_from_layers": [long_layers - 1, long_layers], "layers": layers}

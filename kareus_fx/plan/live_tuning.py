@@ -32,9 +32,9 @@ error naming ``tune_request`` (a reference model traced at full size) or ``kareu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,11 +56,16 @@ if TYPE_CHECKING:
 
 __all__ = ["LiveTuning", "live_plan_request"]
 
+
 class LiveTuning:
     """The backend's callable for a graph tuned at compile time (module docstring)."""
 
     def __init__(
-        self, gm: torch.fx.GraphModule, example_inputs: list[Any], opts: KareusOptions, gpu: GPUSpec,
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: list[Any],
+        opts: KareusOptions,
+        gpu: GPUSpec,
         dump: GraphDumpFile | None,
     ) -> None:
         if opts.plan_out is None:
@@ -75,8 +80,9 @@ class LiveTuning:
         if opts.nanobatch and graph_communicates(gm, example_inputs):
             self.split = split_nanobatches(gm, example_inputs)
         self._deployed: Callable[..., Any] | None = None
-        self.sequence = (sequence_input(gm, self.split.batch_inputs)
-                         if self.split is not None and self.split.split else None)
+        self.sequence = (
+            sequence_input(gm, self.split.batch_inputs) if self.split is not None and self.split.split else None
+        )
         self.tracing = TracingContext.try_get()  # Dynamo's, for a symbolic graph's deployment
         shape_env = self.tracing.fake_mode.shape_env if self.tracing is not None else None
         self.hints = {sym: int(v) for sym, v in shape_env.var_to_val.items()} if shape_env is not None else {}
@@ -114,12 +120,28 @@ class LiveTuning:
         opts = dataclasses.replace(self.opts, tune=None, plan=plan_out)
         deployment = deployment_from_options(opts)
         if buckets is None:
-            return compile_graph(self.gm, self.example_inputs, self.gpu, self.dump, deployment,
-                                 nanobatch=self.opts.nanobatch, split=self.split, inductor=self.opts.inductor)
+            return compile_graph(
+                self.gm,
+                self.example_inputs,
+                self.gpu,
+                self.dump,
+                deployment,
+                nanobatch=self.opts.nanobatch,
+                split=self.split,
+                inductor=self.opts.inductor,
+            )
         symbolic_inputs = [n.meta["example_value"] for n in self.gm.graph.nodes if n.op == "placeholder"]
         with tracing(self.tracing):
-            return compile_graph(self.gm, symbolic_inputs, self.gpu, self.dump, deployment,
-                                 nanobatch=self.opts.nanobatch, split=self.split, inductor=self.opts.inductor)
+            return compile_graph(
+                self.gm,
+                symbolic_inputs,
+                self.gpu,
+                self.dump,
+                deployment,
+                nanobatch=self.opts.nanobatch,
+                split=self.split,
+                inductor=self.opts.inductor,
+            )
 
     def _plan(self, plan_out: Path, work_dir: Path, buckets: tuple[int, ...] | None) -> None:
         from kareus_fx.plan.planner import plan_traced, stage_graphs_from_dumps
@@ -157,8 +179,7 @@ class LiveTuning:
                     "option 'tune' plans a training step, but the live graph has no output that needs a "
                     "gradient (run it with gradients enabled, on a model with trainable parameters)"
                 )
-            torch.autograd.grad(differentiable, leaves, [torch.ones_like(o) for o in differentiable],
-                                allow_unused=True)
+            torch.autograd.grad(differentiable, leaves, [torch.ones_like(o) for o in differentiable], allow_unused=True)
         return path
 
     def _fake_inputs(self, fake_mode: FakeTensorMode, sizes: Mapping[Any, int] | None) -> list[Any]:
@@ -173,8 +194,10 @@ class LiveTuning:
             if isinstance(value, torch.SymInt):
                 fakes.append(_evaluate(value.node.expr, sizes, self.hints))
             elif isinstance(example, torch.Tensor):
-                shape = [_evaluate(s.node.expr, sizes, self.hints) if isinstance(s, torch.SymInt) else int(s)
-                         for s in value.shape]
+                shape = [
+                    _evaluate(s.node.expr, sizes, self.hints) if isinstance(s, torch.SymInt) else int(s)
+                    for s in value.shape
+                ]
                 if shape == list(example.shape):
                     fakes.append(fake_mode.from_tensor(example))
                     continue
@@ -194,7 +217,10 @@ def _evaluate(expr: Any, sizes: Mapping[Any, int], hints: Mapping[Any, int]) -> 
 
 
 def live_plan_request(
-    opts: KareusOptions, stage: StageGraphs, split: NanobatchResult | None, example_inputs: list[Any],
+    opts: KareusOptions,
+    stage: StageGraphs,
+    split: NanobatchResult | None,
+    example_inputs: list[Any],
     gm: torch.fx.GraphModule,
 ) -> PlanRequest:
     """The :class:`~kareus_fx.plan.planner.PlanRequest` of the live graph (module docstring)."""
@@ -213,11 +239,22 @@ def live_plan_request(
     batch_inputs = [tensors[name] for name in (split.batch_inputs if split is not None else ())]
     mbs = split.batch_size if split is not None and split.batch_size else 1
     seq = batch_inputs[0].shape[1] if batch_inputs and batch_inputs[0].dim() >= 2 else 1
-    dtype = next((x.dtype for x in example_inputs if isinstance(x, torch.Tensor) and x.is_floating_point()),
-                 torch.float32)
-    return PlanRequest(model=LIVE_GRAPH_MODEL, tp=world, cp=1, pp=1, microbatches=opts.microbatches, mbs=mbs,
-                       seq=int(seq), layers=None, gpu=opts.gpu, profiler=opts.tune or "simulated",
-                       dtype=str(dtype).removeprefix("torch."))  # plan_traced refuses other dtypes
+    dtype = next(
+        (x.dtype for x in example_inputs if isinstance(x, torch.Tensor) and x.is_floating_point()), torch.float32
+    )
+    return PlanRequest(
+        model=LIVE_GRAPH_MODEL,
+        tp=world,
+        cp=1,
+        pp=1,
+        microbatches=opts.microbatches,
+        mbs=mbs,
+        seq=int(seq),
+        layers=None,
+        gpu=opts.gpu,
+        profiler=opts.tune or "simulated",
+        dtype=str(dtype).removeprefix("torch."),
+    )  # plan_traced refuses other dtypes
 
 
 def _rank() -> int:

@@ -32,14 +32,14 @@ from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
 
 __all__ = [
-    "METHODS",
     "BASELINES",
+    "METHODS",
     "SequenceProfiler",
+    "as_options",
     "kareus_microbatch_frontier",
     "nanobatching_config",
     "nanobatching_measurements",
     "sequential_measurements",
-    "as_options",
 ]
 
 METHODS = ("megatron", "megatron+perseus", "nanobatching", "nanobatching+perseus", "kareus")
@@ -100,7 +100,9 @@ def nanobatching_measurements(
     Also returns, per partition type, the measured ``(config, measurement)`` points (Kareus reuses
     them as candidates).
     """
-    _prefetch(profiler, partitions=[(t, nanobatching_config(c, default_comm_sms)) for c in outside for t in graph.ptypes])
+    _prefetch(
+        profiler, partitions=[(t, nanobatching_config(c, default_comm_sms)) for c in outside for t in graph.ptypes]
+    )
     per_type: dict[str, list[tuple[PartitionConfig, Measurement]]] = {t.type_id: [] for t in graph.ptypes}
     totals: dict[int, Measurement] = {}
     for clock, rest in outside.items():
@@ -137,12 +139,9 @@ class ClockKnob:
     clock_mhz: int
 
 
-def as_options(
-    method: str, by_clock: Mapping[int, Measurement], clocks_mhz: Sequence[int]
-) -> list[InstructionOption]:
+def as_options(method: str, by_clock: Mapping[int, Measurement], clocks_mhz: Sequence[int]) -> list[InstructionOption]:
     """``by_clock`` restricted to ``clocks_mhz`` as composer options (knob: method and clock)."""
     return [
-        InstructionOption(time_s=by_clock[c].time_s, energy_j=by_clock[c].energy_j,
-                          knob=ClockKnob(method, c))
+        InstructionOption(time_s=by_clock[c].time_s, energy_j=by_clock[c].energy_j, knob=ClockKnob(method, c))
         for c in clocks_mhz
     ]

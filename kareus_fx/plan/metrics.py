@@ -57,10 +57,6 @@ def frontier_metrics(
     return {
         "max_throughput_time_reduction": 1.0 - fast_t / megatron[0],
         "max_throughput_energy_reduction": 1.0 - fast_e / megatron[1],
-        "iso_time_energy_reduction": (
-            None if energy_at_deadline is None else 1.0 - energy_at_deadline / mp_fast_e
-        ),
-        "iso_energy_time_reduction": (
-            None if time_at_budget is None else 1.0 - time_at_budget / mp_least_e_point[0]
-        ),
+        "iso_time_energy_reduction": (None if energy_at_deadline is None else 1.0 - energy_at_deadline / mp_fast_e),
+        "iso_energy_time_reduction": (None if time_at_budget is None else 1.0 - time_at_budget / mp_least_e_point[0]),
     }

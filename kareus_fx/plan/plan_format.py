@@ -113,8 +113,12 @@ class Plan:
     def bucket(self, seq: int) -> Plan:
         """Bucket ``seq`` of a bucketed plan as a one-length plan (``workload.seq`` = ``seq``)."""
         (chosen,) = [b for b in self.data["buckets"] if b["seq"] == seq]
-        data = {**self.data, **{name: chosen[name] for name in BUCKET_FIELDS},
-                "workload": {**self.workload, "seq": seq}, "buckets": None}
+        data = {
+            **self.data,
+            **{name: chosen[name] for name in BUCKET_FIELDS},
+            "workload": {**self.workload, "seq": seq},
+            "buckets": None,
+        }
         return Plan(data=data, source=f"{self.source} (bucket seq={seq})")
 
     def bucket_for(self, seq: int) -> int | None:
@@ -131,10 +135,12 @@ class Plan:
         if target == "max-throughput":
             return min(range(len(points)), key=lambda i: (points[i]["time_s"], points[i]["energy_j"]))
         # (limited field, optimised field, what the limit is, its unit)
-        rules = {"deadline_s": ("time_s", "energy_j", "meets the deadline", "s"),
-                 "energy_budget_j": ("energy_j", "time_s", "fits the energy budget", "J")}
+        rules = {
+            "deadline_s": ("time_s", "energy_j", "meets the deadline", "s"),
+            "energy_budget_j": ("energy_j", "time_s", "fits the energy budget", "J"),
+        }
         if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in rules:
-            (key, limit), = target.items()
+            ((key, limit),) = target.items()
             limited, optimised, what, unit = rules[key]
             ok = [i for i, p in enumerate(points) if p[limited] <= float(limit)]
             if not ok:
@@ -145,8 +151,7 @@ class Plan:
                 )
             return min(ok, key=lambda i: (points[i][optimised], points[i][limited]))
         raise PlanFormatError(
-            f"target must be 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}}, "
-            f"got {target!r}"
+            f"target must be 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}}, got {target!r}"
         )
 
     def option(self, point_index: int, stage: int, instruction: str, microbatch: int) -> Mapping[str, Any]:
@@ -200,9 +205,12 @@ def validate_plan(data: Any, source: str = "<plan>") -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PlanFormatError(f"{source}: expected a JSON object, got {type(data).__name__}; {_FIX}")
     if data.get("format") != PLAN_FORMAT:
-        raise PlanFormatError(f"{source}: format: expected {PLAN_FORMAT!r}, got {data.get('format')!r} "
-                              f"(not a kareus plan); {_FIX}")
+        raise PlanFormatError(
+            f"{source}: format: expected {PLAN_FORMAT!r}, got {data.get('format')!r} (not a kareus plan); {_FIX}"
+        )
     if data.get("schema_version") != PLAN_SCHEMA_VERSION or isinstance(data.get("schema_version"), bool):
-        raise PlanFormatError(f"{source}: schema_version: this kareus-fx reads version {PLAN_SCHEMA_VERSION}, "
-                              f"got {data.get('schema_version')!r}; {_FIX}")
+        raise PlanFormatError(
+            f"{source}: schema_version: this kareus-fx reads version {PLAN_SCHEMA_VERSION}, "
+            f"got {data.get('schema_version')!r}; {_FIX}"
+        )
     return validated_document(PlanFile, data, cross_check, source, PlanFormatError, _FIX)

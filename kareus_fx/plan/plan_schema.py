@@ -264,31 +264,45 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
     def check_knobs(where: str, clock_mhz: int | None, comm_sms: int | None) -> None:
         """A clock and an SM count the plan's GPU has (what the simulator and the runtime accept)."""
         if clock_mhz is not None and not gpu.clock_min_mhz <= clock_mhz <= gpu.clock_max_mhz:
-            fail(f"{where}.clock_mhz", f"{clock_mhz} MHz outside the {plan.gpu}'s clock range "
-                                       f"{gpu.clock_min_mhz}-{gpu.clock_max_mhz} MHz")
+            fail(
+                f"{where}.clock_mhz",
+                f"{clock_mhz} MHz outside the {plan.gpu}'s clock range {gpu.clock_min_mhz}-{gpu.clock_max_mhz} MHz",
+            )
         if comm_sms is not None and not 1 <= comm_sms < gpu.sm_count:
-            fail(f"{where}.comm_sms", f"{comm_sms} outside 1-{gpu.sm_count - 1} (the {plan.gpu} has {gpu.sm_count} SMs)")
+            fail(
+                f"{where}.comm_sms", f"{comm_sms} outside 1-{gpu.sm_count - 1} (the {plan.gpu} has {gpu.sm_count} SMs)"
+            )
 
     keys = [instruction_key(s, name) for s in range(workload.pp) for name in INSTRUCTIONS]
     for tid, record in types.items():
         for i, slot in enumerate(record.launch_slots):
             if slot >= len(record.slots):
-                fail(f"partition_types.{tid}.launch_slots[{i}]", f"slot {slot} outside the type's {len(record.slots)} slots")
+                fail(
+                    f"partition_types.{tid}.launch_slots[{i}]",
+                    f"slot {slot} outside the type's {len(record.slots)} slots",
+                )
         for i, point in enumerate(record.frontier):
             check_knobs(f"partition_types.{tid}.frontier[{i}]", point.clock_mhz, point.comm_sms)
             if point.launch_slot is not None and point.launch_slot >= len(record.slots):
-                fail(f"partition_types.{tid}.frontier[{i}].launch_slot",
-                     f"slot {point.launch_slot} outside the type's {len(record.slots)} slots")
+                fail(
+                    f"partition_types.{tid}.frontier[{i}].launch_slot",
+                    f"slot {point.launch_slot} outside the type's {len(record.slots)} slots",
+                )
 
     if len(plan.stages) != workload.pp:
         fail("stages", f"expected {workload.pp} stages (workload.pp), got {len(plan.stages)}")
     if workload.stage_layers is not None:
         if len(workload.stage_layers) != workload.pp:
-            fail("workload.stage_layers", f"expected one layer count per stage ({workload.pp}), "
-                                          f"got {len(workload.stage_layers)}")
+            fail(
+                "workload.stage_layers",
+                f"expected one layer count per stage ({workload.pp}), got {len(workload.stage_layers)}",
+            )
         if workload.layers is not None and sum(workload.stage_layers) != workload.layers:
-            fail("workload.stage_layers", f"counts {workload.stage_layers} add up to {sum(workload.stage_layers)}, "
-                                          f"not the model's {workload.layers} layers (workload.layers)")
+            fail(
+                "workload.stage_layers",
+                f"counts {workload.stage_layers} add up to {sum(workload.stage_layers)}, "
+                f"not the model's {workload.layers} layers (workload.layers)",
+            )
     for s, stage in enumerate(plan.stages):
         if stage.stage != s:
             fail(f"stages[{s}].stage", f"expected {s} (stages in order), got {stage.stage}")
@@ -298,8 +312,10 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
                     fail(f"stages[{s}].graphs.{name}.partition_types.{local}", f"unknown partition type {tid!r}")
 
     if sorted(plan.microbatch_options) != sorted(keys):
-        fail("microbatch_options", f"expected exactly the keys {keys} (one per stage and instruction), "
-                                   f"got {sorted(plan.microbatch_options)}")
+        fail(
+            "microbatch_options",
+            f"expected exactly the keys {keys} (one per stage and instruction), got {sorted(plan.microbatch_options)}",
+        )
     for key, options in plan.microbatch_options.items():
         if not options:
             fail(f"microbatch_options.{key}", "must not be empty")
@@ -307,8 +323,11 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
             where = f"microbatch_options.{key}[{i}]"
             check_knobs(where, option.clock_mhz, None)
             if plan.max_clock_only and option.clock_mhz != gpu.clock_max_mhz:
-                fail(f"{where}.clock_mhz", f"a max_clock_only plan runs every microbatch at the {plan.gpu}'s "
-                                           f"maximum clock {gpu.clock_max_mhz} MHz, got {option.clock_mhz}")
+                fail(
+                    f"{where}.clock_mhz",
+                    f"a max_clock_only plan runs every microbatch at the {plan.gpu}'s "
+                    f"maximum clock {gpu.clock_max_mhz} MHz, got {option.clock_mhz}",
+                )
             if option.sequential != (option.configs is None):
                 fail(where, "configs must be null exactly when sequential is true")
             for tid, config in (option.configs or {}).items():
@@ -317,13 +336,18 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
                 check_knobs(f"{where}.configs.{tid}", None, config.comm_sms)
                 n_slots = len(types[tid].slots)
                 if config.launch_slot is not None and config.launch_slot >= n_slots:
-                    fail(f"{where}.configs.{tid}.launch_slot",
-                         f"slot {config.launch_slot} outside type {tid}'s {n_slots} slots")
+                    fail(
+                        f"{where}.configs.{tid}.launch_slot",
+                        f"slot {config.launch_slot} outside type {tid}'s {n_slots} slots",
+                    )
             stage, instruction = key.split("/")
             graph_types = set(getattr(plan.stages[int(stage)].graphs, instruction).partition_types.values())
             if option.configs is not None and set(option.configs) != graph_types:
-                fail(f"{where}.configs", f"expected one config per partition type of the {key} graph "
-                                         f"{sorted(graph_types)}, got {sorted(option.configs)}")
+                fail(
+                    f"{where}.configs",
+                    f"expected one config per partition type of the {key} graph "
+                    f"{sorted(graph_types)}, got {sorted(option.configs)}",
+                )
 
     for p, point in enumerate(plan.iteration_frontier):
         where = f"iteration_frontier[{p}].choices"
@@ -331,7 +355,13 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
             fail(where, f"expected exactly the keys {keys}, got {sorted(point.choices)}")
         for key, indices in point.choices.items():
             if len(indices) != workload.microbatches:
-                fail(f"{where}.{key}", f"expected {workload.microbatches} entries (one per microbatch), got {len(indices)}")
+                fail(
+                    f"{where}.{key}",
+                    f"expected {workload.microbatches} entries (one per microbatch), got {len(indices)}",
+                )
             for m, index in enumerate(indices):
                 if index >= len(plan.microbatch_options[key]):
-                    fail(f"{where}.{key}[{m}]", f"option {index} out of range ({len(plan.microbatch_options[key])} options)")
+                    fail(
+                        f"{where}.{key}[{m}]",
+                        f"option {index} out of range ({len(plan.microbatch_options[key])} options)",
+                    )

@@ -64,7 +64,6 @@ from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraph
 from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, extend_dump, slice_pays
-from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.methods import (
     BASELINES,
     METHODS,
@@ -78,6 +77,7 @@ from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
 from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
+from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
@@ -86,8 +86,18 @@ from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz
 from kareus_fx.workload import GraphName, PartitionType
 
-__all__ = ["LIVE_GRAPH_MODEL", "PlanOutcome", "PlanRequest", "StageGraphs", "make_plan", "plan_request_from_preset",
-           "plan_traced", "stage_graphs_from_dumps", "validate_plan_request", "validate_tuning_request"]
+__all__ = [
+    "LIVE_GRAPH_MODEL",
+    "PlanOutcome",
+    "PlanRequest",
+    "StageGraphs",
+    "make_plan",
+    "plan_request_from_preset",
+    "plan_traced",
+    "stage_graphs_from_dumps",
+    "validate_plan_request",
+    "validate_tuning_request",
+]
 
 PROFILERS = ("simulated", "cuda", "cpu-replay")
 DISTRIBUTED_PROFILERS = ("cpu-replay", "cuda")
@@ -167,16 +177,34 @@ class PlanRequest:
     def trace_spec(self, stage: int = 0) -> TraceSpec:
         """The trace of stage ``stage``: an unresolved ``"balanced"`` split traces as the even one."""
         counts = self.stage_layers if isinstance(self.stage_layers, tuple) else None
-        return TraceSpec(model=self.model, tp=self.tp, cp=self.cp, mbs=self.mbs, seq=self.seq,
-                         layers=self.layers, pp=self.pp, stage=stage, dtype=torch_dtype(self.dtype),
-                         stage_layers=counts)
+        return TraceSpec(
+            model=self.model,
+            tp=self.tp,
+            cp=self.cp,
+            mbs=self.mbs,
+            seq=self.seq,
+            layers=self.layers,
+            pp=self.pp,
+            stage=stage,
+            dtype=torch_dtype(self.dtype),
+            stage_layers=counts,
+        )
 
 
 def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
     """The request of preset ``name`` (``kareus_fx.plan.presets``), with ``overrides`` applied."""
     p: Preset = get_preset(name)
-    fields = dict(model=p.model, tp=p.tp, cp=p.cp, pp=p.pp, microbatches=p.microbatches, mbs=p.mbs,
-                  seq=p.seq, preset=p.name, stage_layers=p.stage_layers)
+    fields = {
+        "model": p.model,
+        "tp": p.tp,
+        "cp": p.cp,
+        "pp": p.pp,
+        "microbatches": p.microbatches,
+        "mbs": p.mbs,
+        "seq": p.seq,
+        "preset": p.name,
+        "stage_layers": p.stage_layers,
+    }
     return PlanRequest(**{**fields, **overrides})
 
 
@@ -184,8 +212,10 @@ def validate_plan_request(req: PlanRequest) -> None:
     """Raise a clear error for a request that cannot be planned, before any tracing."""
     validate_tuning_request(req)
     if isinstance(req.stage_layers, str) and req.stage_layers not in STAGE_SPLITS:
-        raise ParallelConfigError(f"--stage-layers must be {' or '.join(STAGE_SPLITS)} or one layer count per "
-                                  f"stage (e.g. 15,13), got {req.stage_layers!r}")
+        raise ParallelConfigError(
+            f"--stage-layers must be {' or '.join(STAGE_SPLITS)} or one layer count per "
+            f"stage (e.g. 15,13), got {req.stage_layers!r}"
+        )
     validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp, stage layers
 
 
@@ -197,8 +227,10 @@ def validate_tuning_request(req: PlanRequest) -> None:
     if req.profiler == "cuda":
         _validate_cuda_request(req)
     elif req.profiler == "cpu-replay" and req.workers != 1:
-        raise OptionsError(f"--profiler cpu-replay measures with its process groups (--nproc or torchrun), not "
-                           f"tuning workers: use --workers 1 (got --workers {req.workers})")
+        raise OptionsError(
+            f"--profiler cpu-replay measures with its process groups (--nproc or torchrun), not "
+            f"tuning workers: use --workers 1 (got --workers {req.workers})"
+        )
     elif req.clock_mode is not None:
         raise OptionsError(
             f"--clock-mode applies to --profiler cuda only (the {req.profiler} profiler sets no GPU clock); "
@@ -304,9 +336,16 @@ def make_plan(req: PlanRequest, work_dir: str | Path | None = None, *, progress:
     return outcome
 
 
-def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str | Path, *,
-                progress: bool = True, profiler: Any | None = None, groups: int = 1,
-                device: str | None = None) -> PlanOutcome:
+def plan_traced(
+    req: PlanRequest,
+    traced: Sequence[StageGraphs],
+    work_dir: str | Path,
+    *,
+    progress: bool = True,
+    profiler: Any | None = None,
+    groups: int = 1,
+    device: str | None = None,
+) -> PlanOutcome:
     """Steps 2-4 of the module docstring on graphs already traced (``traced``: one entry per
     distinct stage, covering stages 0..pp-1). ``work_dir`` keeps the profile database.
 
@@ -323,8 +362,9 @@ def plan_traced(req: PlanRequest, traced: Sequence[StageGraphs], work_dir: str |
     given = contextlib.nullcontext(lambda: profiler) if profiler is not None else None
     with given or _profiler_factory(req, traced, Path(work_dir) / "profile.sqlite", queue_path) as factory:
         settings = _tuning_settings(req)
-        tuned = tune_partition_types(list(ptypes.values()), factory, settings=settings, seed=req.seed,
-                                     workers=req.workers, progress=progress)
+        tuned = tune_partition_types(
+            list(ptypes.values()), factory, settings=settings, seed=req.seed, workers=req.workers, progress=progress
+        )
         ledger.add_tuning(ptypes, tuned)
         wall["tune_s"] = time.perf_counter() - t0
 
@@ -349,16 +389,26 @@ def _tuning_settings(req: PlanRequest) -> MBOSettings:
     return MBOSettings(clock_stride_mhz=req.clock_stride_mhz, supported_clocks_mhz=(top,), max_fraction=None)
 
 
-def _profiling_cost(req: PlanRequest, ledger: MeasurementLedger, duplicates: int, groups: int,
-                    device: str | None) -> ProfilingCost:
+def _profiling_cost(
+    req: PlanRequest, ledger: MeasurementLedger, duplicates: int, groups: int, device: str | None
+) -> ProfilingCost:
     """The plan's ``profiling`` record: ``groups`` TP x CP groups of ``--gpu`` GPUs (``profiling_cost.py``)."""
     gpu = canonical_gpu_name(req.gpu)
     if device is None:
-        device = (f"estimate for one group of {req.tp * req.cp} {gpu} GPUs; the measurements are cost-model "
-                  f"predictions" if req.profiler == "simulated" else f"this process's {gpu} GPU")
-    return ProfilingCost(measurements=len(ledger), duplicates=duplicates, groups=groups,
-                         gpus_per_group=req.tp * req.cp, window_s=req.device_window_s, device=device,
-                         by_purpose=ledger.by_purpose())
+        device = (
+            f"estimate for one group of {req.tp * req.cp} {gpu} GPUs; the measurements are cost-model predictions"
+            if req.profiler == "simulated"
+            else f"this process's {gpu} GPU"
+        )
+    return ProfilingCost(
+        measurements=len(ledger),
+        duplicates=duplicates,
+        groups=groups,
+        gpus_per_group=req.tp * req.cp,
+        window_s=req.device_window_s,
+        device=device,
+        by_purpose=ledger.by_purpose(),
+    )
 
 
 # ----- 1. tracing -------------------------------------------------------------------------------
@@ -375,15 +425,21 @@ def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, l
         req = dataclasses.replace(req, stage_layers="even")
         return req, _trace_stages(req, dump_root)
     first_stage_of_role = {stage_role(i, req.pp): i for i in reversed(range(req.pp))}
-    dumps = _run_traces({stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
-                         for stage in first_stage_of_role.values()})
+    dumps = _run_traces(
+        {
+            stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
+            for stage in first_stage_of_role.values()
+        }
+    )
     role_slices = {role: dumps[stage] for role, stage in first_stage_of_role.items()}
     req = dataclasses.replace(req, stage_layers=_balanced_stage_layers(req, role_slices))
     return req, _trace_stages(req, dump_root, role_slices)
 
 
-def _balanced_stage_layers(req: PlanRequest, role_slices: Mapping[StageRole, Sequence[Mapping[str, Path]]],
-                           ) -> tuple[int, ...]:
+def _balanced_stage_layers(
+    req: PlanRequest,
+    role_slices: Mapping[StageRole, Sequence[Mapping[str, Path]]],
+) -> tuple[int, ...]:
     """The balanced split (``stage_balance.py``): each role's cost priced from its un-split slice
     dumps, each stage's plus the pipeline sends it ends with (``stage_transfer.py``)."""
     profiler = SimulatedProfiler(canonical_gpu_name(req.gpu))
@@ -391,16 +447,25 @@ def _balanced_stage_layers(req: PlanRequest, role_slices: Mapping[StageRole, Seq
     dumps = {role: [load_dump(kinds["sequential"]) for kinds in slices] for role, slices in role_slices.items()}
 
     def step_s(dump: Mapping[str, Any]) -> float:
-        return sum(profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz).time_s
-                   for g in sequential_graphs(dump).values())
+        return sum(
+            profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz).time_s
+            for g in sequential_graphs(dump).values()
+        )
 
-    role_costs = {role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0])
-                  for role, (short, long) in dumps.items()}
+    role_costs = {
+        role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0]) for role, (short, long) in dumps.items()
+    }
     roles = [stage_role(s, req.pp) for s in range(req.pp)]
     sends = stage_transfer_s([boundary_bytes(dumps[role][0]) for role in roles], req.tp, req.cp, spec)
-    return balanced_layer_counts(_model_layers(req), [
-        StageCost(role_costs[role].fixed_s + sends[(s, "forward")] + sends[(s, "backward")], role_costs[role].per_layer_s)
-        for s, role in enumerate(roles)])
+    return balanced_layer_counts(
+        _model_layers(req),
+        [
+            StageCost(
+                role_costs[role].fixed_s + sends[(s, "forward")] + sends[(s, "backward")], role_costs[role].per_layer_s
+            )
+            for s, role in enumerate(roles)
+        ],
+    )
 
 
 def _model_layers(req: PlanRequest) -> int:
@@ -410,8 +475,9 @@ def _model_layers(req: PlanRequest) -> int:
     return req.layers or get_config(req.model).num_layers
 
 
-def _trace_stages(req: PlanRequest, dump_root: Path,
-                  role_slices: Mapping[StageRole, Sequence[Mapping[str, Path]]] | None = None) -> list[StageGraphs]:
+def _trace_stages(
+    req: PlanRequest, dump_root: Path, role_slices: Mapping[StageRole, Sequence[Mapping[str, Path]]] | None = None
+) -> list[StageGraphs]:
     """Every distinct stage's graphs: its role's slices' traces extended (``layer_slice.py``) or,
     where slicing does not pay, is off, or gives a slice that is not representative (with a
     warning), a full trace. Each role's slices are traced once (``role_slices``: already traced);
@@ -421,16 +487,25 @@ def _trace_stages(req: PlanRequest, dump_root: Path,
         raise ValueError("a 'balanced' stage split is resolved by trace_plan_stages before tracing the stages")
     role_slices = dict(role_slices or {})
     groups = distinct_stages(req.trace_spec())
-    sliced = {group.stages[0] for group in groups
-              if not req.full_trace and req.profiler == "simulated" and slice_pays(group.num_layers)}
+    sliced = {
+        group.stages[0]
+        for group in groups
+        if not req.full_trace and req.profiler == "simulated" and slice_pays(group.num_layers)
+    }
     slice_at: dict[StageRole, int] = {}
     for group in groups:
         if group.stages[0] in sliced and group.role not in role_slices:
             slice_at.setdefault(group.role, group.stages[0])
-    traces = {stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
-              for stage in slice_at.values()}
-    traces.update({group.stages[0]: [_full_trace(req, group.stages[0], dump_root)]
-                   for group in groups if group.stages[0] not in sliced})
+    traces = {
+        stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS] for stage in slice_at.values()
+    }
+    traces.update(
+        {
+            group.stages[0]: [_full_trace(req, group.stages[0], dump_root)]
+            for group in groups
+            if group.stages[0] not in sliced
+        }
+    )
     dumps = _run_traces(traces)
     role_slices.update({role: dumps[stage] for role, stage in slice_at.items()})
     paths = {group.stages[0]: dumps[group.stages[0]][0] for group in groups if group.stages[0] not in sliced}
@@ -442,13 +517,23 @@ def _trace_stages(req: PlanRequest, dump_root: Path,
             paths[stage] = _extend_slices(stage, group.num_layers, *role_slices[group.role], dump_root)
         except SliceNotRepresentativeError as err:
             warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
-    retraced = _run_traces({group.stages[0]: [_full_trace(req, group.stages[0], dump_root)]
-                            for group in groups if group.stages[0] not in paths})
+    retraced = _run_traces(
+        {
+            group.stages[0]: [_full_trace(req, group.stages[0], dump_root)]
+            for group in groups
+            if group.stages[0] not in paths
+        }
+    )
     paths.update({stage: stage_dumps[0] for stage, stage_dumps in retraced.items()})
-    return [stage_graphs_from_dumps(tuple(group.stages), paths[group.stages[0]]["nanobatched"],
-                                    paths[group.stages[0]]["sequential"],
-                                    boundary=paths[group.stages[0]].get("boundary", paths[group.stages[0]]["sequential"]))
-            for group in groups]
+    return [
+        stage_graphs_from_dumps(
+            tuple(group.stages),
+            paths[group.stages[0]]["nanobatched"],
+            paths[group.stages[0]]["sequential"],
+            boundary=paths[group.stages[0]].get("boundary", paths[group.stages[0]]["sequential"]),
+        )
+        for group in groups
+    ]
 
 
 def _run_traces(traces: Mapping[int, Sequence[functools.partial]]) -> dict[int, list[dict[str, Path]]]:
@@ -456,15 +541,21 @@ def _run_traces(traces: Mapping[int, Sequence[functools.partial]]) -> dict[int, 
     (``capture.trace_pool``; one process: one after another, here)."""
     calls = [trace for stage_traces in traces.values() for trace in stage_traces]
     results = iter(run_calls(calls, parallel_processes(len(calls))))
-    return {stage: [dict(zip(("nanobatched", "sequential"), next(results), strict=True)) for _ in stage_traces]
-            for stage, stage_traces in traces.items()}
+    return {
+        stage: [dict(zip(("nanobatched", "sequential"), next(results), strict=True)) for _ in stage_traces]
+        for stage, stage_traces in traces.items()
+    }
 
 
 def _slice_trace(req: PlanRequest, stage: int, layers: int, dump_root: Path) -> functools.partial:
     """The trace of stage ``stage`` with ``layers`` layers in its role: every stage of a pipeline of
     ``layers * pp`` layers has ``layers``."""
-    return _trace(req, dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp, stage_layers=None), dump_root,
-                  f"stage{stage}-{{kind}}-slice{layers}")
+    return _trace(
+        req,
+        dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp, stage_layers=None),
+        dump_root,
+        f"stage{stage}-{{kind}}-slice{layers}",
+    )
 
 
 def _full_trace(req: PlanRequest, stage: int, dump_root: Path) -> functools.partial:
@@ -474,20 +565,26 @@ def _full_trace(req: PlanRequest, stage: int, dump_root: Path) -> functools.part
 def _trace(req: PlanRequest, spec: TraceSpec, dump_root: Path, name: str) -> functools.partial:
     """A call tracing ``spec`` once that returns its nanobatched and its sequential dump, written
     under ``dump_root / name.format(kind=kind)`` (``tracing.trace_both_splits``)."""
-    return functools.partial(trace_both_splits, spec, canonical_gpu_name(req.gpu),
-                             *(dump_root / name.format(kind=kind) for kind in ("nanobatched", "sequential")))
+    return functools.partial(
+        trace_both_splits,
+        spec,
+        canonical_gpu_name(req.gpu),
+        *(dump_root / name.format(kind=kind) for kind in ("nanobatched", "sequential")),
+    )
 
 
-def _extend_slices(stage: int, num_layers: int, short: Mapping[str, Path], long: Mapping[str, Path],
-                   dump_root: Path) -> dict[str, Path]:
+def _extend_slices(
+    stage: int, num_layers: int, short: Mapping[str, Path], long: Mapping[str, Path], dump_root: Path
+) -> dict[str, Path]:
     """Dumps of stage ``stage`` at ``num_layers`` layers, extended from the dumps of its
     ``SLICE_LAYERS`` slices (``layer_slice.py``), nanobatched and sequential."""
     paths = {}
     dump_root.mkdir(parents=True, exist_ok=True)
     for kind in ("nanobatched", "sequential"):
         paths[kind] = dump_root / f"stage{stage}-{kind}-extended.json"
-        extended = extend_dump(load_dump(short[kind]), load_dump(long[kind]), SLICE_LAYERS[1], num_layers,
-                               f"stage {stage} {kind}")
+        extended = extend_dump(
+            load_dump(short[kind]), load_dump(long[kind]), SLICE_LAYERS[1], num_layers, f"stage {stage} {kind}"
+        )
         paths[kind].write_text(json.dumps(extended))
     paths["boundary"] = short["sequential"]  # an extended dump keeps no outputs; the slice's are the stage's
     return paths
@@ -499,8 +596,9 @@ def parallel_processes(tasks: int) -> int:
     return max(1, min(os.cpu_count() or 1, tasks))
 
 
-def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequential: Path,
-                            boundary: Path | None = None) -> StageGraphs:
+def stage_graphs_from_dumps(
+    stages: tuple[int, ...], nanobatched: Path, sequential: Path, boundary: Path | None = None
+) -> StageGraphs:
     """The graphs of ``stages`` from a nanobatched and an un-split dump of one stage's forward and
     backward; a nanobatched graph without partitions is planned sequentially (with a warning).
     ``boundary``: a dump with the stage's outputs, for the activation it sends on (None: not read)."""
@@ -510,16 +608,23 @@ def stage_graphs_from_dumps(stages: tuple[int, ...], nanobatched: Path, sequenti
         warnings.warn(f"stage {stages[0]}: {err}; Kareus plans it sequentially", stacklevel=2)
         partitioned = None
     sequential_dump = load_dump(sequential)
-    sent_bytes = None if boundary is None else boundary_bytes(
-        sequential_dump if boundary == sequential else load_dump(boundary))
-    return StageGraphs(stages=stages, sequential=sequential_graphs(sequential_dump), partitioned=partitioned,
-                      dump_paths={"nanobatched": nanobatched, "sequential": sequential}, sent_bytes=sent_bytes)
+    sent_bytes = (
+        None if boundary is None else boundary_bytes(sequential_dump if boundary == sequential else load_dump(boundary))
+    )
+    return StageGraphs(
+        stages=stages,
+        sequential=sequential_graphs(sequential_dump),
+        partitioned=partitioned,
+        dump_paths={"nanobatched": nanobatched, "sequential": sequential},
+        sent_bytes=sent_bytes,
+    )
 
 
 # ----- profilers ------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: Path,
-                      queue_path: Path | None = None) -> Iterator[CachedProfilerFactory]:
+def _profiler_factory(
+    req: PlanRequest, traced: Sequence[StageGraphs], db_path: Path, queue_path: Path | None = None
+) -> Iterator[CachedProfilerFactory]:
     """The factory of the request's profiler behind the profile database (keyed by the profiler's
     kind, "simulated" or "cuda", so measurements never mix and a rerun resumes).
 
@@ -531,13 +636,17 @@ def _profiler_factory(req: PlanRequest, traced: Sequence[StageGraphs], db_path: 
     in ``queue_path`` (default: ``QUEUE_FILE`` beside the database) for the plan's duplicate count.
     """
     gpu = canonical_gpu_name(req.gpu)
-    logged = dict(log_path=str(queue_path or db_path.parent / QUEUE_FILE), run=uuid.uuid4().hex)
+    logged = {"log_path": str(queue_path or db_path.parent / QUEUE_FILE), "run": uuid.uuid4().hex}
     if req.profiler == "simulated":
         yield CachedProfilerFactory(db_path=str(db_path), inner=functools.partial(SimulatedProfiler, gpu), **logged)
         return
     tables = _replay_tables(traced)
-    device = DeviceProfiler(gpu, frequency=FrequencyController.open(req.clock_mode or "real"),
-                            tables_by_ops=tables, min_window_s=req.device_window_s)
+    device = DeviceProfiler(
+        gpu,
+        frequency=FrequencyController.open(req.clock_mode or "real"),
+        tables_by_ops=tables,
+        min_window_s=req.device_window_s,
+    )
     try:
         yield CachedProfilerFactory(db_path=str(db_path), inner=lambda: device, **logged)
     finally:
@@ -566,7 +675,9 @@ LocalKey = tuple[int, GraphName, str]
 """(index of the traced stage group, graph, the type id the partition pass gave)."""
 
 
-def _distinct_types(traced: Sequence[StageGraphs], launch_search: bool = True) -> tuple[dict[str, PartitionType], dict[LocalKey, str]]:
+def _distinct_types(
+    traced: Sequence[StageGraphs], launch_search: bool = True
+) -> tuple[dict[str, PartitionType], dict[LocalKey, str]]:
     """One plan type id (T0, T1, ...) per distinct structure across all traced graphs.
 
     ``launch_search=False`` leaves each type only launch slot 0 (see ``PlanRequest``)."""
@@ -625,42 +736,67 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
                 graph = _with_plan_ids(stage.partitioned[name], g, local_to_plan)
                 outside = sequential_measurements(profiler, graph.outside, clocks)
                 nanobatched, nb_points = nanobatching_measurements(profiler, graph, outside, default_sms)
-                candidates = {t.type_id: [(c, m) for c, m in [*tuned_points[t.type_id], *nb_points[t.type_id]]
-                                          if c.clock_mhz in kareus_clocks] for t in graph.ptypes}
-                frontier = kareus_microbatch_frontier(graph, candidates, _at(outside, kareus_clocks),
-                                                      _at(sequential, kareus_clocks))
+                candidates = {
+                    t.type_id: [
+                        (c, m)
+                        for c, m in [*tuned_points[t.type_id], *nb_points[t.type_id]]
+                        if c.clock_mhz in kareus_clocks
+                    ]
+                    for t in graph.ptypes
+                }
+                frontier = kareus_microbatch_frontier(
+                    graph, candidates, _at(outside, kareus_clocks), _at(sequential, kareus_clocks)
+                )
                 nanobatched_types = tuple(t.type_id for t in graph.ptypes)
             options["nanobatching"] = as_options("nanobatching", nanobatched, max_clock)
             options["nanobatching+perseus"] = as_options("nanobatching+perseus", nanobatched, clocks)
             # Kareus's options: its frontier, then the M+P and the N+P microbatch at each of its
             # clocks (in the baselines' option order, so a baseline plan maps by an offset).
-            options["kareus"] = [*frontier.points, *_baseline_points(_at(sequential, kareus_clocks)),
-                                 *_baseline_points(_at(nanobatched, kareus_clocks), nanobatched_types, default_sms)]
-            baseline_offsets[(g, name)] = {baselines[0]: len(frontier.points),
-                                           baselines[1]: len(frontier.points) + len(kareus_clocks)}
+            options["kareus"] = [
+                *frontier.points,
+                *_baseline_points(_at(sequential, kareus_clocks)),
+                *_baseline_points(_at(nanobatched, kareus_clocks), nanobatched_types, default_sms),
+            ]
+            baseline_offsets[(g, name)] = {
+                baselines[0]: len(frontier.points),
+                baselines[1]: len(frontier.points) + len(kareus_clocks),
+            }
             per_group[(g, name)] = options
             microbatch[(g, name)] = frontier
 
     stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
     waits_s = _send_recv_s(req, traced, stage_group, spec)
     by_method = {
-        method: {(s, name): _with_link_wait(per_group[(stage_group[s], name)][method], waits_s[(s, name)],
-                                            spec.blocking_power_w)
-                 for s in range(req.pp) for name in ("forward", "backward")}
+        method: {
+            (s, name): _with_link_wait(
+                per_group[(stage_group[s], name)][method], waits_s[(s, name)], spec.blocking_power_w
+            )
+            for s in range(req.pp)
+            for name in ("forward", "backward")
+        }
         for method in METHODS
     }
     shortest_s = min(o.time_s for options in by_method.values() for opts in options.values() for o in opts)
     floor_s = min(DEFAULT_UNIT_TIME_S, shortest_s / 4)
     # One time quantum for every method, so their frontiers differ by their options, not by rounding.
-    unit_s = max(choose_unit_time_s(options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s)
-                 for options in by_method.values())
+    unit_s = max(
+        choose_unit_time_s(options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s)
+        for options in by_method.values()
+    )
     nodes = 2 * req.pp * req.microbatches
     processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
-    iteration = compose_iterations(by_method, req.microbatches, processes=processes, progress=progress,
-                                   blocking_power_w=spec.blocking_power_w, unit_time_s=unit_s,
-                                   max_solver_steps=MAX_SOLVER_STEPS)
+    iteration = compose_iterations(
+        by_method,
+        req.microbatches,
+        processes=processes,
+        progress=progress,
+        blocking_power_w=spec.blocking_power_w,
+        unit_time_s=unit_s,
+        max_solver_steps=MAX_SOLVER_STEPS,
+    )
     iteration["kareus"] = _with_baseline_plans(
-        iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]})
+        iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]}
+    )
     scale = float(req.tp * req.cp)
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
@@ -668,15 +804,18 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
 
 
-def _send_recv_s(req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int],
-                 spec: GPUSpec) -> dict[tuple[int, str], float]:
+def _send_recv_s(
+    req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int], spec: GPUSpec
+) -> dict[tuple[int, str], float]:
     """Per (stage, instruction), the blocking pipeline send it ends with (``stage_transfer.py``)."""
     if req.pp == 1:
         return {(0, "forward"): 0.0, (0, "backward"): 0.0}
     missing = [g for g, stage in enumerate(traced) if stage.sent_bytes is None]
     if missing:
-        raise OptionsError(f"a {req.pp}-stage pipeline needs the activation each stage sends on, but the traced "
-                           f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)")
+        raise OptionsError(
+            f"a {req.pp}-stage pipeline needs the activation each stage sends on, but the traced "
+            f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)"
+        )
     return stage_transfer_s([traced[stage_group[s]].sent_bytes for s in range(req.pp)], req.tp, req.cp, spec)
 
 
@@ -685,10 +824,15 @@ def _with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> li
     if wait_s == 0.0:
         return list(options)
     extra_j = power_w * wait_s
-    return [dataclasses.replace(o, time_s=o.time_s + wait_s, energy_j=o.energy_j + extra_j,
-                                **({"static_energy_j": o.static_energy_j + extra_j}
-                                   if isinstance(o, MicrobatchPoint) else {}))
-            for o in options]
+    return [
+        dataclasses.replace(
+            o,
+            time_s=o.time_s + wait_s,
+            energy_j=o.energy_j + extra_j,
+            **({"static_energy_j": o.static_energy_j + extra_j} if isinstance(o, MicrobatchPoint) else {}),
+        )
+        for o in options
+    ]
 
 
 def _at(by_clock: Mapping[int, Any], clocks: Sequence[int]) -> dict[int, Any]:
@@ -704,12 +848,18 @@ def _baseline_points(
 
     They lie in Kareus's search space; listing them (even where the microbatch frontier dominates
     them in time and energy) lets every baseline plan be written as a Kareus plan."""
-    def configs(clock: int):
-        return None if nanobatched_types is None else tuple(
-            (tid, nanobatching_config(clock, comm_sms)) for tid in nanobatched_types)
 
-    return [MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, configs(clock))
-            for clock, m in by_clock.items()]
+    def configs(clock: int):
+        return (
+            None
+            if nanobatched_types is None
+            else tuple((tid, nanobatching_config(clock, comm_sms)) for tid in nanobatched_types)
+        )
+
+    return [
+        MicrobatchPoint(m.time_s, m.energy_j, m.dynamic_energy_j, m.static_energy_j, clock, configs(clock))
+        for clock, m in by_clock.items()
+    ]
 
 
 def _with_baseline_plans(
@@ -736,7 +886,9 @@ def _with_baseline_plans(
 
 
 def _with_plan_ids(graph: PartitionedGraph, group: int, local_to_plan: Mapping[LocalKey, str]) -> PartitionedGraph:
-    renamed = tuple(dataclasses.replace(t, type_id=local_to_plan[(group, graph.graph, t.type_id)]) for t in graph.ptypes)
+    renamed = tuple(
+        dataclasses.replace(t, type_id=local_to_plan[(group, graph.graph, t.type_id)]) for t in graph.ptypes
+    )
     return dataclasses.replace(graph, ptypes=renamed)
 
 
@@ -745,9 +897,9 @@ def _option_record(point: MicrobatchPoint) -> dict[str, Any]:
     return {
         "clock_mhz": point.clock_mhz,
         "sequential": point.sequential,
-        "configs": None if point.configs is None else {
-            tid: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot} for tid, c in point.configs
-        },
+        "configs": None
+        if point.configs is None
+        else {tid: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot} for tid, c in point.configs},
         "time_s": point.time_s,
         "energy_j": point.energy_j,
         "dynamic_energy_j": point.dynamic_energy_j,
@@ -761,8 +913,10 @@ def _type_record(ptype: PartitionType, result: TuningResult, counts: Mapping[str
         "count": counts[ptype.type_id],
         "fingerprint": fingerprint(ptype),
         "collective": dataclasses.asdict(ptype.collective),
-        "slots": [{"bound": s.bound, "flops": s.flops, "bytes": s.bytes, "ops": [op.target for op in s.ops]}
-                  for s in ptype.slots],
+        "slots": [
+            {"bound": s.bound, "flops": s.flops, "bytes": s.bytes, "ops": [op.target for op in s.ops]}
+            for s in ptype.slots
+        ],
         "launch_slots": list(ptype.launch_slots),
         "frontier": [
             {**dataclasses.asdict(p.config), **dataclasses.asdict(p.measurement), "found_by": p.source}
@@ -782,22 +936,40 @@ def _type_record(ptype: PartitionType, result: TuningResult, counts: Mapping[str
 def _measurement_provenance(req: PlanRequest, device: str | None = None) -> str:
     """Where the plan's times and energies come from, in words (``device``: a distributed profiler's words)."""
     if req.profiler == "cpu-replay":
-        return (f"{device or 'test device'}: partitions replayed with their real collectives; times are the "
-                f"slowest rank's wall clock, energies a fixed power model; NOT a GPU measurement")
+        return (
+            f"{device or 'test device'}: partitions replayed with their real collectives; times are the "
+            f"slowest rank's wall clock, energies a fixed power model; NOT a GPU measurement"
+        )
     if device is not None:
-        return (f"measured on {device}: partitions replayed with their real collectives over SM-limited "
-                f"communicators; CUDA-event time (slowest rank), Zeus energy summed over each group over "
-                f">= {req.device_window_s:g} s windows")
+        return (
+            f"measured on {device}: partitions replayed with their real collectives over SM-limited "
+            f"communicators; CUDA-event time (slowest rank), Zeus energy summed over each group over "
+            f">= {req.device_window_s:g} s windows"
+        )
     if req.profiler == "simulated":
         return "simulated GPU: every time and energy is a cost-model prediction, nothing was measured"
-    clocks = ("each configuration's SM clock locked while measuring" if (req.clock_mode or "real") == "real"
-              else "clock mode dry-run: every point measured at the card's current clock, not at its clock_mhz")
-    return (f"measured on one GPU: CUDA-event time, NVML energy over >= {req.device_window_s:g} s windows; "
-            f"collectives as a local SM-limited reduce (no link time); {clocks}")
+    clocks = (
+        "each configuration's SM clock locked while measuring"
+        if (req.clock_mode or "real") == "real"
+        else "clock mode dry-run: every point measured at the card's current clock, not at its clock_mhz"
+    )
+    return (
+        f"measured on one GPU: CUDA-event time, NVML energy over >= {req.device_window_s:g} s windows; "
+        f"collectives as a local SM-limited reduce (no link time); {clocks}"
+    )
 
 
-def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, profiler_kind: str,
-               wall: Mapping[str, float], device: str | None = None) -> dict[str, Any]:
+def _plan_data(
+    req,
+    traced,
+    ptypes,
+    local_to_plan,
+    tuned,
+    composed: _Composed,
+    profiler_kind: str,
+    wall: Mapping[str, float],
+    device: str | None = None,
+) -> dict[str, Any]:
     stage_group = {s: g for g, stage in enumerate(traced) for s in stage.stages}
     counts: dict[tuple[int, GraphName], dict[str, int]] = {}
     for (g, name, local), plan_id in local_to_plan.items():
@@ -810,49 +982,77 @@ def _plan_data(req, traced, ptypes, local_to_plan, tuned, composed: _Composed, p
         for name in ("forward", "backward"):
             partitioned = traced[g].partitioned
             graphs[name] = {
-                "fingerprint": (partitioned[name].fingerprint if partitioned else traced[g].sequential[name].fingerprint),
+                "fingerprint": (
+                    partitioned[name].fingerprint if partitioned else traced[g].sequential[name].fingerprint
+                ),
                 "sequential_fingerprint": traced[g].sequential[name].fingerprint,
-                "partition_types": {local: pid for (gg, nn, local), pid in sorted(local_to_plan.items())
-                                    if gg == g and nn == name},
+                "partition_types": {
+                    local: pid for (gg, nn, local), pid in sorted(local_to_plan.items()) if gg == g and nn == name
+                },
                 "counts": counts.get((g, name), {}),
             }
         stages.append({"stage": s, "graphs": graphs})
     max_count = {pid: max(c.get(pid, 0) for c in counts.values()) for pid in ptypes}
 
     kareus = composed.iteration["kareus"]
-    options = {instruction_key(s, name): [_option_record(p) for p in kareus.options[(s, name)]]
-               for s in range(req.pp) for name in ("forward", "backward")}
+    options = {
+        instruction_key(s, name): [_option_record(p) for p in kareus.options[(s, name)]]
+        for s in range(req.pp)
+        for name in ("forward", "backward")
+    }
     frontier = []
     for point in kareus.points:
-        choices: dict[str, list[int]] = {instruction_key(s, n): [0] * req.microbatches
-                                         for s in range(req.pp) for n in ("forward", "backward")}
+        choices: dict[str, list[int]] = {
+            instruction_key(s, n): [0] * req.microbatches for s in range(req.pp) for n in ("forward", "backward")
+        }
         for node, index in zip(kareus.nodes, point.choices):
             choices[instruction_key(node.stage, node.instruction)][node.microbatch] = int(index)
-        frontier.append({"time_s": point.time_s, "energy_j": point.energy_j * composed.energy_scale,
-                         "choices": choices})
+        frontier.append(
+            {"time_s": point.time_s, "energy_j": point.energy_j * composed.energy_scale, "choices": choices}
+        )
     methods = {
-        m: {"frontier": [[p.time_s, p.energy_j * composed.energy_scale] for p in composed.iteration[m].points],
-            "metrics": composed.metrics[m]}
+        m: {
+            "frontier": [[p.time_s, p.energy_j * composed.energy_scale] for p in composed.iteration[m].points],
+            "metrics": composed.metrics[m],
+        }
         for m in METHODS
     }
     live = req.model == LIVE_GRAPH_MODEL
     layers = req.layers if live else _model_layers(req)
-    stage_layers = (None if live else list(req.stage_layers) if isinstance(req.stage_layers, tuple)
-                    else even_layer_counts(layers, req.pp))
+    stage_layers = (
+        None
+        if live
+        else list(req.stage_layers)
+        if isinstance(req.stage_layers, tuple)
+        else even_layer_counts(layers, req.pp)
+    )
     return {
         "format": PLAN_FORMAT,
         "schema_version": PLAN_SCHEMA_VERSION,
         "kareus_fx_version": __version__,
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "workload": {"model": req.model, "tp": req.tp, "cp": req.cp, "pp": req.pp,
-                     "microbatches": req.microbatches, "mbs": req.mbs, "seq": req.seq, "layers": layers,
-                     "stage_layers": stage_layers, "world_size": req.world_size, "preset": req.preset, "dtype": req.dtype},
+        "workload": {
+            "model": req.model,
+            "tp": req.tp,
+            "cp": req.cp,
+            "pp": req.pp,
+            "microbatches": req.microbatches,
+            "mbs": req.mbs,
+            "seq": req.seq,
+            "layers": layers,
+            "stage_layers": stage_layers,
+            "world_size": req.world_size,
+            "preset": req.preset,
+            "dtype": req.dtype,
+        },
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,
         "simulated": req.profiler == "simulated",
         "measurement": _measurement_provenance(req, device),
-        "energy_scope": (f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
-                         f"assumed to cost what the traced rank costs"),
+        "energy_scope": (
+            f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
+            f"assumed to cost what the traced rank costs"
+        ),
         "baselines": list(BASELINES),
         "max_clock_only": req.max_clock_only,
         "stages": stages,

@@ -110,6 +110,4 @@ def get_preset(name: str) -> Preset:
     except KeyError:
         close = difflib.get_close_matches(name, PRESETS, n=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise UnknownPresetError(
-            f"unknown preset {name!r}; {hint}known presets: {', '.join(PRESETS)}"
-        ) from None
+        raise UnknownPresetError(f"unknown preset {name!r}; {hint}known presets: {', '.join(PRESETS)}") from None

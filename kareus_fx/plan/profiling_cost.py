@@ -41,8 +41,15 @@ DEVICE_COOLDOWN_S = 5.0
 
 def sequence_fingerprint(ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec]) -> str:
     """The key of a sequence of ops and its collectives (its ops' names and targets, the collectives)."""
-    return "seq-" + replay_key([*ops, *(OpCost(f"collective{i}", f"{c.kind}:{c.bytes:g}:{c.group_size}:{c.fused}",
-                                             0.0, 0.0) for i, c in enumerate(collectives))])
+    return "seq-" + replay_key(
+        [
+            *ops,
+            *(
+                OpCost(f"collective{i}", f"{c.kind}:{c.bytes:g}:{c.group_size}:{c.fused}", 0.0, 0.0)
+                for i, c in enumerate(collectives)
+            ),
+        ]
+    )
 
 
 PURPOSES = ("tuning", "nanobatching", "sequences")
@@ -98,8 +105,9 @@ class LedgerProfiler:
         self.ledger.add((fingerprint(ptype), config), "nanobatching")
         return self.inner.measure(ptype, config)
 
-    def measure_sequence(self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int,
-                         **kwargs: Any) -> Measurement:
+    def measure_sequence(
+        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int, **kwargs: Any
+    ) -> Measurement:
         self.ledger.add((sequence_fingerprint(ops, collectives), PartitionConfig(clock_mhz, 1, None)), "sequences")
         return self.inner.measure_sequence(ops, collectives, clock_mhz, **kwargs)
 
@@ -140,7 +148,15 @@ class ProfilingCost:
         return self.wall_s_on_device * self.groups * self.gpus_per_group / 3600.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"measurements": self.measurements, "duplicates": self.duplicates, "groups": self.groups,
-                "gpus_per_group": self.gpus_per_group, "window_s": self.window_s, "cooldown_s": self.cooldown_s,
-                "wall_s_on_device": self.wall_s_on_device, "gpu_hours": self.gpu_hours, "device": self.device,
-                **({"by_purpose": dict(self.by_purpose)} if self.by_purpose is not None else {})}
+        return {
+            "measurements": self.measurements,
+            "duplicates": self.duplicates,
+            "groups": self.groups,
+            "gpus_per_group": self.gpus_per_group,
+            "window_s": self.window_s,
+            "cooldown_s": self.cooldown_s,
+            "wall_s_on_device": self.wall_s_on_device,
+            "gpu_hours": self.gpu_hours,
+            "device": self.device,
+            **({"by_purpose": dict(self.by_purpose)} if self.by_purpose is not None else {}),
+        }

@@ -48,8 +48,10 @@ def cost_from_slices(short_s: float, long_s: float, short_layers: int) -> StageC
     times (seconds). Raises ValueError when the extra layer does not cost time."""
     per_layer_s = long_s - short_s
     if per_layer_s <= 0.0:
-        raise ValueError(f"a {short_layers + 1}-layer slice ({long_s:.6g} s) is not slower than the "
-                         f"{short_layers}-layer one ({short_s:.6g} s); cannot balance stages on it")
+        raise ValueError(
+            f"a {short_layers + 1}-layer slice ({long_s:.6g} s) is not slower than the "
+            f"{short_layers}-layer one ({short_s:.6g} s); cannot balance stages on it"
+        )
     return StageCost(fixed_s=short_s - short_layers * per_layer_s, per_layer_s=per_layer_s)
 
 
@@ -70,7 +72,8 @@ def balanced_layer_counts(num_layers: int, stage_costs: Sequence[StageCost]) -> 
     bounds = sorted({c.time_s(n) for c in stage_costs for n in range(1, most + 1)})
     counts = capacity(next(b for b in bounds if min(capacity(b)) >= 1 and sum(capacity(b)) >= num_layers))
     while sum(counts) > num_layers:
-        slowest = max((i for i in range(num_stages) if counts[i] > 1),
-                      key=lambda i: (stage_costs[i].time_s(counts[i]), i))
+        slowest = max(
+            (i for i in range(num_stages) if counts[i] > 1), key=lambda i: (stage_costs[i].time_s(counts[i]), i)
+        )
         counts[slowest] -= 1
     return tuple(counts)

@@ -49,8 +49,10 @@ def boundary_bytes(dump: Mapping[str, Any]) -> float:
 
 def _node_of(rank: int, spec: GPUSpec) -> int:
     if spec.gpus_per_node is None:
-        raise OptionsError(f"no node network is known for the {spec.name} (gpus_per_node): a pipeline across "
-                           f"nodes cannot price its send/recv; plan for a GPU with a node entry in gpu_specs")
+        raise OptionsError(
+            f"no node network is known for the {spec.name} (gpus_per_node): a pipeline across "
+            f"nodes cannot price its send/recv; plan for a GPU with a node entry in gpu_specs"
+        )
     return rank // spec.gpus_per_node
 
 
@@ -58,14 +60,17 @@ def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec)
     """Seconds from stage ``sender``'s send to the activation being whole on the next stage."""
     group = tp * cp
     across_nodes = _node_of(sender * group, spec) != _node_of((sender + 1) * group, spec)
-    per_gpu_bytes_per_s = (spec.node_network_bytes_per_s / spec.gpus_per_node if across_nodes
-                           else spec.nvlink_bandwidth_bytes_per_s)
+    per_gpu_bytes_per_s = (
+        spec.node_network_bytes_per_s / spec.gpus_per_node if across_nodes else spec.nvlink_bandwidth_bytes_per_s
+    )
     send_s = sent_bytes / tp / per_gpu_bytes_per_s
     gather_s = sent_bytes * (tp - 1) / tp / spec.nvlink_bandwidth_bytes_per_s
     return send_s + gather_s
 
 
-def stage_transfer_s(sent_bytes: Sequence[float], tp: int, cp: int, spec: GPUSpec) -> dict[tuple[int, Instruction], float]:
+def stage_transfer_s(
+    sent_bytes: Sequence[float], tp: int, cp: int, spec: GPUSpec
+) -> dict[tuple[int, Instruction], float]:
     """Per (stage, instruction), the blocking send it ends with: a forward sends its activation
     to the next stage, a backward the activation's gradient to the previous one (``sent_bytes[s]``:
     the boundary tensor stage ``s`` sends on; the last stage's is unused). Zero where nothing is sent."""

@@ -63,18 +63,31 @@ def summarise_graph(graph: dict[str, Any]) -> GraphSummary:
 def summary_table(dump: dict[str, Any], title: str) -> Table:
     """A rich table with one row per graph of a dump."""
     table = Table(title=title)
-    for column in ("graph", "nodes", "kernels", "compute-bound ops", "memory-bound ops", "TFLOP", "GB moved",
-                   "collectives (count, GiB)"):
+    for column in (
+        "graph",
+        "nodes",
+        "kernels",
+        "compute-bound ops",
+        "memory-bound ops",
+        "TFLOP",
+        "GB moved",
+        "collectives (count, GiB)",
+    ):
         table.add_column(column, justify="right" if column != "graph" else "left")
     for graph in dump["graphs"]:
         s = summarise_graph(graph)
         collectives = ", ".join(
-            f"{kind} x{count} ({s.collective_bytes[kind] / 2**30:.2f})"
-            for kind, count in sorted(s.collectives.items())
+            f"{kind} x{count} ({s.collective_bytes[kind] / 2**30:.2f})" for kind, count in sorted(s.collectives.items())
         )
         table.add_row(
-            s.name, str(s.nodes), str(s.kernels), str(s.compute_bound_ops), str(s.memory_bound_ops),
-            f"{s.flops / 1e12:.2f}", f"{s.bytes / 1e9:.2f}", collectives or "none",
+            s.name,
+            str(s.nodes),
+            str(s.kernels),
+            str(s.compute_bound_ops),
+            str(s.memory_bound_ops),
+            f"{s.flops / 1e12:.2f}",
+            f"{s.bytes / 1e9:.2f}",
+            collectives or "none",
         )
     return table
 
@@ -93,7 +106,8 @@ def collectives_by_layer_text(dump: dict[str, Any]) -> str:
             layers_text = f"{len(per_layer)} decoder layers x ({', '.join(f'{k} {v}' for k, v in shape)})"
         else:
             layers_text = f"{len(per_layer)} decoder layers, uneven: " + "; ".join(
-                f"{layer}: {dict(c)}" for layer, c in sorted(per_layer.items()))
+                f"{layer}: {dict(c)}" for layer, c in sorted(per_layer.items())
+            )
         outside = ", ".join(f"{k} {v}" for k, v in sorted(s.collectives_outside_layers.items())) or "none"
         lines.append(f"{graph['name']} collectives: {layers_text}; outside the layers: {outside}")
     return "\n".join(lines)

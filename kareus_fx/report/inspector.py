@@ -49,7 +49,9 @@ def partition_types_table(graph: dict[str, Any]) -> Table | None:
         c = t["collective"]
         fused = f" x{c['fused']} fused" if c["fused"] > 1 else ""
         table.add_row(
-            f"{t['label']}\n[dim]{t['type']}[/dim]", str(t["count"]), slots,
+            f"{t['label']}\n[dim]{t['type']}[/dim]",
+            str(t["count"]),
+            slots,
             f"{c['kind']}{fused}\n{c['bytes'] / 2**20:.1f} MiB, group {c['group_size']}",
             ", ".join(map(str, t["launch_slots"])) or "none (sequential only)",
         )
@@ -61,7 +63,8 @@ def symbols_text(symbols: dict[str, dict[str, Any]]) -> str:
     return ", ".join(
         f"{name}[{r['min']}, {'inf' if r['max'] is None else r['max']}]"
         + ("" if r["hint"] is None else f" = {r['hint']}")
-        for name, r in sorted(symbols.items()))
+        for name, r in sorted(symbols.items())
+    )
 
 
 def print_dump(dump: dict[str, Any], console: Console, title: str) -> None:
@@ -69,8 +72,9 @@ def print_dump(dump: dict[str, Any], console: Console, title: str) -> None:
     console.print(summary_table(dump, title=title))
     for graph in dump["graphs"]:
         if graph.get("symbols"):
-            console.print(f"{graph['name']}: symbolic sizes {symbols_text(graph['symbols'])}; "
-                          f"shapes and costs below at the hints")
+            console.print(
+                f"{graph['name']}: symbolic sizes {symbols_text(graph['symbols'])}; shapes and costs below at the hints"
+            )
         table = partition_types_table(graph)
         if table is None:
             console.print(f"{graph['name']}: not partitioned (no nanobatch split or no collectives)")
@@ -124,10 +128,12 @@ def inspected_html(item: Inspected) -> str:
         return plan_report_html(item.plan)
     console = Console(record=True, width=160, file=io.StringIO())
     print_dump(item.dump, console, title=str(item.path))
-    body = console.export_html(inline_styles=True, code_format="<pre style=\"font-size:12px\">{code}</pre>")
+    body = console.export_html(inline_styles=True, code_format='<pre style="font-size:12px">{code}</pre>')
     title = f"kareus graph dump: {item.path.name}"
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f"</head>\n<body><h1>{html.escape(title)}</h1>\n"
-            f"<p>GPU {html.escape(str(item.dump.get('gpu')))}, rank {item.dump.get('rank')} of "
-            f"{item.dump.get('world_size')}, kareus-fx {html.escape(str(item.dump.get('kareus_fx_version')))}</p>\n"
-            f"{body}\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"</head>\n<body><h1>{html.escape(title)}</h1>\n"
+        f"<p>GPU {html.escape(str(item.dump.get('gpu')))}, rank {item.dump.get('rank')} of "
+        f"{item.dump.get('world_size')}, kareus-fx {html.escape(str(item.dump.get('kareus_fx_version')))}</p>\n"
+        f"{body}\n</body></html>\n"
+    )

@@ -56,8 +56,9 @@ def _value_changes(section: str, a: Mapping[str, Any], b: Mapping[str, Any], key
 # ----- plans ------------------------------------------------------------------------------------
 def _type_label(tid: str, rec: Mapping[str, Any]) -> str:
     c = rec["collective"]
-    return (f"{tid} ({rec['graph']}, {c['kind']} {c['bytes'] / 2**20:.1f} MiB, {len(rec['slots'])} slots, "
-            f"x{rec['count']})")
+    return (
+        f"{tid} ({rec['graph']}, {c['kind']} {c['bytes'] / 2**20:.1f} MiB, {len(rec['slots'])} slots, x{rec['count']})"
+    )
 
 
 def _config_text(clock: int, cfg: Mapping[str, Any] | None) -> str:
@@ -75,14 +76,21 @@ def _chosen(plan: Plan) -> dict[tuple[str, int], tuple[int, dict[str, Any] | Non
     for key, indices in plan.frontier[point]["choices"].items():
         for microbatch, index in enumerate(indices):
             option = plan.data["microbatch_options"][key][index]
-            configs = None if option["configs"] is None else {
-                fingerprint_of[tid]: dict(cfg) for tid, cfg in option["configs"].items()}
+            configs = (
+                None
+                if option["configs"] is None
+                else {fingerprint_of[tid]: dict(cfg) for tid, cfg in option["configs"].items()}
+            )
             out[(key, microbatch)] = (option["clock_mhz"], configs)
     return out
 
 
-def _option_changes(a: tuple[int, dict[str, Any] | None], b: tuple[int, dict[str, Any] | None],
-                    name_a: Mapping[str, str], name_b: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+def _option_changes(
+    a: tuple[int, dict[str, Any] | None],
+    b: tuple[int, dict[str, Any] | None],
+    name_a: Mapping[str, str],
+    name_b: Mapping[str, str],
+) -> tuple[tuple[str, str], ...]:
     """(label suffix, detail) of each difference between two chosen microbatch options."""
     (clock_a, cfg_a), (clock_b, cfg_b) = a, b
     found = []
@@ -120,11 +128,19 @@ def diff_plans(a: Plan, b: Plan) -> list[Change]:
         if rec_a["count"] != rec_b["count"]:
             changes.append(Change("partition types", name, f"count {rec_a['count']} -> {rec_b['count']}"))
         if rec_a["launch_slots"] != rec_b["launch_slots"]:
-            changes.append(Change("partition types", name, f"launch slots {rec_a['launch_slots']} -> {rec_b['launch_slots']}"))
+            changes.append(
+                Change("partition types", name, f"launch slots {rec_a['launch_slots']} -> {rec_b['launch_slots']}")
+            )
         ta, tb = rec_a.get("tuning") or {}, rec_b.get("tuning") or {}
         if ta.get("measured") != tb.get("measured") or ta.get("space_size") != tb.get("space_size"):
-            changes.append(Change("tuning", name, f"measured {ta.get('measured')} of {ta.get('space_size')} -> "
-                                                  f"{tb.get('measured')} of {tb.get('space_size')}"))
+            changes.append(
+                Change(
+                    "tuning",
+                    name,
+                    f"measured {ta.get('measured')} of {ta.get('space_size')} -> "
+                    f"{tb.get('measured')} of {tb.get('space_size')}",
+                )
+            )
 
     # configuration at max throughput, per (stage, instruction, microbatch), types by structure
     name_b = {rec["fingerprint"]: tid for tid, rec in b.data["partition_types"].items()}
@@ -149,8 +165,13 @@ def diff_plans(a: Plan, b: Plan) -> list[Change]:
     pa, pb = a.frontier[a.point_index("max-throughput")], b.frontier[b.point_index("max-throughput")]
     for key, unit in (("time_s", "s"), ("energy_j", "J")):
         if pa[key] != pb[key]:
-            changes.append(Change("max-throughput prediction", key,
-                                  f"{pa[key]:.6g} -> {pb[key]:.6g} {unit} ({_relative(pa[key], pb[key])})"))
+            changes.append(
+                Change(
+                    "max-throughput prediction",
+                    key,
+                    f"{pa[key]:.6g} -> {pb[key]:.6g} {unit} ({_relative(pa[key], pb[key])})",
+                )
+            )
     if len(a.frontier) != len(b.frontier):
         changes.append(Change("iteration frontier", "points", f"{len(a.frontier)} -> {len(b.frontier)}"))
     for method in sorted(set(a.data["methods"]) | set(b.data["methods"])):
@@ -189,15 +210,21 @@ def diff_dumps(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Change]:
         types_a = {t["type"]: t for t in ga.get("partition_types") or []}
         types_b = {t["type"]: t for t in gb.get("partition_types") or []}
         for tid in sorted(types_a.keys() - types_b.keys()):
-            changes.append(Change(name, "partition type removed", f"{tid} ({types_a[tid]['label']}, x{types_a[tid]['count']})"))
+            changes.append(
+                Change(name, "partition type removed", f"{tid} ({types_a[tid]['label']}, x{types_a[tid]['count']})")
+            )
         for tid in sorted(types_b.keys() - types_a.keys()):
-            changes.append(Change(name, "partition type added", f"{tid} ({types_b[tid]['label']}, x{types_b[tid]['count']})"))
+            changes.append(
+                Change(name, "partition type added", f"{tid} ({types_b[tid]['label']}, x{types_b[tid]['count']})")
+            )
         for tid in sorted(types_a.keys() & types_b.keys()):
             ta, tb = types_a[tid], types_b[tid]
             if ta["count"] != tb["count"]:
                 changes.append(Change(name, f"partition type {tid}", f"count {ta['count']} -> {tb['count']}"))
             if ta["launch_slots"] != tb["launch_slots"]:
-                changes.append(Change(name, f"partition type {tid}", f"launch slots {ta['launch_slots']} -> {tb['launch_slots']}"))
+                changes.append(
+                    Change(name, f"partition type {tid}", f"launch slots {ta['launch_slots']} -> {tb['launch_slots']}")
+                )
         pa, pb = len(ga.get("partitions") or []), len(gb.get("partitions") or [])
         if pa != pb:
             changes.append(Change(name, "partitions", f"{pa} -> {pb}"))

@@ -51,9 +51,11 @@ def _fastest(method: Mapping[str, Any]) -> tuple[float, float]:
 def _provenance(plan: Mapping[str, Any]) -> str:
     w = plan["workload"]
     source = "simulated GPU (a calibrated cost model, not a measurement)" if plan.get("simulated") else plan["profiler"]
-    return (f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']}, {w['microbatches']} microbatches of "
-            f"{w['mbs']} x {w['seq']} tokens, {plan['gpu']}; times and energies from the {source}; "
-            f"energy of {plan['energy_scope']}")
+    return (
+        f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']}, {w['microbatches']} microbatches of "
+        f"{w['mbs']} x {w['seq']} tokens, {plan['gpu']}; times and energies from the {source}; "
+        f"energy of {plan['energy_scope']}"
+    )
 
 
 def profiling_text(plan: Mapping[str, Any]) -> str:
@@ -61,13 +63,18 @@ def profiling_text(plan: Mapping[str, Any]) -> str:
     p = plan.get("profiling")
     if not p:
         return ""
-    window = ("" if p.get("window_s") is None or p.get("cooldown_s") is None
-              else f" ({p['window_s']:g} s window + {p['cooldown_s']:g} s cooldown each)")
+    window = (
+        ""
+        if p.get("window_s") is None or p.get("cooldown_s") is None
+        else f" ({p['window_s']:g} s window + {p['cooldown_s']:g} s cooldown each)"
+    )
     split = p.get("by_purpose")
     purposes = f" ({', '.join(f'{k} {v}' for k, v in split.items())})" if split else ""
-    return (f"profiling: {p['measurements']} measurements{purposes}{window}, {p['duplicates']} duplicates, "
-            f"{p['groups']} parallel group(s): {p['wall_s_on_device'] / 3600:.2f} h on the device, {p['gpu_hours']:.1f} GPU-hours"
-            + (f"; {p['device']}" if p.get("device") else ""))
+    return (
+        f"profiling: {p['measurements']} measurements{purposes}{window}, {p['duplicates']} duplicates, "
+        f"{p['groups']} parallel group(s): {p['wall_s_on_device'] / 3600:.2f} h on the device, {p['gpu_hours']:.1f} GPU-hours"
+        + (f"; {p['device']}" if p.get("device") else "")
+    )
 
 
 def metrics_table(plan: Mapping[str, Any]) -> Table:
@@ -80,8 +87,12 @@ def metrics_table(plan: Mapping[str, Any]) -> Table:
         table.add_column(key.replace("_", " "), justify="right")
     for name, method in plan["methods"].items():
         t, e = _fastest(method)
-        table.add_row(_METHOD_STYLE.get(name, (name,))[0], f"{t:.4f}", f"{e / 1e3:.3f}",
-                      *(_percent(method["metrics"].get(k)) for k in METRIC_LABELS))
+        table.add_row(
+            _METHOD_STYLE.get(name, (name,))[0],
+            f"{t:.4f}",
+            f"{e / 1e3:.3f}",
+            *(_percent(method["metrics"].get(k)) for k in METRIC_LABELS),
+        )
     return table
 
 
@@ -109,13 +120,22 @@ def frontier_png(plan: Mapping[str, Any]) -> bytes:
         for name, method in plan["methods"].items():
             label, color, marker = _METHOD_STYLE.get(name, (name, None, "."))
             points = sorted(tuple(p) for p in method["frontier"])
-            ax.plot([p[0] for p in points], [p[1] / 1e3 for p in points], marker=marker, markersize=4,
-                    linewidth=1.2, color=color, label=label)
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] / 1e3 for p in points],
+                marker=marker,
+                markersize=4,
+                linewidth=1.2,
+                color=color,
+                label=label,
+            )
         ax.set_xlabel("iteration time (s)")
         ax.set_ylabel("iteration energy (kJ)")
         w = plan["workload"]
-        ax.set_title(f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']} mbs{w['mbs']} seq{w['seq']}"
-                     + (" (simulated GPU)" if plan.get("simulated") else ""))
+        ax.set_title(
+            f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']} mbs{w['mbs']} seq{w['seq']}"
+            + (" (simulated GPU)" if plan.get("simulated") else "")
+        )
         ax.grid(alpha=0.3)
         ax.legend()
         buffer = io.BytesIO()
@@ -132,10 +152,14 @@ def _metrics_html(plan: Mapping[str, Any]) -> str:
     for name, method in plan["methods"].items():
         t, e = _fastest(method)
         cells = "".join(f"<td>{_percent(method['metrics'].get(k))}</td>" for k in METRIC_LABELS)
-        rows.append(f"<tr><td>{html.escape(_METHOD_STYLE.get(name, (name,))[0])}</td>"
-                    f"<td>{t:.4f}</td><td>{e / 1e3:.3f}</td>{cells}</tr>")
-    return (f"<table><tr><th>method</th><th>fastest time (s)</th><th>energy there (kJ)</th>{head}</tr>"
-            f"{''.join(rows)}</table>")
+        rows.append(
+            f"<tr><td>{html.escape(_METHOD_STYLE.get(name, (name,))[0])}</td>"
+            f"<td>{t:.4f}</td><td>{e / 1e3:.3f}</td>{cells}</tr>"
+        )
+    return (
+        f"<table><tr><th>method</th><th>fastest time (s)</th><th>energy there (kJ)</th>{head}</tr>"
+        f"{''.join(rows)}</table>"
+    )
 
 
 def report_html(plan: Mapping[str, Any], png: bytes | None = None, extra_sections: str = "") -> str:

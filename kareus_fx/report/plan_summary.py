@@ -85,8 +85,10 @@ def provenance_lines(plan: Plan) -> list[str]:
         f"GPU: {plan.gpu}; profiler: {data.get('profiler', '?')}",
     ]
     if data.get("simulated"):
-        lines.append("every time and energy below is a prediction of the simulated GPU (a calibrated cost "
-                     "model), not a measurement on hardware")
+        lines.append(
+            "every time and energy below is a prediction of the simulated GPU (a calibrated cost "
+            "model), not a measurement on hardware"
+        )
         stale = _simulator_changed(plan)
         if stale:
             lines.append(stale)
@@ -103,8 +105,10 @@ def _simulator_changed(plan: Plan) -> str | None:
     current = SimulatedProfiler(plan.gpu).kind
     if recorded.split(":")[:2] == current.split(":")[:2]:
         return None
-    return (f"note: this plan was made with simulator parameters {recorded!r}; the installed simulator has "
-            f"{current!r}, so re-simulated timelines may differ from the plan's numbers")
+    return (
+        f"note: this plan was made with simulator parameters {recorded!r}; the installed simulator has "
+        f"{current!r}, so re-simulated timelines may differ from the plan's numbers"
+    )
 
 
 # ----- partition types --------------------------------------------------------------------------
@@ -116,13 +120,26 @@ def rebuild_partition_type(type_id: str, record: Mapping[str, Any]) -> Partition
         targets = list(slot["ops"]) or ["?"]
         n = len(targets)
         bound = slot.get("bound")
-        slots.append(SlotSpec(ops=tuple(
-            OpCost(name=f"slot{s}.{k}:{short_op_name(target)}", target=target, flops=slot["flops"] / n,
-                   bytes=slot["bytes"] / n, bound=bound)
-            for k, target in enumerate(targets))))
+        slots.append(
+            SlotSpec(
+                ops=tuple(
+                    OpCost(
+                        name=f"slot{s}.{k}:{short_op_name(target)}",
+                        target=target,
+                        flops=slot["flops"] / n,
+                        bytes=slot["bytes"] / n,
+                        bound=bound,
+                    )
+                    for k, target in enumerate(targets)
+                )
+            )
+        )
     return PartitionType(
-        type_id=type_id, graph=record["graph"], slots=tuple(slots),
-        collective=CollectiveSpec(**record["collective"]), count=int(record["count"]),
+        type_id=type_id,
+        graph=record["graph"],
+        slots=tuple(slots),
+        collective=CollectiveSpec(**record["collective"]),
+        count=int(record["count"]),
         launch_slots=tuple(record["launch_slots"]),
     )
 
@@ -139,17 +156,38 @@ def partition_types_table(plan: Plan) -> Tabular:
             for i, slot in enumerate(rec["slots"])
         )
         tuning = rec.get("tuning") or {}
-        tuned = (f"{tuning['measured']} of {tuning['space_size']} ({100 * tuning['fraction_measured']:.1f}%), "
-                 f"{tuning['stop_reason']}") if tuning else "n/a"
-        rows.append((
-            tid, rec["graph"], str(rec["count"]), f"{c['kind']}{fused}\n{c['bytes'] / 2**20:.1f} MiB, group {c['group_size']}",
-            slots, ", ".join(map(str, rec["launch_slots"])) or "none (sequential only)", tuned,
-            str(len(rec["frontier"])),
-        ))
+        tuned = (
+            (
+                f"{tuning['measured']} of {tuning['space_size']} ({100 * tuning['fraction_measured']:.1f}%), "
+                f"{tuning['stop_reason']}"
+            )
+            if tuning
+            else "n/a"
+        )
+        rows.append(
+            (
+                tid,
+                rec["graph"],
+                str(rec["count"]),
+                f"{c['kind']}{fused}\n{c['bytes'] / 2**20:.1f} MiB, group {c['group_size']}",
+                slots,
+                ", ".join(map(str, rec["launch_slots"])) or "none (sequential only)",
+                tuned,
+                str(len(rec["frontier"])),
+            )
+        )
     return Tabular(
         title=f"{len(rows)} partition types",
-        headers=("type", "graph", "count per microbatch", "collective", "slots (bound: ops, work)",
-                 "launch slots", "tuning: measured of space", "frontier points"),
+        headers=(
+            "type",
+            "graph",
+            "count per microbatch",
+            "collective",
+            "slots (bound: ops, work)",
+            "launch slots",
+            "tuning: measured of space",
+            "frontier points",
+        ),
         rows=tuple(rows),
     )
 
@@ -177,15 +215,31 @@ def chosen_options_table(plan: Plan, point_index: int) -> Tabular:
                 by_option.setdefault(index, []).append(microbatch)
             for index, microbatches in sorted(by_option.items()):
                 option = plan.data["microbatch_options"][key][index]
-                rows.append((
-                    f"{stage}", instruction, ranges_text(microbatches), f"{option['clock_mhz']}",
-                    _config_text(option), f"{option['time_s'] * 1e3:.3f}", f"{option['energy_j']:.2f}",
-                ))
+                rows.append(
+                    (
+                        f"{stage}",
+                        instruction,
+                        ranges_text(microbatches),
+                        f"{option['clock_mhz']}",
+                        _config_text(option),
+                        f"{option['time_s'] * 1e3:.3f}",
+                        f"{option['energy_j']:.2f}",
+                    )
+                )
     return Tabular(
-        title=(f"configuration at frontier point {point_index} of {len(plan.frontier)} "
-               f"({point['time_s']:.4f} s, {point['energy_j'] / 1e3:.3f} kJ per iteration)"),
-        headers=("stage", "instruction", "microbatches", "clock (MHz)", "per partition type",
-                 "microbatch time (ms)", "microbatch energy (J, traced GPU)"),
+        title=(
+            f"configuration at frontier point {point_index} of {len(plan.frontier)} "
+            f"({point['time_s']:.4f} s, {point['energy_j'] / 1e3:.3f} kJ per iteration)"
+        ),
+        headers=(
+            "stage",
+            "instruction",
+            "microbatches",
+            "clock (MHz)",
+            "per partition type",
+            "microbatch time (ms)",
+            "microbatch energy (J, traced GPU)",
+        ),
         rows=tuple(rows),
     )
 
@@ -213,7 +267,8 @@ def type_schedules(plan: Plan, point_index: int, default_comm_sms: int) -> dict[
     for stage in plan.data["stages"]:
         for instruction, graph in stage["graphs"].items():
             types_of_graph.setdefault(instruction_key(stage["stage"], instruction), set()).update(
-                graph["partition_types"].values())
+                graph["partition_types"].values()
+            )
     for key, indices in point["choices"].items():
         for index in indices:
             option = plan.data["microbatch_options"][key][index]
@@ -253,10 +308,12 @@ def frontier_text(plan: Plan) -> str:
     points = plan.frontier
     fastest = points[plan.point_index("max-throughput")]
     least = min(points, key=lambda p: (p["energy_j"], p["time_s"]))
-    return (f"Kareus iteration frontier: {len(points)} points, from {fastest['time_s']:.4f} s / "
-            f"{fastest['energy_j'] / 1e3:.3f} kJ (max throughput) to {least['time_s']:.4f} s / "
-            f"{least['energy_j'] / 1e3:.3f} kJ (least energy); baselines: "
-            f"{', '.join(m for m in plan.data['methods'] if m != 'kareus')}")
+    return (
+        f"Kareus iteration frontier: {len(points)} points, from {fastest['time_s']:.4f} s / "
+        f"{fastest['energy_j'] / 1e3:.3f} kJ (max throughput) to {least['time_s']:.4f} s / "
+        f"{least['energy_j'] / 1e3:.3f} kJ (least energy); baselines: "
+        f"{', '.join(m for m in plan.data['methods'] if m != 'kareus')}"
+    )
 
 
 def ranges_text(values: Sequence[int]) -> str:
@@ -280,7 +337,9 @@ def plan_report_html(plan: Plan) -> str:
     type, the timeline of its chosen schedule beside the sequential one (re-simulated)."""
     fastest = plan.point_index("max-throughput")
     sections = [
-        "<h2>Provenance</h2><ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in provenance_lines(plan)) + "</ul>",
+        "<h2>Provenance</h2><ul>"
+        + "".join(f"<li>{html.escape(line)}</li>" for line in provenance_lines(plan))
+        + "</ul>",
         f"<p>{html.escape(frontier_text(plan))}</p>",
         "<h2>Partition types</h2>",
         partition_types_table(plan).to_html(),
@@ -315,18 +374,27 @@ def timelines_html(plan: Plan, point_index: int) -> str:
         baseline = sim.predict(ptype, sequential, timeline=True)
         bound = {op.name: op.bound for slot in ptype.slots for op in slot.ops}
         png = timeline_png(
-            [TimelinePanel(f"chosen: {_schedule_text(schedule.config)}\n{_prediction_text(chosen)}",
-                           chosen.timeline),
-             TimelinePanel(f"sequential: {_schedule_text(sequential)}\n{_prediction_text(baseline)}",
-                           baseline.timeline)],
+            [
+                TimelinePanel(
+                    f"chosen: {_schedule_text(schedule.config)}\n{_prediction_text(chosen)}", chosen.timeline
+                ),
+                TimelinePanel(
+                    f"sequential: {_schedule_text(sequential)}\n{_prediction_text(baseline)}", baseline.timeline
+                ),
+            ],
             bound_of=bound.get,
             title=f"{tid} ({record['graph']}, {record['collective']['kind']}, x{record['count']} per microbatch)",
         )
         note = _measured_note(record, schedule.config, chosen.measurement.time_s)
-        others = (f"; {schedule.other_schedules} other schedule(s) of this type at this point"
-                  if schedule.other_schedules else "")
-        caption = (f"this schedule in {schedule.uses} of the (stage, instruction, microbatch) steps that run "
-                   f"the type{others}. {note}")
+        others = (
+            f"; {schedule.other_schedules} other schedule(s) of this type at this point"
+            if schedule.other_schedules
+            else ""
+        )
+        caption = (
+            f"this schedule in {schedule.uses} of the (stage, instruction, microbatch) steps that run "
+            f"the type{others}. {note}"
+        )
         parts.append(
             f"<h3>{html.escape(tid)}</h3><p>{html.escape(caption)}</p>"
             f'<img class="timeline" alt="timeline of {html.escape(tid)}" '
@@ -350,6 +418,8 @@ def _measured_note(record: Mapping[str, Any], config: PartitionConfig, rebuilt_t
     for point in record["frontier"]:
         if PartitionConfig(point["clock_mhz"], point["comm_sms"], point["launch_slot"]) == config:
             off = rebuilt_time_s / point["time_s"] - 1.0
-            return (f"The plan's tuner measured {point['time_s'] * 1e6:.1f} µs for this schedule; the rebuilt "
-                    f"type predicts {rebuilt_time_s * 1e6:.1f} µs ({100 * off:+.1f}%).")
+            return (
+                f"The plan's tuner measured {point['time_s'] * 1e6:.1f} µs for this schedule; the rebuilt "
+                f"type predicts {rebuilt_time_s * 1e6:.1f} µs ({100 * off:+.1f}%)."
+            )
     return "The schedule is not on the type's tuned frontier in the plan (no measured time to compare)."

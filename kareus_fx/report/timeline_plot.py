@@ -70,8 +70,9 @@ def timeline_png(panels: Sequence[TimelinePanel], bound_of: Callable[[str], str 
         for ax, panel in zip(axes[0], panels):
             for start, end, name in _compute_bars(panel.segments):
                 color = _COLORS["gap"] if name == "gap" else _COLORS.get(bound_of(name), _COLORS[None])
-                ax.broken_barh([(start * 1e6, (end - start) * 1e6)], (1.6, 0.8), facecolors=color,
-                               edgecolor="white", linewidth=0.3)
+                ax.broken_barh(
+                    [(start * 1e6, (end - start) * 1e6)], (1.6, 0.8), facecolors=color, edgecolor="white", linewidth=0.3
+                )
             for start, end in comm_intervals_s(panel.segments):
                 ax.broken_barh([(start * 1e6, (end - start) * 1e6)], (0.6, 0.8), facecolors=_COMM_COLOR)
             ax.set_xlim(0, end_us * 1.02)
@@ -80,10 +81,12 @@ def timeline_png(panels: Sequence[TimelinePanel], bound_of: Callable[[str], str 
             ax.set_xlabel("time (µs)")
             ax.set_title(panel.title, fontsize=9)
             ax.grid(axis="x", alpha=0.3)
-        handles = [Patch(color=_COLORS["compute"], label="compute-bound kernel"),
-                   Patch(color=_COLORS["memory"], label="memory-bound kernel"),
-                   Patch(color=_COLORS["gap"], label="launch gap"),
-                   Patch(color=_COMM_COLOR, label="collective")]
+        handles = [
+            Patch(color=_COLORS["compute"], label="compute-bound kernel"),
+            Patch(color=_COLORS["memory"], label="memory-bound kernel"),
+            Patch(color=_COLORS["gap"], label="launch gap"),
+            Patch(color=_COMM_COLOR, label="collective"),
+        ]
         fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
         if title:
             fig.suptitle(title, fontsize=10)

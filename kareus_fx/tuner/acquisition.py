@@ -54,14 +54,12 @@ DEFAULT_PASS_FRACTIONS: dict[str, float] = {
 }
 
 
-def allocate_pass_counts(
-    batch_size: int, fractions: Mapping[str, float] = DEFAULT_PASS_FRACTIONS
-) -> dict[str, int]:
+def allocate_pass_counts(batch_size: int, fractions: Mapping[str, float] = DEFAULT_PASS_FRACTIONS) -> dict[str, int]:
     """Split ``batch_size`` over the passes by largest remainder (ties: pass order)."""
     names = [p for p in PASSES if fractions.get(p, 0.0) > 0]
     total = sum(fractions[p] for p in names)
     if batch_size <= 0 or not names:
-        return {p: 0 for p in PASSES}
+        return dict.fromkeys(PASSES, 0)
     exact = {p: batch_size * fractions[p] / total for p in names}
     counts = {p: int(np.floor(exact[p])) for p in PASSES if p in exact}
     left = batch_size - sum(counts.values())
@@ -129,9 +127,7 @@ def greedy_hvi_select(
     return picks
 
 
-def uncertainty_select(
-    pred: Prediction, measured: MeasuredObjectives, available: np.ndarray, k: int
-) -> list[int]:
+def uncertainty_select(pred: Prediction, measured: MeasuredObjectives, available: np.ndarray, k: int) -> list[int]:
     """Pick the ``k`` available rows with the largest normalised sum of ensemble stds."""
     t_range = np.ptp(measured.time_s) or abs(float(measured.time_s.mean())) or 1.0
     e_range = np.ptp(measured.dynamic_energy_j) or abs(float(measured.dynamic_energy_j.mean())) or 1.0
@@ -165,9 +161,7 @@ def select_batch(
         if name == "uncertainty":
             picks = uncertainty_select(pred, measured, avail, k)
         else:
-            picks = greedy_hvi_select(
-                _predicted_pair(pred, name), measured.pair(name), avail, k, ref_margin, ref_basis
-            )
+            picks = greedy_hvi_select(_predicted_pair(pred, name), measured.pair(name), avail, k, ref_margin, ref_basis)
         for row in picks:
             avail[row] = False
             chosen.append((row, name))

@@ -169,9 +169,7 @@ class MBOSettings:
         out = asdict(self)
         out["budgets"] = {k: asdict(v) for k, v in self.budgets.items()}
         out["pass_fractions"] = dict(self.pass_fractions)
-        out["supported_clocks_mhz"] = (
-            list(self.supported_clocks_mhz) if self.supported_clocks_mhz is not None else None
-        )
+        out["supported_clocks_mhz"] = list(self.supported_clocks_mhz) if self.supported_clocks_mhz is not None else None
         return out
 
     @classmethod
@@ -263,8 +261,12 @@ class FailedPoint:
     batch: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": _config_to_dict(self.config), "reason": self.reason, "source": self.source,
-                "batch": self.batch}
+        return {
+            "config": _config_to_dict(self.config),
+            "reason": self.reason,
+            "source": self.source,
+            "batch": self.batch,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> FailedPoint:
@@ -337,7 +339,7 @@ class TuningResult:
     def frontier_sources(self) -> dict[str, float]:
         """Share of the frontier found by each source (initial sample, each pass, ...)."""
         front = self.frontier
-        counts = {s: 0 for s in SOURCES}
+        counts = dict.fromkeys(SOURCES, 0)
         for p in front:
             counts[p.source] = counts.get(p.source, 0) + 1
         n = len(front) or 1
@@ -461,9 +463,7 @@ def initial_sample(space: SearchSpace, n: int, rng: np.random.Generator) -> list
     return chosen
 
 
-def _hv_history(
-    result_points: list[MeasuredPoint], batches: int, margin: float, basis: RefBasis
-) -> list[float]:
+def _hv_history(result_points: list[MeasuredPoint], batches: int, margin: float, basis: RefBasis) -> list[float]:
     objs = np.array([[p.measurement.time_s, p.measurement.energy_j] for p in result_points])
     if len(objs) == 0:
         return []

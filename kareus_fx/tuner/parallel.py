@@ -133,9 +133,10 @@ def tune_partition_types(
                 finish(_tune_one(p, profiler_factory, settings, run_seed, exhaustive, direct))
         else:
             ctx = mp.get_context("spawn")
-            with ctx.Manager() as manager, ProcessPoolExecutor(
-                max_workers=min(workers, len(ptypes)), mp_context=ctx
-            ) as pool:
+            with (
+                ctx.Manager() as manager,
+                ProcessPoolExecutor(max_workers=min(workers, len(ptypes)), mp_context=ctx) as pool,
+            ):
                 updates = manager.Queue()
                 pending: set[Future] = {
                     pool.submit(

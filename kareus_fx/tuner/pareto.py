@@ -160,7 +160,6 @@ class Normalizer:
         return (np.asarray(points, dtype=float) - self.ideal) / self.scale
 
 
-
 RefBasis = Literal["front", "observed"]
 
 

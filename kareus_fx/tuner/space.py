@@ -222,8 +222,7 @@ def build_search_space(
     bad = [s for s in ptype.launch_slots if not 0 <= s < len(ptype.slots)]
     if bad:
         raise OptionsError(
-            f"partition type {ptype.type_id!r} has launch slots {bad} outside its "
-            f"{len(ptype.slots)} slots"
+            f"partition type {ptype.type_id!r} has launch slots {bad} outside its {len(ptype.slots)} slots"
         )
     options: tuple[int | None, ...] = tuple(dict.fromkeys(ptype.launch_slots)) + (None,)
     clocks = clock_grid_mhz(gpu, clock_stride_mhz, supported_clocks_mhz)

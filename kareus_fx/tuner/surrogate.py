@@ -221,9 +221,7 @@ class PartitionSurrogate:
         self.dynamic_model = BootstrapXGB(params, seed=2 * seed + 1)
         self.static_power = StaticPowerModel(static_power_w)
 
-    def fit(
-        self, x: np.ndarray, clocks_mhz: Sequence[int], measurements: Sequence[Measurement]
-    ) -> PartitionSurrogate:
+    def fit(self, x: np.ndarray, clocks_mhz: Sequence[int], measurements: Sequence[Measurement]) -> PartitionSurrogate:
         self.time_model.fit(x, np.array([m.time_s for m in measurements]))
         self.dynamic_model.fit(x, np.array([m.dynamic_energy_j for m in measurements]))
         self.static_power.fit(clocks_mhz, measurements)

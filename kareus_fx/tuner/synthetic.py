@@ -97,9 +97,7 @@ class SyntheticProfiler:
             total_t *= 1.0 + self.noise_std * rng.standard_normal()
             energy *= 1.0 + self.noise_std * rng.standard_normal()
         static = gpu.static_power_w * total_t
-        return Measurement(
-            time_s=total_t, energy_j=energy + static, dynamic_energy_j=energy, static_energy_j=static
-        )
+        return Measurement(time_s=total_t, energy_j=energy + static, dynamic_energy_j=energy, static_energy_j=static)
 
 
 def _gemm(name: str, m: int, n: int, k: int) -> OpCost:
