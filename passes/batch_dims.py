@@ -50,6 +50,7 @@ __all__ = [
     "BatchDim",
     "Body",
     "Call",
+    "FromHalf",
     "IndexOffsetBody",
     "Info",
     "Size",
@@ -129,6 +130,14 @@ class Whole:
     """Marker in a rewritten argument: the full-batch value of a batch-carrying graph input."""
 
     node: fx.Node
+
+
+@dataclass(frozen=True)
+class FromHalf:
+    """Marker in a rewritten argument: nanobatch ``h``'s copy of a batch-carrying node."""
+
+    node: fx.Node
+    h: int
 
 
 @dataclass
@@ -454,7 +463,18 @@ _REDUCTIONS = {
     "count_nonzero",
     "norm",
 }
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
+_RESHAPES = {
+    "view",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "view_as",
+    "reshape_as",
+    "view_as_complex",
+    "view_as_real",
+}
 _PERMUTES = {"transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis"}
 _RNG = {
     "dropout",
@@ -959,6 +979,10 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     if name == "view" and any(isinstance(a, torch.dtype) for a in node.args[1:]):
         raise an._fail(node, "view as another dtype")
     in_shape, out_shape = an.shape(x), an.shape(node)
+    if name in ("view_as_complex", "view_as_real"):  # the last dim becomes / leaves the complex pairs
+        if i.dim >= min(len(in_shape), len(out_shape)) - 1 + (name == "view_as_real"):
+            raise an._fail(node, "the batch is in the complex pair dim")
+        return Step(i, True)
     out = _reshape_batch(an, node, in_shape, i, out_shape)
 
     if name in ("flatten", "squeeze", "unsqueeze"):
@@ -1716,6 +1740,18 @@ def _rule_flex_attention(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     return Step(outs, True, an._with_slices(node, subs))
 
 
+_BATCH_FREE_ATTRS = ("device_mesh", "placements", "dtype", "device", "ndim", "layout")
+
+
+def _rule_getattr(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
+    """``getattr(x, "device_mesh")`` and other attributes the batch size cannot change: read once,
+    shared, from nanobatch A's copy (``x.device_mesh`` of a DTensor activation, torchtitan's QKV)."""
+    x, attr = node.args[0], node.args[1]
+    if attr not in _BATCH_FREE_ATTRS:
+        raise an._fail(node, f"attribute {attr!r} may depend on the batch size")
+    return Step(None, False, lambda h: Call(node.op, node.target, (FromHalf(x, 0), attr), {}))
+
+
 def _body_analysis(an: BatchAnalysis, node: fx.Node, body: fx.GraphModule, infos: list) -> BatchAnalysis:
     phs = [n for n in body.graph.nodes if n.op == "placeholder"]
     if len(phs) != len(infos):
@@ -1773,6 +1809,7 @@ _RULES: dict[str, Callable[[BatchAnalysis, fx.Node, str], Step]] = {
     "hop.autograd_function_apply": _rule_autograd_function,
     "hop.tag_activation_checkpoint": _rule_checkpoint,
     "hop.flex_attention": _rule_flex_attention,
+    "builtins.getattr": _rule_getattr,
     "dtensor.from_local": _rule_dtensor,
     "redistribute": _rule_dtensor,
     "to_local": _rule_dtensor,

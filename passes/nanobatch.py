@@ -79,6 +79,7 @@ from kareus_fx.passes.batch_dims import (
     BatchDim,
     Body,
     Call,
+    FromHalf,
     IndexOffsetBody,
     SliceOf,
     Step,
@@ -309,6 +310,8 @@ class _Emitter:
             return self._slice(a, h)
         if isinstance(a, Body):
             return self._body(a, h)
+        if isinstance(a, FromHalf):
+            return self.half[a.h][a.node]
         if isinstance(a, Whole):
             return self.shared[a.node]
         if isinstance(a, IndexOffsetBody):
