@@ -38,6 +38,7 @@ def _llama_parity(rank: int, world_size: int, options: dict) -> dict:
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     import kareus_fx.capture.compile_step as compile_step
+    import kareus_fx.plan.live_tuning as live_tuning
     from kareus_fx.integrations.torchtitan import kareus_parallelize
     from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
 
@@ -90,7 +91,7 @@ def _llama_parity(rank: int, world_size: int, options: dict) -> dict:
         splits.append(result.split)
         return result
 
-    compile_step.split_nanobatches = recording_split
+    compile_step.split_nanobatches = live_tuning.split_nanobatches = recording_split
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
@@ -113,12 +114,17 @@ def _llama_parity(rank: int, world_size: int, options: dict) -> dict:
     return {"splits": splits, "loss": loss.item()}
 
 
-@pytest.mark.slow  # about 60 s on 2 idle cores, 130 s on a loaded machine; fast sibling below
-def test_torchtitan_llama_tp_sp_blocks_split_and_match_eager():
-    results = run_distributed(_llama_parity, 2, {"inductor": False}, timeout_s=300)
+@pytest.mark.slow  # about 200 s on a loaded machine (compile-time tuning on rank 0); fast siblings below
+def test_torchtitan_llama_tp_sp_blocks_split_tune_and_match_eager(tmp_path):
+    plan_out = tmp_path / "block_plan.json"
+    options = {"inductor": False, "tune": "simulated", "plan_out": str(plan_out)}
+    results = run_distributed(_llama_parity, 2, options, timeout_s=600)
     for result in results:
         # one Dynamo graph per block signature, each split in two nanobatches (no fallback warning)
         assert result["splits"] and all(result["splits"]), result
+    plan = json.loads(plan_out.read_text())  # tuned at compile time on the block graph: a per-block plan
+    assert plan["workload"]["model"] == "live-graph" and plan["workload"]["tp"] == 2
+    assert len(plan["stages"]) == 1 and plan["partition_types"], plan["stages"]
 
 
 class _Block(torch.nn.Module):
