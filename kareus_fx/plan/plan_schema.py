@@ -55,6 +55,9 @@ class Workload(SchemaModel):
     stage_layers: list[count(1)] | None = None
     """Decoder layers of each pipeline stage (None: a live graph's plan, or a plan older than the field)."""
     world_size: count(1)
+    """GPUs of one pipeline (tp x cp x pp)."""
+    dp: count(1) = 1
+    """Data-parallel replicas the energies count (plans older than the field: 1)."""
     preset: StrictStr | None = None
     dtype: StrictStr | None = None
 

@@ -41,6 +41,8 @@ class Preset:
     """Where in the paper the workload comes from."""
     stage_layers: str = "balanced"
     """The paper balances its pipeline stages by hand (section 6.1); see ``plan/stage_balance.py``."""
+    dp: int = 1
+    """Data-parallel replicas (``--dp`` overrides it); the paper's testbed runs one."""
 
     @property
     def gpus_per_pipeline(self) -> int:
