@@ -26,7 +26,10 @@ from kareus_fx.integrations.torchtitan import environment_options
 LAYERS, BATCH, SEQ, VOCAB = 2, 4, 32, 2048
 
 
-def _llama_parity(rank: int, world_size: int, options: dict) -> dict:
+def _llama_parity(rank: int, world_size: int, options: dict, dp: int = 1) -> dict:
+    """Rank ``rank`` of ``dp`` FSDP2 replicas x ``world_size // dp``-way TP; each replica trains on
+    its own rows of one global batch. Reference: the unparallelized eager model on the global
+    batch (its mean loss's gradient is the replicas' average, which FSDP2 reduces to)."""
     from torchtitan_import import import_torchtitan
 
     llama3 = import_torchtitan()
@@ -50,7 +53,9 @@ def _llama_parity(rank: int, world_size: int, options: dict) -> dict:
     for layer in config.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     set_llama3_sharding_config(config, enable_sp=True)
-    parallelism = ParallelismConfig(tensor_parallel_degree=world_size, spmd_backend="partial_dtensor")
+    parallelism = ParallelismConfig(
+        tensor_parallel_degree=world_size // dp, data_parallel_shard_degree=dp, spmd_backend="partial_dtensor"
+    )
     dims = ParallelDims.from_config(parallelism, world_size)
     dims.build_mesh()
 
@@ -93,21 +98,23 @@ def _llama_parity(rank: int, world_size: int, options: dict) -> dict:
 
     compile_step.split_nanobatches = live_tuning.split_nanobatches = recording_split
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    tokens = torch.randint(0, VOCAB, (dp * BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (dp * BATCH, SEQ), generator=g)
+    replica = dims.get_mesh("fsdp").get_local_rank() if dp > 1 else 0
+    mine = slice(replica * BATCH, (replica + 1) * BATCH)
 
-    def loss_of(m: torch.nn.Module) -> torch.Tensor:
-        out = m(tokens)
+    def loss_of(m: torch.nn.Module, rows: slice) -> torch.Tensor:
+        out = m(tokens[rows])
         out = out.full_tensor() if isinstance(out, DTensor) else out
-        return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten())
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels[rows].flatten())
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", NanobatchFallbackWarning)
-        loss = loss_of(model)
+        loss = loss_of(model, mine)
         loss.backward()
-    ref_loss = loss_of(reference)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(loss, loss_of(reference, mine), rtol=1e-5, atol=0)
+    loss_of(reference, slice(None)).backward()
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         torch.testing.assert_close(grad, full[name].grad, rtol=1e-4, atol=1e-6, msg=name)
@@ -134,6 +141,14 @@ class _Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.linear(x)) + x
+
+
+@pytest.mark.slow  # 4 ranks; several minutes on a loaded 2-core machine
+def test_fsdp2_over_kareus_blocks_with_tp_matches_eager():
+    """2 FSDP2 replicas (torchtitan's fully_shard of each block and the model) x 2-way TP/SP."""
+    results = run_distributed(_llama_parity, 4, {"inductor": False}, 2, timeout_s=900)
+    for result in results:
+        assert result["splits"] and all(result["splits"]), result
 
 
 def test_kareus_parallelize_turns_torchtitan_compile_off_and_compiles_blocks(monkeypatch):
