@@ -980,7 +980,7 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         raise an._fail(node, "view as another dtype")
     in_shape, out_shape = an.shape(x), an.shape(node)
     if name in ("view_as_complex", "view_as_real"):  # the last dim becomes / leaves the complex pairs
-        if i.dim >= min(len(in_shape), len(out_shape)) - 1 + (name == "view_as_real"):
+        if name == "view_as_complex" and i.dim == len(in_shape) - 1:
             raise an._fail(node, "the batch is in the complex pair dim")
         return Step(i, True)
     out = _reshape_batch(an, node, in_shape, i, out_shape)

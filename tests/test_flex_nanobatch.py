@@ -6,7 +6,8 @@ FlexAttention has no backward on CPU. The split graph runs through aot_autograd 
 compilers (the HOP's dense reference implementation), compared with the same function unsplit.
 
 Tolerance: fp32, rtol=1e-5, atol=1e-6 (each batch row is computed by the same kernel on the same
-values; only the batch extent changes).
+values; only the batch extent changes). Also here: the complex views of torchtitan's ComplexRoPE
+(forward and backward, the same tolerance).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from kareus_fx.passes.batch_dims import op_name
 from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
-from tests.test_nanobatch import Capture
+from tests.test_nanobatch import Capture, assert_same, run_eager_and_compiled
 
 RTOL, ATOL = 1e-5, 1e-6
 B, H, S, D = 5, 2, 256, 8  # odd batch: nanobatches of 3 and 2; two 128-token blocks per sequence
@@ -111,3 +112,30 @@ def test_flex_attention_splits_per_nanobatch_and_matches(block_mask_of):
         fn = getattr(result.gm, fn_node.target)
         shifts = [n.args[1] for n in fn.graph.nodes if op_name(n) == "add" and n.args[1] == 3]
         assert shifts == [3], fn.code
+
+
+class ComplexRope(nn.Module):
+    """torchtitan's ComplexRoPE: view_as_complex, a product with a shared complex cache, view_as_real."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+        angles = torch.outer(torch.arange(S, dtype=torch.float32), torch.rand(D // 2))
+        self.register_buffer("cache", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)  # (B, S, H, D)
+        pairs = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
+        rotated = torch.view_as_real(pairs * self.cache.view(1, S, 1, D // 2)).flatten(3)
+        return (rotated - h).square().mean()  # positive terms: no cancellation in the loss
+
+
+def test_complex_rope_views_split_with_gradients():
+    torch.manual_seed(0)
+    x = torch.randn(B, S, H, D, requires_grad=True)
+    capture = Capture()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NanobatchFallbackWarning)
+        ref, got = run_eager_and_compiled(ComplexRope(), (x,), capture)
+    assert capture.result.split, capture.result.reason
+    assert_same(ref, got)
