@@ -29,11 +29,12 @@ LAYERS, BATCH, SEQ, VOCAB = 2, 4, 32, 2048
 def _llama_parity(rank: int, world_size: int, options: dict, dp: int = 1) -> dict:
     """Rank ``rank`` of ``dp`` FSDP2 replicas x ``world_size // dp``-way TP; each replica trains on
     its own rows of one global batch. Reference: the unparallelized eager model on the global
-    batch (its mean loss's gradient is the replicas' average, which FSDP2 reduces to)."""
+    batch (the gradient of its loss is the sum of the replicas', which FSDP2 reduces to)."""
     from torchtitan_import import import_torchtitan
 
     llama3 = import_torchtitan()
     import torchtitan.distributed.parallel_dims as parallel_dims_module
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
@@ -78,6 +79,9 @@ def _llama_parity(rank: int, world_size: int, options: dict, dp: int = 1) -> dic
         ac_config=None,
         dump_folder="",
     )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # gloo has no PREMUL_SUM: SUM, then FSDP2 divides apart
+            module.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device("cpu"))  # buffers (RoPE cache)
@@ -106,7 +110,10 @@ def _llama_parity(rank: int, world_size: int, options: dict, dp: int = 1) -> dic
     def loss_of(m: torch.nn.Module, rows: slice) -> torch.Tensor:
         out = m(tokens[rows])
         out = out.full_tensor() if isinstance(out, DTensor) else out
-        return torch.nn.functional.cross_entropy(out.flatten(0, 1), labels[rows].flatten())
+        # torchtitan's normalisation: FSDP2 sums the replicas' gradients (torchtitan disables its
+        # division), the loss divides by the global token count
+        ce = torch.nn.functional.cross_entropy(out.flatten(0, 1), labels[rows].flatten(), reduction="sum")
+        return ce / labels.numel()
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", NanobatchFallbackWarning)
