@@ -805,7 +805,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
-    curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, min(clocks), scale)
+    curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
     if curve:
         chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp)
         metrics[POWER_LIMIT_METHOD] = frontier_metrics(
