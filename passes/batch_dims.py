@@ -213,6 +213,33 @@ def _arg(node: fx.Node, pos: int, name: str, default: Any = None) -> Any:
     return node.kwargs.get(name, default)
 
 
+def _node_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str = "") -> fx.Node:
+    """Argument ``pos`` (or keyword ``name``) of ``node`` as a graph node (a tensor the rules read
+    the shape of). Unsupported, so the graph is left unsplit, when it is a constant instead."""
+    a = _arg(node, pos, name)
+    if not isinstance(a, fx.Node):
+        raise an._fail(node, f"argument {name or pos} is {a!r}, not a tensor")
+    return a
+
+
+def _int_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str = "") -> int:
+    """Argument ``pos`` (or keyword ``name``) of ``node`` as a Python int (a dim, a group size).
+    Unsupported when it is anything else (a symbolic size, a tensor)."""
+    a = _arg(node, pos, name)
+    if not isinstance(a, int):
+        raise an._fail(node, f"argument {name or pos} is {a!r}, not an int")
+    return a
+
+
+def _int_list(an: BatchAnalysis, node: fx.Node, value: object) -> list[int]:
+    """A dims argument of ``node`` (a list or tuple of ints) as a list; Unsupported otherwise."""
+    if isinstance(value, (list, tuple)):
+        ints = [v for v in value if isinstance(v, int)]
+        if len(ints) == len(value):
+            return ints
+    raise an._fail(node, f"dims {value!r} are not a list of ints")
+
+
 def _set_arg(call: Call, pos: int, name: str, value: Any) -> None:
     if len(call.args) > pos:
         args = list(call.args)
@@ -815,7 +842,7 @@ class BatchAnalysis:
             return Step(PARTIAL, True)
         raise self._fail(node, "non-linear op on a partial batch sum")
 
-    def _reduction_over_batch(self, node: fx.Node, kind: str, **combine_args) -> Step:
+    def _reduction_over_batch(self, node: fx.Node, kind: Combine, **combine_args: Any) -> Step:
         if self.mode == "body":
             if kind == "sum":
                 return Step(PARTIAL, True)
@@ -852,7 +879,7 @@ def _rule_convert(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_along_dim(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
@@ -861,7 +888,7 @@ def _rule_along_dim(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     if d is None:
         raise an._fail(node, "implicit dim")
     dims = _dims_arg(d, len(an.shape(x)))
-    if i.dim in dims:
+    if dims is None or i.dim in dims:  # None: an empty dim list, read as every dim
         raise an._fail(node, "works along the batch dim")
     out = an.vals.get(node)
     if isinstance(out, (tuple, list)):
@@ -870,14 +897,15 @@ def _rule_along_dim(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_last_two(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    i = an.info(node.args[0])
-    if not isinstance(i, BatchDim) or i.dim >= len(an.shape(node.args[0])) - 2:
+    x = _node_arg(an, node, 0)
+    i = an.info(x)
+    if not isinstance(i, BatchDim) or i.dim >= len(an.shape(x)) - 2:
         raise an._fail(node, "batch in the last two dims")
     return Step(i, True)
 
 
 def _rule_reduction(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
@@ -931,7 +959,7 @@ def _reshape_batch(an: BatchAnalysis, node, in_shape, i: BatchDim, out_shape) ->
 
 
 def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         if name in ("view_as", "reshape_as"):
@@ -960,14 +988,14 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_permute(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
     nd = len(an.shape(x))
     perm = list(range(nd))
     if name in ("transpose", "swapaxes", "swapdims"):
-        a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+        a, b = _norm_dim(_int_arg(an, node, 1), nd), _norm_dim(_int_arg(an, node, 2), nd)
         perm[a], perm[b] = perm[b], perm[a]
     elif name == "t":
         perm = perm[::-1]
@@ -975,7 +1003,7 @@ def _rule_permute(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         dims = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
         if node.op == "call_function" or "dims" in node.kwargs:
             dims = _arg(node, 1, "dims")
-        perm = [_norm_dim(d, nd) for d in dims]
+        perm = [_norm_dim(d, nd) for d in _int_list(an, node, dims)]
     else:  # movedim
         src, dst = _arg(node, 1, "source"), _arg(node, 2, "destination")
         src = [src] if isinstance(src, int) else list(src)
@@ -991,7 +1019,7 @@ def _rule_permute(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_expand(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through the shape argument")
@@ -1001,7 +1029,7 @@ def _rule_expand(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_repeat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     reps = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
     if not isinstance(i, BatchDim):
@@ -1013,7 +1041,7 @@ def _rule_repeat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_narrow_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim) or any(isinstance(a, fx.Node) for a in node.args[1:]):
         raise an._fail(node, "batch enters through an index argument")
@@ -1026,7 +1054,7 @@ def _rule_narrow_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_index_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, d, idx = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index")
+    x, d, idx = _node_arg(an, node, 0), _arg(node, 1, "dim"), _arg(node, 2, "index")
     i = an.info(x)
     if not isinstance(i, BatchDim) or an.info(idx) is not None:
         raise an._fail(node, "batch-carrying index")
@@ -1044,7 +1072,7 @@ def _rule_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_split_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
@@ -1085,16 +1113,16 @@ def _rule_getitem(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
             ):
                 return Step(j, True)
         if isinstance(info, BatchDim):
-            return _advanced_getitem(an, node, src, info, items)
+            return _advanced_getitem(an, node, _node_arg(an, node, 0), info, items)
         raise an._fail(node, "advanced (tensor) indexing involving the batch")
     if not isinstance(info, BatchDim):
         raise an._fail(node, "unexpected input kind")
-    shape = an.shape(src)
+    shape = an.shape(_node_arg(an, node, 0))
     nd = len(shape)
     consuming = sum(1 for a in items if a is not None and a is not Ellipsis)
     i_dim = o_dim = 0
     out_dim = None
-    new_items = []
+    new_items: list[object] = []
     for a in items:
         if a is None:
             o_dim += 1
@@ -1278,7 +1306,7 @@ def _rule_cat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_linear(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, w, b = node.args[0], _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    x, w, b = _node_arg(an, node, 0), _arg(node, 1, "weight"), _arg(node, 2, "bias")
     if an.info(w) is not None or an.info(b) is not None:
         raise an._fail(node, "batch-carrying weight or bias")
     i = an.info(x)
@@ -1289,10 +1317,11 @@ def _rule_linear(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_matmul(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
+    bias: fx.Node | None = None
     if name in ("addmm", "baddbmm"):
-        bias, a, b = node.args[0], node.args[1], node.args[2]
+        bias, a, b = _node_arg(an, node, 0), _node_arg(an, node, 1), _node_arg(an, node, 2)
     else:
-        bias, a, b = None, node.args[0], node.args[1]
+        a, b = _node_arg(an, node, 0), _node_arg(an, node, 1)
     sa, sb = an.shape(a), an.shape(b)
     out_shape = an.shape(node)
     no = len(out_shape)
@@ -1392,7 +1421,7 @@ def _attention(an: BatchAnalysis, node: fx.Node, q, k, v, mask) -> Step:
 
 
 def _rule_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     extra = [a for a in node.all_input_nodes if a is not x]
     if not isinstance(i, BatchDim) or any(an.info(a) is not None for a in extra):
@@ -1404,7 +1433,7 @@ def _rule_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_batch_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if _arg(node, 5, "training", False):
         raise an._fail(node, "batch_norm in training mode averages over the batch")
@@ -1418,7 +1447,7 @@ def _rule_batch_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_conv(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     n = int(name[-2])
     if not isinstance(i, BatchDim) or len(an.shape(x)) != n + 2 or i.dim != 0 or i.p != 1 or i.k != 1:
@@ -1429,7 +1458,7 @@ def _rule_conv(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_pad(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, pad = node.args[0], _arg(node, 1, "pad")
+    x, pad = _node_arg(an, node, 0), _arg(node, 1, "pad")
     i = an.info(x)
     if not isinstance(i, BatchDim) or i.dim >= len(an.shape(x)) - len(pad) // 2:
         raise an._fail(node, "pads the batch dim")
@@ -1441,18 +1470,22 @@ def _rule_new_factory(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     if any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
         raise an._fail(node, "size or value from a tensor")
     fn = {"new_ones": torch.ones, "new_zeros": torch.zeros, "new_empty": torch.empty, "new_full": torch.full}[name]
+    args: tuple[object, ...]
     if name == "new_full":
         args = (_arg(node, 1, "size"), _arg(node, 2, "fill_value"))
     else:  # x.new_zeros(2, 3) or x.new_zeros((2, 3))
         size = node.args[1:] if len(node.args) > 1 else node.kwargs["size"]
-        args = (tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else tuple(size),)
+        if not isinstance(size, (tuple, list)):
+            raise an._fail(node, f"size {size!r} is not a sequence")
+        nested = size[0] if len(size) == 1 else None
+        args = (tuple(nested) if isinstance(nested, (tuple, list)) else tuple(size),)
     v = an.vals[node]
     kwargs = {"dtype": v.dtype, "device": v.device}
     return Step(None, False, lambda h: Call("call_function", fn, args, kwargs))
 
 
 def _cross_entropy_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    inp, tgt = node.args[0], _arg(node, 1, "target")
+    inp, tgt = _node_arg(an, node, 0), _node_arg(an, node, 1, "target")
     weight = _arg(node, 2, "weight")
     if _arg(node, 3, "size_average") is not None or _arg(node, 5, "reduce") is not None:
         raise an._fail(node, "legacy size_average/reduce arguments")
@@ -1476,11 +1509,13 @@ def _cross_entropy_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         if want is not None and want != i_t:
             raise an._fail(node, "input and target carry the batch on different dims")
         want = i_t
+    if i_in is None:
+        raise an._fail(node, "shared logits with batch-carrying targets")
+    if want is None:
+        raise an._fail(node, "neither input nor target carries the batch")
     slices = {}
     if i_t is None:
         slices.update(an._shared_slices(node, [tgt], want, t_shape))
-    if i_in is None:
-        raise an._fail(node, "shared logits with batch-carrying targets")
     if reduction == "none":
         return Step(want, True, an._with_slices(node, slices))
     if reduction == "sum":
@@ -1518,7 +1553,7 @@ _LOSS_REDUCTION_POS = {
 
 def _rule_pointwise_loss(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     operands = list(node.all_input_nodes)
-    inp = node.args[0]
+    inp = _node_arg(an, node, 0)
     full = an._pointwise(node, operands, out_shape=an.shape(inp))
     pos = _LOSS_REDUCTION_POS[name]
     if name != "huber_loss" and (
@@ -1535,7 +1570,7 @@ def _rule_pointwise_loss(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_all_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, group_size = node.args[0], node.args[1]
+    x, group_size = node.args[0], _int_arg(an, node, 1)
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
@@ -1543,7 +1578,7 @@ def _rule_all_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_reduce_scatter(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, group_size = node.args[0], node.args[2]
+    x, group_size = node.args[0], _int_arg(an, node, 2)
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
@@ -1572,10 +1607,9 @@ def _rule_autograd_function(an: BatchAnalysis, node: fx.Node, name: str) -> Step
     (autograd adds the two nanobatches' parts).
     """
     fwd_attr, bwd_attr, *args = node.args
-    if fwd_attr.op != "get_attr" or bwd_attr.op != "get_attr":
-        raise an._fail(node, "bodies are not graph attributes")
-    fwd = getattr(an.gm, fwd_attr.target)
-    bwd = getattr(an.gm, bwd_attr.target)
+    fwd_target, bwd_target = _body_target(an, node, fwd_attr), _body_target(an, node, bwd_attr)
+    fwd = getattr(an.gm, fwd_target)
+    bwd = getattr(an.gm, bwd_target)
     arg_infos = [an.info(a) for a in args]
     fwd_an = _body_analysis(an, node, fwd, arg_infos)
     outs, saved = fwd_an.output_infos
@@ -1590,11 +1624,11 @@ def _rule_autograd_function(an: BatchAnalysis, node: fx.Node, name: str) -> Step
         if gn is None:
             continue
         if isinstance(ai, BatchDim) and g != ai:
-            raise an._fail(node, f"the gradient of {a.name} does not carry the batch like {a.name}")
+            raise an._fail(node, f"the gradient of {a} does not carry the batch like {a}")
         if ai is None and g is not PARTIAL:
             raise an._fail(
                 node,
-                f"the gradient of shared input {a.name} does not depend on the batch "
+                f"the gradient of shared input {a} does not depend on the batch "
                 "(it would be counted once per nanobatch)",
             )
 
@@ -1602,26 +1636,32 @@ def _rule_autograd_function(an: BatchAnalysis, node: fx.Node, name: str) -> Step
         return Call(
             node.op,
             node.target,
-            (Body(fwd_attr.target, fwd_an), Body(bwd_attr.target, bwd_an), *args),
+            (Body(fwd_target, fwd_an), Body(bwd_target, bwd_an), *args),
             dict(node.kwargs),
         )
 
     return Step(tuple(outs), True, call)
 
 
+def _body_target(an: BatchAnalysis, node: fx.Node, body: object) -> str:
+    """The attribute a higher-order op's body argument reads (it must be a ``get_attr`` node)."""
+    if not isinstance(body, fx.Node) or body.op != "get_attr" or not isinstance(body.target, str):
+        raise an._fail(node, f"body {body!r} is not a graph attribute")
+    return body.target
+
+
 def _rule_checkpoint(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     """``tag_activation_checkpoint(body, *args)``: a pure body, split per nanobatch; autograd
     recomputes each nanobatch's body in its own backward."""
     body_attr, *args = node.args
-    if body_attr.op != "get_attr":
-        raise an._fail(node, "body is not a graph attribute")
-    body_an = _body_analysis(an, node, getattr(an.gm, body_attr.target), [an.info(a) for a in args])
+    body_target = _body_target(an, node, body_attr)
+    body_an = _body_analysis(an, node, getattr(an.gm, body_target), [an.info(a) for a in args])
     outs = body_an.output_infos
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     if not all(isinstance(o, BatchDim) for o in outs):
         raise an._fail(node, "an output of the checkpointed region does not carry the batch")
     return Step(
-        outs, True, lambda h: Call(node.op, node.target, (Body(body_attr.target, body_an), *args), dict(node.kwargs))
+        outs, True, lambda h: Call(node.op, node.target, (Body(body_target, body_an), *args), dict(node.kwargs))
     )
 
 
@@ -1632,7 +1672,7 @@ def _rule_dtensor(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     shards that dim, and a redistribution that keeps it unsharded is elementwise over the batch
     (``Partial -> Replicate`` is an all-reduce, ``Replicate -> Shard(d)`` a local chunk).
     """
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
