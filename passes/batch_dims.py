@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -207,7 +207,7 @@ def op_name(node: fx.Node) -> str:
 # Argument access
 
 
-def _arg(node: fx.Node, pos: int, name: str, default: Any = None) -> Any:
+def _arg(node: fx.Node, pos: int, name: str, default: fx.node.Argument = None) -> fx.node.Argument:
     if len(node.args) > pos:
         return node.args[pos]
     return node.kwargs.get(name, default)
@@ -222,17 +222,29 @@ def _node_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str = "") -> fx.
     return a
 
 
-def _int_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str = "") -> int:
-    """Argument ``pos`` (or keyword ``name``) of ``node`` as a Python int (a dim, a group size).
-    Unsupported when it is anything else (a symbolic size, a tensor)."""
-    a = _arg(node, pos, name)
+def _int_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str = "", default: int | None = None) -> int:
+    """Argument ``pos`` (or keyword ``name``, else ``default``) of ``node`` as a Python int (a
+    dim, a group size). Unsupported when it is anything else (a symbolic size, a tensor)."""
+    a = _arg(node, pos, name, default)
     if not isinstance(a, int):
         raise an._fail(node, f"argument {name or pos} is {a!r}, not an int")
     return a
 
 
+def _seq_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str) -> Sequence[fx.node.Argument]:
+    """Argument ``pos`` (or keyword ``name``) of ``node`` as a list or tuple (sizes, tensors).
+    Unsupported when it is anything else."""
+    a = _arg(node, pos, name)
+    if not isinstance(a, (list, tuple)):
+        raise an._fail(node, f"argument {name} is {a!r}, not a list")
+    return a
+
+
 def _int_list(an: BatchAnalysis, node: fx.Node, value: object) -> list[int]:
-    """A dims argument of ``node`` (a list or tuple of ints) as a list; Unsupported otherwise."""
+    """A dims argument of ``node`` (an int, or a list or tuple of ints) as a list; Unsupported
+    otherwise."""
+    if isinstance(value, int):
+        return [value]
     if isinstance(value, (list, tuple)):
         ints = [v for v in value if isinstance(v, int)]
         if len(ints) == len(value):
@@ -745,7 +757,7 @@ class BatchAnalysis:
             training = _arg(node, 2, "training" if node.op == "call_function" else "train", True)
             if node.op == "call_function" and node.target is torch.dropout:
                 training = _arg(node, 2, "train", True)
-            return p == 0 or training is False
+            return bool(p == 0) or training is False
         return False
 
     def _check_reductions_are_sinks(self) -> None:
@@ -978,8 +990,8 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         if name in ("view", "reshape"):
             return Call(node.op, node.target, (x, hs), {})
         if name == "unflatten":
-            d = _norm_dim(_arg(node, 1, "dim"), len(in_shape))
-            n = len(_arg(node, 2, "sizes"))
+            d = _norm_dim(_int_arg(an, node, 1, "dim"), len(in_shape))
+            n = len(_seq_arg(an, node, 2, "sizes"))
             return Call(node.op, node.target, (x, d, hs[d : d + n]), {})
         # view_as / reshape_as
         return Call("call_method", "reshape", (x, hs), {})
@@ -1000,16 +1012,13 @@ def _rule_permute(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     elif name == "t":
         perm = perm[::-1]
     elif name == "permute":
-        dims = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
+        dims: object = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         if node.op == "call_function" or "dims" in node.kwargs:
             dims = _arg(node, 1, "dims")
         perm = [_norm_dim(d, nd) for d in _int_list(an, node, dims)]
     else:  # movedim
-        src, dst = _arg(node, 1, "source"), _arg(node, 2, "destination")
-        src = [src] if isinstance(src, int) else list(src)
-        dst = [dst] if isinstance(dst, int) else list(dst)
-        src = [_norm_dim(s, nd) for s in src]
-        dst = [_norm_dim(s, nd) for s in dst]
+        src = [_norm_dim(s, nd) for s in _int_list(an, node, _arg(node, 1, "source"))]
+        dst = [_norm_dim(s, nd) for s in _int_list(an, node, _arg(node, 2, "destination"))]
         perm = [-1] * nd
         for s, d in zip(src, dst):
             perm[d] = s
@@ -1045,7 +1054,7 @@ def _rule_narrow_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     i = an.info(x)
     if not isinstance(i, BatchDim) or any(isinstance(a, fx.Node) for a in node.args[1:]):
         raise an._fail(node, "batch enters through an index argument")
-    d = _norm_dim(_arg(node, 1, "dim"), len(an.shape(x)))
+    d = _norm_dim(_int_arg(an, node, 1, "dim"), len(an.shape(x)))
     if d == i.dim:
         raise an._fail(node, f"{name} along the batch dim")
     if name == "select" and d < i.dim:
@@ -1054,7 +1063,7 @@ def _rule_narrow_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_index_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, d, idx = _node_arg(an, node, 0), _arg(node, 1, "dim"), _arg(node, 2, "index")
+    x, d, idx = _node_arg(an, node, 0), _int_arg(an, node, 1, "dim"), _arg(node, 2, "index")
     i = an.info(x)
     if not isinstance(i, BatchDim) or an.info(idx) is not None:
         raise an._fail(node, "batch-carrying index")
@@ -1064,7 +1073,7 @@ def _rule_index_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, d, idx = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index")
+    x, d, idx = node.args[0], _int_arg(an, node, 1, "dim"), _arg(node, 2, "index")
     step = an._pointwise(node, [x, idx])
     if _norm_dim(d, len(an.shape(node))) == step.info.dim:
         raise an._fail(node, "gather along the batch dim")
@@ -1078,9 +1087,9 @@ def _rule_split_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         raise an._fail(node, "batch enters through a non-data argument")
     nd = len(an.shape(x))
     if name == "unbind":
-        d = _norm_dim(_arg(node, 1, "dim", 0), nd)
+        d = _norm_dim(_int_arg(an, node, 1, "dim", 0), nd)
     else:
-        d = _norm_dim(_arg(node, 2, "dim", 0), nd)
+        d = _norm_dim(_int_arg(an, node, 2, "dim", 0), nd)
     n_out = len(an.vals[node])
     if d != i.dim:
         out = i if name != "unbind" or d > i.dim else i.moved(i.dim - 1)
@@ -1272,12 +1281,14 @@ def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: Batc
 
 
 def _rule_cat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    tensors = list(_arg(node, 0, "tensors"))
+    inputs = _seq_arg(an, node, 0, "tensors")
+    tensors = [t for t in inputs if isinstance(t, fx.Node)]
+    if len(tensors) != len(inputs):
+        raise an._fail(node, "an input is not a tensor")
     out_shape = an.shape(node)
     nd = len(out_shape)
-    d = _arg(node, 1, "dim", 0)
     stack = name == "stack"
-    d = _norm_dim(d, nd)
+    d = _norm_dim(_int_arg(an, node, 1, "dim", 0), nd)
     out = None
     for t in tensors:
         i = an.info(t)
@@ -1426,7 +1437,7 @@ def _rule_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     extra = [a for a in node.all_input_nodes if a is not x]
     if not isinstance(i, BatchDim) or any(an.info(a) is not None for a in extra):
         raise an._fail(node, "batch-carrying weight or bias")
-    n = len(_arg(node, 1, "normalized_shape"))
+    n = len(_seq_arg(an, node, 1, "normalized_shape"))
     if i.dim >= len(an.shape(x)) - n:
         raise an._fail(node, "normalises over the batch dim")
     return Step(i, True)
@@ -1458,7 +1469,7 @@ def _rule_conv(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_pad(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, pad = _node_arg(an, node, 0), _arg(node, 1, "pad")
+    x, pad = _node_arg(an, node, 0), _seq_arg(an, node, 1, "pad")
     i = an.info(x)
     if not isinstance(i, BatchDim) or i.dim >= len(an.shape(x)) - len(pad) // 2:
         raise an._fail(node, "pads the batch dim")
@@ -1684,8 +1695,10 @@ def _rule_dtensor(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         placements = _arg(node, 2, "placements")
     else:  # to_local, full_tensor
         placements = None
+    if placements is not None and not isinstance(placements, (list, tuple)):
+        raise an._fail(node, f"placements {placements!r} are not a list")
     nd = len(an.shape(node))
-    sharded = list(placements or ())
+    sharded: list[object] = list(placements or ())
     for v in (an.vals.get(x), an.vals.get(node)):
         sharded += list(getattr(v, "placements", ()) or ())
     for p in sharded:
