@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, TypeVar
@@ -83,7 +84,7 @@ Number = Annotated[int | float, finite()]
 """A finite number in [0, MAX_MAGNITUDE] (int or float, as the JSON had it)."""
 
 
-def read_bounded_text(path: str | Path, max_bytes: int, error: type[Exception], what: str) -> str:
+def read_bounded_text(path: str | os.PathLike[str], max_bytes: int, error: type[Exception], what: str) -> str:
     """The UTF-8 text of ``path``, refused (``error``) when it is missing, unreadable, not text or
     larger than ``max_bytes`` (checked on the file's size, before reading it)."""
     path = Path(path)

@@ -81,7 +81,7 @@ def nanobatching_measurements(
     graph: PartitionedGraph,
     outside: Mapping[int, Measurement],
     default_comm_sms: int,
-) -> tuple[dict[int, Measurement], dict[str, ConfigPoints]]:
+) -> tuple[dict[int, Measurement], dict[str, list[tuple[PartitionConfig, Measurement]]]]:
     """Per clock of ``outside``, the nanobatched microbatch with collectives as soon as possible.
 
     Also returns, per partition type, the measured ``(config, measurement)`` points (Kareus reuses
