@@ -822,7 +822,7 @@ def _power_limit_curve(
     req: PlanRequest,
     traced: Sequence[StageGraphs],
     stage_group: Mapping[int, int],
-    waits_s: Mapping[tuple[int, str], float],
+    waits_s: Mapping[tuple[int, GraphName], float],
     spec: GPUSpec,
     lowest_clock_mhz: int,
     energy_scale: float,
@@ -1073,7 +1073,7 @@ def _plan_data(
         frontier.append(
             {"time_s": point.time_s, "energy_j": point.energy_j * composed.energy_scale, "choices": choices}
         )
-    methods = {
+    methods: dict[str, dict[str, Any]] = {
         m: {
             "frontier": [[p.time_s, p.energy_j * composed.energy_scale] for p in composed.iteration[m].points],
             "metrics": composed.metrics[m],
