@@ -30,11 +30,18 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 from kareus_fx.errors import KareusError
+
+if TYPE_CHECKING:  # zeus is imported where a real GPU is used, not at import time
+    from zeus.device.gpu.common import GPUs
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 ClockMode = Literal["real", "dry-run", "simulated"]
 CLOCK_MODES: tuple[ClockMode, ...] = ("real", "dry-run", "simulated")
@@ -209,7 +216,7 @@ class ZeusClockBackend:
 
     mode: ClockMode = "real"
 
-    def __init__(self, gpu_index: int = 0, zeus_gpus: Any | None = None) -> None:
+    def __init__(self, gpu_index: int = 0, zeus_gpus: GPUs | None = None) -> None:
         self._own_zeus = zeus_gpus is None
         if zeus_gpus is None:
             zeus_gpus = _zeus_gpus()
@@ -248,13 +255,13 @@ class ZeusClockBackend:
     def gpu_key(self) -> str:
         return f"nvidia:{visible_device(self.gpu_index)}"
 
-    def _call(self, what: str, method: Any, *args: Any) -> Any:
-        from zeus.device.gpu import ZeusGPUNoPermissionError
+    def _call(self, what: str, method: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        from zeus.device.gpu.common import ZeusGPUNoPermissionError
         from zeus.exception import ZeusBaseError
         from zeus.utils.zeusd import ZeusdAuthError
 
         try:
-            return method(*args)
+            return method(*args, **kwargs)
         except (ZeusGPUNoPermissionError, ZeusdAuthError) as err:
             raise ClockPermissionError(
                 f"GPU {self.gpu_index}: this process may not {what} ({type(err).__name__}: {err}). " + _PERMISSION_FIX
@@ -304,9 +311,9 @@ def reset_clock_from_spec(spec: ResetSpec) -> None:
 _ZEUS_RESET = "from zeus.device import get_gpus; get_gpus().reset_gpu_locked_clocks(0)"
 
 
-def _zeus_gpus() -> Any:
-    from zeus.device import get_gpus
-    from zeus.device.gpu import ZeusGPUInitError
+def _zeus_gpus() -> GPUs:
+    from zeus.device.gpu import get_gpus
+    from zeus.device.gpu.common import ZeusGPUInitError
 
     try:
         return get_gpus()
@@ -340,7 +347,7 @@ def open_clock_backend(
     state_path: str | Path | None = None,
     clock_range_mhz: tuple[int, int] | None = None,
     fallback: Literal["error", "dry-run"] = "error",
-    zeus_gpus: Any | None = None,
+    zeus_gpus: GPUs | None = None,
 ) -> ClockBackend:
     """The backend for ``mode``.
 

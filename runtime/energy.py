@@ -16,11 +16,14 @@ import statistics
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kareus_fx.errors import KareusError
+
+if TYPE_CHECKING:  # zeus is imported when a monitor is made, not at import time
+    from zeus.monitor.energy import ZeusMonitor
 
 
 class EnergyMonitorError(KareusError, ValueError):
@@ -57,9 +60,9 @@ class IterationEnergyMonitor:
     instead of making one (its own GPU indices then apply).
     """
 
-    def __init__(self, gpu_indices: list[int] | None = None, zeus_monitor: Any | None = None) -> None:
+    def __init__(self, gpu_indices: list[int] | None = None, zeus_monitor: ZeusMonitor | None = None) -> None:
         if zeus_monitor is None:
-            from zeus.monitor import ZeusMonitor
+            from zeus.monitor.energy import ZeusMonitor
 
             if gpu_indices is None:
                 gpu_indices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -99,7 +102,8 @@ class IterationEnergyMonitor:
             yield
         except BaseException:
             window, self._open_window = self._open_window, None
-            self._zeus.end_window(window, cancel=True)
+            if window is not None:  # begin_iteration opened it
+                self._zeus.end_window(window, cancel=True)
             raise
         self.end_iteration()
 
@@ -120,8 +124,8 @@ def compare_with_plan(
     if predicted_time_s <= 0 or predicted_energy_j <= 0:
         raise EnergyMonitorError(f"predictions must be positive, got {predicted_time_s} s and {predicted_energy_j} J")
     measured_time_s = statistics.fmean(m.time_s for m in measurements)
-    energies_j = [m.energy_j for m in measurements]
-    measured_energy_j = None if None in energies_j else statistics.fmean(energies_j)
+    energies_j = [m.energy_j for m in measurements if m.energy_j is not None]
+    measured_energy_j = statistics.fmean(energies_j) if len(energies_j) == len(measurements) else None
     return PlanComparison(
         iterations=len(measurements),
         predicted_time_s=predicted_time_s,
