@@ -227,7 +227,15 @@ class ZeusClockBackend:
             )
         self.gpu_index = gpu_index
         self._gpus = zeus_gpus
-        supported_mhz = self._call("read the supported clocks", zeus_gpus.get_supported_graphics_clocks, gpu_index)
+        # NVML lists the graphics clocks per memory clock (a memory clock is a required argument of
+        # nvmlDeviceGetSupportedGraphicsClocks; Zeus's default None fails in pynvml): those at the
+        # highest memory clock, the one the GPU runs at by default.
+        memory_mhz = self._call("read the supported memory clocks", zeus_gpus.get_supported_memory_clocks, gpu_index)
+        supported_mhz = (
+            self._call("read the supported clocks", zeus_gpus.get_supported_graphics_clocks, gpu_index, max(memory_mhz))
+            if memory_mhz
+            else []
+        )
         self.clock_range_mhz = (min(supported_mhz), max(supported_mhz)) if supported_mhz else None
         self.reset_clock()
 
@@ -256,21 +264,27 @@ class ZeusClockBackend:
         return f"nvidia:{visible_device(self.gpu_index)}"
 
     def _call(self, what: str, method: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
-        from zeus.device.gpu.common import ZeusGPUNoPermissionError
         from zeus.exception import ZeusBaseError
-        from zeus.utils.zeusd import ZeusdAuthError
 
         try:
             return method(*args, **kwargs)
-        except (ZeusGPUNoPermissionError, ZeusdAuthError) as err:
-            raise ClockPermissionError(
-                f"GPU {self.gpu_index}: this process may not {what} ({type(err).__name__}: {err}). " + _PERMISSION_FIX
-            ) from err
         except ZeusBaseError as err:
-            raise ClockControlError(
-                f"GPU {self.gpu_index}: could not {what} ({type(err).__name__}: {err}). If the "
-                "Zeus daemon is configured (ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT), check that it runs."
-            ) from err
+            raise _clock_error(f"GPU {self.gpu_index}", what, err) from err
+
+
+def _clock_error(gpu: str, what: str, err: Exception) -> ClockControlError:
+    """A Zeus error (Zeus maps each NVML error code to one) as ours: a permission error names the fix."""
+    from zeus.device.gpu.common import ZeusGPUNoPermissionError
+    from zeus.utils.zeusd import ZeusdAuthError
+
+    if isinstance(err, (ZeusGPUNoPermissionError, ZeusdAuthError)):
+        return ClockPermissionError(
+            f"{gpu}: this process may not {what} ({type(err).__name__}: {err}). " + _PERMISSION_FIX
+        )
+    return ClockControlError(
+        f"{gpu}: could not {what} ({type(err).__name__}: {err}). If the "
+        "Zeus daemon is configured (ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT), check that it runs."
+    )
 
 
 def visible_device(gpu_index: int) -> str:
@@ -314,6 +328,7 @@ _ZEUS_RESET = "from zeus.device import get_gpus; get_gpus().reset_gpu_locked_clo
 def _zeus_gpus() -> GPUs:
     from zeus.device.gpu import get_gpus
     from zeus.device.gpu.common import ZeusGPUInitError
+    from zeus.exception import ZeusBaseError
 
     try:
         return get_gpus()
@@ -321,6 +336,13 @@ def _zeus_gpus() -> GPUs:
         raise ClockControlError(
             f"no GPU management library could start ({err}). Real clock control needs an "
             "NVIDIA (NVML) or AMD (amdsmi) GPU driver; use mode='dry-run' or 'simulated' without one"
+        ) from err
+    except ZeusBaseError as err:  # NVML started but listing the GPUs failed
+        raise _clock_error("the GPUs", "open the GPUs' handles", err) from err
+    except ValueError as err:  # Zeus reads CUDA_VISIBLE_DEVICES as integers
+        raise ClockControlError(
+            f"Zeus cannot read CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} ({err}): it "
+            "takes GPU indices only (no UUIDs); set CUDA_VISIBLE_DEVICES to indices for real clock control"
         ) from err
 
 

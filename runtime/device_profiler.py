@@ -63,6 +63,7 @@ import torch
 from kareus_fx.capture.node_arguments import decode_arguments
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.errors import KareusError
+from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.workload import (
     CollectiveSpec,
@@ -652,9 +653,11 @@ class DeviceProfiler:
         times_s = replay.time_s(launch_slot, comm_sms, warmup=self.warmup, repeats=self.repeats)
         time_s = statistics.median(times_s)
         window = f"kareus_profile_{id(replay)}"
-        zeus.begin_window(window)
+        with zeus_errors("read the energy counter at the measurement window's start"):
+            zeus.begin_window(window)
         runs = self._fill_window(replay, launch_slot, comm_sms, time_s)
-        result = zeus.end_window(window)  # synchronises CUDA before reading the counter
+        with zeus_errors("read the energy counter at the measurement window's end"):
+            result = zeus.end_window(window)  # synchronises CUDA before reading the counter
         self.last_window_s = float(result.time)
         energy_j = float(sum(result.gpu_energy.values())) / runs
         static_j = self.static_power_w * time_s
@@ -686,14 +689,18 @@ class DeviceProfiler:
 
     def _energy_sources(self) -> tuple[ZeusMonitor, Callable[[], float]]:
         if self._zeus is None:
-            from zeus.monitor.energy import ZeusMonitor
-
-            self._zeus = ZeusMonitor(gpu_indices=[self.gpu_index], cpu_indices=[])
+            self._zeus = open_zeus_monitor([self.gpu_index])
         if self._read_temperature_c is None:
             from zeus.device.gpu import get_gpus
 
-            gpus, index = get_gpus(), self.gpu_index
-            self._read_temperature_c = lambda: float(gpus.get_gpu_temperature(index))
+            with zeus_errors("open the GPU's temperature sensor"):
+                gpus, index = get_gpus(), self.gpu_index
+
+            def read_temperature_c() -> float:
+                with zeus_errors("read the GPU's temperature"):
+                    return float(gpus.get_gpu_temperature(index))
+
+            self._read_temperature_c = read_temperature_c
         if not getattr(self._zeus, "gpu_indices", [self.gpu_index]):
             raise DeviceProfilerError("ZeusMonitor sees no GPU: the on-device profiler needs NVML's energy counter")
         return self._zeus, self._read_temperature_c

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.runtime.collectives import nccl_options_for
 from kareus_fx.runtime.device_profiler import NodeTable, build_kernels, timed_runs
+from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
 
 if TYPE_CHECKING:
@@ -247,15 +248,15 @@ class EnergyModel:
         if self.gpu_index is None:  # the test device
             return TEST_DEVICE_POWER_W * rank_time_s
         if self._zeus is None:
-            from zeus.monitor.energy import ZeusMonitor
-
-            self._zeus = ZeusMonitor(gpu_indices=[self.gpu_index], cpu_indices=[])
+            self._zeus = open_zeus_monitor([self.gpu_index])
         runs = max(1, math.ceil(self.min_window_s / group_time_s))  # the same on every rank
         window = f"kareus_group_{id(replay)}"
-        self._zeus.begin_window(window)
+        with zeus_errors("read the energy counter at the measurement window's start"):
+            self._zeus.begin_window(window)
         for _ in range(runs):
             replay.issue(launch_slot, comm_sms)
-        result = self._zeus.end_window(window)
+        with zeus_errors("read the energy counter at the measurement window's end"):
+            result = self._zeus.end_window(window)
         return float(sum(result.gpu_energy.values())) / runs
 
 
