@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_distributed
@@ -59,12 +58,14 @@ def _step(schedule, module, stage, batch):
     return [loss.detach() for loss in losses], {n: p.grad.detach().clone() for n, p in module.named_parameters()}
 
 
-def _schedule_worker(rank, world_size, plan_path, schedule_name):
+def _schedule_worker(rank, world_size, plan_path):
+    """Per schedule: one eager step, then ``ITERATIONS`` steps of the kareus stages (one compile
+    serves both schedules: the stage module is compiled once and wrapped per schedule)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from kareus_fx.deploy.deployment import PlanDeviationWarning, prepare_collectives
     from kareus_fx.deploy.hook_ops import recording_hooks
-    from kareus_fx.deploy.pipelining import follow_plan, kareus_stage, pipeline_group, stage_loss
+    from kareus_fx.deploy.pipelining import KareusPipelineStage, follow_plan, kareus_stage, pipeline_group, stage_loss
     from kareus_fx.models import ParallelLayout
     from kareus_fx.runtime.frequency import FrequencyController
 
@@ -79,42 +80,47 @@ def _schedule_worker(rank, world_size, plan_path, schedule_name):
         for mb in range(WORKLOAD["microbatches"])
     ]
     batch = {k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "labels") if k in parts[0]}
-    schedule_cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[schedule_name]
-    microbatches = WORKLOAD["microbatches"]
-
-    eager_stage = PipelineStage(module, stage, num_stages, torch.device("cpu"), group=group)
-    eager_losses, eager_grads = _step(schedule_cls(eager_stage, microbatches, loss_fn=stage_loss), module, stage, batch)
-
+    microbatches, cpu = WORKLOAD["microbatches"], torch.device("cpu")
     prepare_collectives(plan_path, "max-throughput", [layout.tp_group])
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
-    kstage = kareus_stage(module, stage, num_stages, "cpu", plan=plan_path, options={"inductor": False}, group=group)
-    schedule = schedule_cls(kstage, microbatches, loss_fn=stage_loss)
-    with warnings.catch_warnings(record=True) as caught, recording_hooks() as hooks:
-        warnings.simplefilter("always", PlanDeviationWarning)
-        with follow_plan(schedule, plan_path, "max-throughput", controller):
-            runs = [_step(schedule, module, stage, batch) for _ in range(ITERATIONS)]
-    controller.close()
-    for losses, grads in runs:
-        assert len(losses) == len(eager_losses)
-        for loss, eager in zip(losses, eager_losses):
-            torch.testing.assert_close(loss, eager, **TOL)
-        for name, grad in grads.items():
-            torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
-    # Per graph run (each starts with its clock hook): the SM counts its collectives launched with.
-    launched = []
-    for entry in hooks:
-        if entry[0] == "clock_hook":
-            launched.append((entry[2], set()))
-        elif entry[0] == "comm_launch" and launched:
-            launched[-1][1].add(entry[2])
-    return {
-        "stage": stage,
-        "pipeline": dist.get_process_group_ranks(group),
-        "requests": [(r.clock_mhz, r.instruction) for r in controller.requests],
-        "launched": [(inst, sorted(sms)) for inst, sms in launched],
-        "losses": len(eager_losses),
-        "deviation_warnings": [str(w.message) for w in caught if issubclass(w.category, PlanDeviationWarning)],
-    }
+    compiled = kareus_stage(
+        module, stage, num_stages, cpu, plan=plan_path, options={"inductor": False}, group=group
+    ).submod
+    results = {"stage": stage, "pipeline": dist.get_process_group_ranks(group)}
+    for name, schedule_cls in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+        eager_stage = PipelineStage(module, stage, num_stages, cpu, group=group)
+        eager_losses, eager_grads = _step(
+            schedule_cls(eager_stage, microbatches, loss_fn=stage_loss), module, stage, batch
+        )
+        kstage = KareusPipelineStage(compiled, stage, num_stages, cpu, group=group)
+        schedule = schedule_cls(kstage, microbatches, loss_fn=stage_loss)
+        controller = FrequencyController.open("dry-run", handle_sigterm=False)
+        with warnings.catch_warnings(record=True) as caught, recording_hooks() as hooks:
+            warnings.simplefilter("always", PlanDeviationWarning)
+            with follow_plan(schedule, plan_path, "max-throughput", controller):
+                runs = [_step(schedule, module, stage, batch) for _ in range(ITERATIONS)]
+        controller.close()
+        for losses, grads in runs:
+            assert len(losses) == len(eager_losses)
+            for loss, eager in zip(losses, eager_losses):
+                torch.testing.assert_close(loss, eager, **TOL)
+            for param, grad in grads.items():
+                torch.testing.assert_close(
+                    grad, eager_grads[param], **TOL, msg=lambda m, param=param, name=name: f"{name} {param}: {m}"
+                )
+        # Per graph run (each starts with its clock hook): the SM counts its collectives launched with.
+        launched = []
+        for entry in hooks:
+            if entry[0] == "clock_hook":
+                launched.append((entry[2], set()))
+            elif entry[0] == "comm_launch" and launched:
+                launched[-1][1].add(entry[2])
+        results[name] = {
+            "requests": [(r.clock_mhz, r.instruction) for r in controller.requests],
+            "launched": [(inst, sorted(sms)) for inst, sms in launched],
+            "losses": len(eager_losses),
+            "deviation_warnings": [str(w.message) for w in caught if issubclass(w.category, PlanDeviationWarning)],
+        }
+    return results
 
 
 def _planned_sms(data, stage, instruction, mb):
@@ -124,28 +130,31 @@ def _planned_sms(data, stage, instruction, mb):
     return sorted({c["comm_sms"] for c in (option["configs"] or {}).values()})
 
 
-@pytest.mark.parametrize("schedule_name", ["1f1b", "gpipe"])
-def test_torch_schedule_follows_the_plan_and_matches_eager(plan_data, tmp_path, schedule_name):  # noqa: F811
+def test_schedule_1f1b_and_gpipe_follow_the_plan_and_match_eager(plan_data, tmp_path):  # noqa: F811
     plan_path = tmp_path / "plan.json"
     data = _pipeline_plan(plan_data, plan_path)
-    results = run_distributed(_schedule_worker, 4, str(plan_path), schedule_name, timeout_s=900)
+    results = run_distributed(_schedule_worker, 4, str(plan_path), timeout_s=900)
     for rank, result in enumerate(results):
         stage = rank // 2
         assert result["stage"] == stage and result["pipeline"] == [rank % 2, rank % 2 + 2]
-        if schedule_name == "1f1b":
-            order = one_f_one_b_order(2, 3, stage)
-            assert result["deviation_warnings"] == []
-        else:
-            order = [("forward", mb) for mb in range(3)] + [("backward", mb) for mb in range(3)]
-            (warning,) = result["deviation_warnings"]
-            assert "ScheduleGPipe" in warning and "composed for Schedule1F1B" in warning
-        order = order * ITERATIONS
-        assert result["requests"] == [
-            (CLOCKS_MHZ[mb] - 30 * stage, f"{inst[0].upper()}{mb}@S{stage}") for inst, mb in order
-        ]
-        assert result["launched"] == [(inst, _planned_sms(data, stage, inst, mb)) for inst, mb in order]
-        assert [sms == [] for _, sms in result["launched"]] == [mb == UNSPLIT_MB for _, mb in order]
-        assert result["losses"] == (3 if stage == 1 else 0)
+        orders = {
+            "1f1b": one_f_one_b_order(2, 3, stage),
+            "gpipe": [("forward", mb) for mb in range(3)] + [("backward", mb) for mb in range(3)],
+        }
+        for name, one_iteration in orders.items():
+            run = result[name]
+            if name == "1f1b":
+                assert run["deviation_warnings"] == []
+            else:
+                (warning,) = run["deviation_warnings"]
+                assert "ScheduleGPipe" in warning and "composed for Schedule1F1B" in warning
+            order = one_iteration * ITERATIONS
+            assert run["requests"] == [
+                (CLOCKS_MHZ[mb] - 30 * stage, f"{inst[0].upper()}{mb}@S{stage}") for inst, mb in order
+            ], name
+            assert run["launched"] == [(inst, _planned_sms(data, stage, inst, mb)) for inst, mb in order], name
+            assert [sms == [] for _, sms in run["launched"]] == [mb == UNSPLIT_MB for _, mb in order]
+            assert run["losses"] == (3 if stage == 1 else 0)
 
 
 def _refusals_worker(rank, world_size, plan_path):
