@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
@@ -56,7 +56,7 @@ class KareusOptions:
     microbatches: int = 1
     tune_seq: tuple[int, ...] | None = None
     clock_controller: FrequencyController | None = None
-    power_limit: str | None = None
+    power_limit: Literal["real", "dry-run"] | None = None
 
     @classmethod
     def from_user(cls, options: Any) -> KareusOptions:
