@@ -83,7 +83,7 @@ def power_limit_curve(
     ``floor_time_s`` is the un-capped iteration at the lowest tuning clock, where the grid stops
     (see the module docstring). ``energy_scale`` turns one traced rank's energy into the plan's
     scope (its tensor- and context-parallel ranks)."""
-    points = []
+    points: list[PowerLimitPoint] = []
     limit_w = int(tdp_w)
     while limit_w > 0:
         time_s, energy_j = iteration_of(measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale)
