@@ -5,7 +5,7 @@ and refuses every backend but ``inductor`` and ``aot_eager`` for a model with Fl
 TOML names a backend, never options. :func:`kareus_parallelize` wraps a model's own parallelize
 function: it runs it with torchtitan's compile turned off (TP/SP, activation checkpointing, FSDP2
 all as torchtitan applies them), then compiles every block of ``model.layers`` through the kareus
-backend with the options given, or else those of the environment (:func:`environment_options`).
+backend with the options given over those of the environment (``KAREUS_CONFIG`` / ``KAREUS_OPTIONS``).
 Use it in a model spec::
 
     spec = llama3.model_registry("debugmodel")
@@ -27,57 +27,33 @@ block graphs (torch's ``skip_fsdp_hooks``, on by default), as with torchtitan's 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from kareus_fx.config import KareusOptions
+from kareus_fx.config_sources import resolve_options
 from kareus_fx.errors import OptionsError
 
-__all__ = ["OPTIONS_VAR", "compile_blocks", "environment_options", "kareus_parallelize"]
-
-OPTIONS_VAR = "KAREUS_OPTIONS"
-"""Environment variable holding the backend options as a JSON object."""
-
-
-def environment_options(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """Backend options from ``KAREUS_OPTIONS`` (a JSON object; empty when unset), validated."""
-    text = (os.environ if environ is None else environ).get(OPTIONS_VAR)
-    if not text:
-        return {}
-    try:
-        options = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise OptionsError(
-            f"{OPTIONS_VAR} is not valid JSON ({err}); for example {OPTIONS_VAR}='{{\"nanobatch\": true}}'"
-        ) from None
-    if not isinstance(options, dict):
-        raise OptionsError(f"{OPTIONS_VAR} must be a JSON object of backend options, got {text!r}")
-    try:
-        KareusOptions.from_user(options)
-    except OptionsError as err:
-        raise OptionsError(f"{OPTIONS_VAR}: {err}") from None
-    return options
+__all__ = ["compile_blocks", "kareus_parallelize"]
 
 
 def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None) -> int:
     """Compile every block of ``model.layers`` through the kareus backend; returns how many.
 
-    ``options``: backend options (default: :func:`environment_options`)."""
+    ``options``: backend options, over those of the environment (``KAREUS_CONFIG`` /
+    ``KAREUS_OPTIONS``, :mod:`kareus_fx.config_sources`), validated here so that a bad value fails
+    before training starts, with an error naming the variable and the field."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
         raise OptionsError(
             f"{type(model).__name__} has no `layers` ModuleDict/ModuleList of transformer blocks to compile "
             "(torchtitan's Decoder models have one)"
         )
-    opts = dict(environment_options() if options is None else options)
-    KareusOptions.from_user(opts)
+    resolve_options(options)
     for block in layers.children():
-        block.compile(backend="kareus", options=opts, fullgraph=True)
+        block.compile(backend="kareus", options=None if options is None else dict(options), fullgraph=True)
     return len(layers)
 
 
@@ -89,7 +65,7 @@ def kareus_parallelize(
     The returned function takes torchtitan's arguments. The blocks are compiled when the job's
     ``compile_config`` enables compile for the model (``compile.enable`` and ``"model"`` in
     ``compile.components``); ``compile.backend`` is ignored (kareus compiles). ``options``: backend
-    options, default those of the environment, read when the function runs.
+    options over those of the environment, read when the function runs.
     """
 
     def parallelize(model: nn.Module, *args: Any, compile_config: Any, **kwargs: Any) -> nn.Module:

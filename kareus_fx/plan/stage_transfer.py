@@ -75,7 +75,8 @@ def stage_transfer_s(
     to the next stage, a backward the activation's gradient to the previous one (``sent_bytes[s]``:
     the boundary tensor stage ``s`` sends on; the last stage's is unused). Zero where nothing is sent."""
     stages = len(sent_bytes)
-    waits = {(s, "forward"): 0.0 for s in range(stages)} | {(s, "backward"): 0.0 for s in range(stages)}
+    waits: dict[tuple[int, Instruction], float] = {(s, "forward"): 0.0 for s in range(stages)}
+    waits |= {(s, "backward"): 0.0 for s in range(stages)}
     for s in range(stages - 1):
         wait_s = link_wait_s(sent_bytes[s], tp, cp, s, spec)
         waits[(s, "forward")] = wait_s
