@@ -414,7 +414,10 @@ class _Emitter:
 
     def _emit_all(self) -> None:
         for node in self.an.graph.nodes:
-            step = self.an.steps.get(node)
+            if node.op == "output":
+                self._emit_output(node)
+                continue
+            step = self.an.steps[node]  # the analysis decided every node but the output
             if node.op == "placeholder":
                 new = self._new("placeholder", node.target, (), {}, None, like=node, name=node.name)
                 new.type = node.type
@@ -430,8 +433,6 @@ class _Emitter:
                 if isinstance(step.info, BatchDim):
                     for h in self._halves():
                         self.half[h][node] = self._slice(SliceOf(node, step.info), h)
-            elif node.op == "output":
-                self._emit_output(node)
             elif not step.split:
                 self.shared[node] = self._emit_node(node, step, None)
             else:
@@ -487,10 +488,13 @@ class _Emitter:
         else:  # ce_mean: (sum_A + sum_B) / (count_A + count_B), counts of non-ignored targets
             ignore = step.combine_args["ignore_index"]
             weight = step.combine_args["weight"]
+            per_token_call = step.call
+            if per_token_call is None:  # the cross-entropy rule sets it with its ce_mean combine
+                raise Unsupported(f"{node.name}: a ce_mean recombination without the per-token loss call")
             sums, counts = [], []
             for h, part in ((0, a), (1, b)):
                 sums.append(self._new("call_method", "sum", (up(part, h),), {}, h))
-                call = step.call(h)
+                call = per_token_call(h)
                 tgt = self._map(call.args[1] if len(call.args) > 1 else call.kwargs["target"], h)
                 valid = self._fn(operator.ne, tgt, ignore, h=h)
                 if weight is not None:  # mean over the class weights of the counted targets
@@ -513,7 +517,7 @@ class _Emitter:
                 return a
             step = self.an.steps[a]
             info = self.an.infos.get(a)
-            how = "shared" if step.combine is None else step.combine
+            how: str = "shared" if step.combine is None else step.combine
             if isinstance(info, BatchDim):
                 if a.op == "placeholder":
                     out = self.shared[a]

@@ -59,6 +59,14 @@ class ClockRequestError(KareusError, ValueError):
     """A requested clock that no backend may apply (not a positive integer, outside the range)."""
 
 
+def parse_clock_mode(name: str) -> ClockMode:
+    """``name`` as a :data:`ClockMode`; :class:`ClockRequestError` naming the valid ones otherwise."""
+    for mode in CLOCK_MODES:
+        if name == mode:
+            return mode
+    raise ClockRequestError(f"unknown clock mode {name!r}; use one of {', '.join(CLOCK_MODES)}")
+
+
 class ClockBackend(Protocol):
     """Applies SM clocks to one GPU. Calls may block; the controller calls them off-thread."""
 

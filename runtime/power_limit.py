@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import atexit
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from kareus_fx.errors import KareusError
 
@@ -52,7 +52,7 @@ class PowerLimitController:
         atexit.register(self.restore)
 
     @classmethod
-    def open(cls, mode: PowerLimitMode, gpu_index: int = 0, zeus_gpus: Any | None = None) -> PowerLimitController:
+    def open(cls, mode: PowerLimitMode, gpu_index: int = 0, zeus_gpus: _ZeusGPUs | None = None) -> PowerLimitController:
         """``"dry-run"`` records only; ``"real"`` needs a GPU Zeus can drive (``zeus_gpus``:
         a ``zeus.device`` GPUs object, default ``get_gpus()``)."""
         if mode == "dry-run":
@@ -60,7 +60,7 @@ class PowerLimitController:
         if mode != "real":
             raise PowerLimitError(f"power-limit mode must be 'real' or 'dry-run', got {mode!r}")
         if zeus_gpus is None:
-            from zeus.device import get_gpus
+            from zeus.device.gpu import get_gpus
 
             zeus_gpus = get_gpus()
         return cls(mode, zeus_gpus, gpu_index)

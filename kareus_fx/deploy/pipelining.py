@@ -158,7 +158,8 @@ def pipeline_group(layout: ParallelLayout) -> dist.ProcessGroup:
     groups: list[dist.ProcessGroup] = [
         dist.new_group([stage * stage_size + position for stage in range(layout.pp)]) for position in range(stage_size)
     ]
-    return groups[layout.cp_rank * layout.tp + layout.tp_rank]
+    own: dist.ProcessGroup = groups[layout.cp_rank * layout.tp + layout.tp_rank]  # a member: not NON_GROUP_MEMBER
+    return own
 
 
 def stage_loss(output: torch.Tensor, target: Any = None) -> torch.Tensor:

@@ -81,6 +81,7 @@ from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
+from kareus_fx.runtime.clock_backends import parse_clock_mode
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
@@ -654,7 +655,7 @@ def _profiler_factory(
     tables = _replay_tables(traced)
     device = DeviceProfiler(
         gpu,
-        frequency=FrequencyController.open(req.clock_mode or "real"),
+        frequency=FrequencyController.open(parse_clock_mode(req.clock_mode or "real")),
         tables_by_ops=tables,
         min_window_s=req.device_window_s,
     )

@@ -60,9 +60,14 @@ def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec)
     """Seconds from stage ``sender``'s send to the activation being whole on the next stage."""
     group = tp * cp
     across_nodes = _node_of(sender * group, spec) != _node_of((sender + 1) * group, spec)
-    per_gpu_bytes_per_s = (
-        spec.node_network_bytes_per_s / spec.gpus_per_node if across_nodes else spec.nvlink_bandwidth_bytes_per_s
-    )
+    per_gpu_bytes_per_s = spec.nvlink_bandwidth_bytes_per_s
+    if across_nodes:
+        if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
+            raise OptionsError(
+                f"no node network bandwidth is known for the {spec.name} (node_network_bytes_per_s): a pipeline "
+                f"across nodes cannot price its send/recv; plan for a GPU with a node entry in gpu_specs"
+            )
+        per_gpu_bytes_per_s = spec.node_network_bytes_per_s / spec.gpus_per_node
     send_s = sent_bytes / tp / per_gpu_bytes_per_s
     gather_s = sent_bytes * (tp - 1) / tp / spec.nvlink_bandwidth_bytes_per_s
     return send_s + gather_s
