@@ -393,7 +393,10 @@ class _Emitter:
 
     def _emit_all(self) -> None:
         for node in self.an.graph.nodes:
-            step = self.an.steps.get(node)
+            if node.op == "output":
+                self._emit_output(node)
+                continue
+            step = self.an.steps[node]
             if node.op == "placeholder":
                 new = self._new("placeholder", node.target, (), {}, None, like=node, name=node.name)
                 new.type = node.type
@@ -409,8 +412,6 @@ class _Emitter:
                 if isinstance(step.info, BatchDim):
                     for h in self._halves():
                         self.half[h][node] = self._slice(SliceOf(node, step.info), h)
-            elif node.op == "output":
-                self._emit_output(node)
             elif not step.split:
                 self.shared[node] = self._emit_node(node, step, None)
             else:
@@ -469,6 +470,8 @@ class _Emitter:
             sums, counts = [], []
             for h, part in ((0, a), (1, b)):
                 sums.append(self._new("call_method", "sum", (up(part, h),), {}, h))
+                if step.call is None:
+                    raise Unsupported(f"internal: {node.name}'s per-token loss call is missing")
                 call = step.call(h)
                 tgt = self._map(call.args[1] if len(call.args) > 1 else call.kwargs["target"], h)
                 valid = self._fn(operator.ne, tgt, ignore, h=h)
@@ -492,7 +495,7 @@ class _Emitter:
                 return a
             step = self.an.steps[a]
             info = self.an.infos.get(a)
-            how = "shared" if step.combine is None else step.combine
+            how: str = "shared" if step.combine is None else step.combine
             if isinstance(info, BatchDim):
                 if a.op == "placeholder":
                     out = self.shared[a]
