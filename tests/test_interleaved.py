@@ -155,3 +155,78 @@ def test_options_for_too_few_stages_are_refused():
     options = {(s, i): [InstructionOption(0.01, 1.0)] for s in range(3) for i in ("forward", "backward")}
     with pytest.raises(CompositionError, match="3 stages do not divide into 2 virtual stages"):
         compose_iteration(options, 4, blocking_power_w=0.0, virtual_stages=2)
+
+
+def test_perseus_plan_lists_each_gpus_clocks_in_its_interleaved_order():
+    from kareus_fx.compose import plan_frequencies
+
+    options = {
+        (s, inst): [InstructionOption(0.02, 2.0, knob=1410), InstructionOption(0.03, 1.5, knob=1000 + s)]
+        for s in range(4)
+        for inst in ("forward", "backward")
+    }
+    frontier = compose_iteration(options, 4, blocking_power_w=10.0, unit_time_s=1e-3, virtual_stages=2)
+    slowest = frontier.trace[0]
+    per_gpu = plan_frequencies(frontier, slowest)
+    assert len(per_gpu) == 2 and all(len(clocks) == 2 * 2 * 4 for clocks in per_gpu)
+    expected = [[frontier.option(slowest, *action).knob for action in interleaved_order(2, 2, 4, r)] for r in range(2)]
+    assert per_gpu == expected
+
+
+# ----------------------------------------------------------------------------- planner and presets
+
+
+def test_plan_of_an_interleaved_pipeline(tmp_path):
+    """A tiny real plan (traced model, simulated GPU): PP2 x 2 chunks, 4 stages in the plan."""
+    from kareus_fx.deploy.deployment import clock_schedule
+    from kareus_fx.plan.plan_format import load_plan, write_plan
+    from kareus_fx.plan.planner import PlanRequest, make_plan
+
+    request = PlanRequest(
+        model="tiny-llama",
+        tp=2,
+        cp=1,
+        pp=2,
+        virtual_stages=2,
+        microbatches=4,
+        mbs=2,
+        seq=1536,
+        layers=4,
+        clock_stride_mhz=240,
+    )
+    outcome = make_plan(request, tmp_path / "work", progress=False)
+    plan = load_plan(write_plan(tmp_path / "plan.json", outcome.data))  # schema and cross-checks
+    assert plan.workload["virtual_stages"] == 2 and plan.workload["world_size"] == 4
+    assert [s["stage"] for s in plan.data["stages"]] == [0, 1, 2, 3]
+    assert plan.workload["stage_layers"] == [1, 1, 1, 1]
+    megatron = outcome.iteration["megatron"]
+    assert megatron.virtual_stages == 2 and megatron.num_gpus == 2
+    # Megatron-LM's one plan: its time is the interleaved schedule's, by direct event simulation.
+    (point,) = megatron.points
+    durations = {key: opts[0].time_s for key, opts in megatron.options.items()}
+    orders = {r: torch_order(2, 2, 4, r) for r in range(2)}
+    assert point.time_s == pytest.approx(event_simulation_s(orders, 4, durations), rel=1e-12)
+    schedule = clock_schedule(plan, 0)
+    assert schedule is not None
+
+
+def test_presets_of_interleaved_pipelines():
+    from kareus_fx.plan.planner import plan_request_from_preset
+    from kareus_fx.plan.presets import PRESETS
+
+    v4 = plan_request_from_preset("llama3.1-405b-pp16tp8-v4-mb128")
+    assert (v4.pp, v4.virtual_stages, v4.num_stages, v4.world_size) == (16, 4, 64, 128)
+    assert v4.gpu == "H100-SXM5-80GB" and (v4.mbs, v4.seq) == (1, 8192)
+    assert sum(v4.stage_layers) == 126 and v4.stage_layers[0] == v4.stage_layers[-1] == 1
+    v1 = PRESETS["llama3.1-405b-pp16tp8-v1-mb64"]
+    assert v1.stage_layers == (7, *[8] * 14, 7)
+    assert plan_request_from_preset("llama3.3-70b-pp10tp8-v2-mb128").num_stages == 20
+
+
+def test_interleaving_request_errors():
+    from kareus_fx.errors import ParallelConfigError
+    from kareus_fx.plan.planner import PlanRequest, validate_plan_request
+
+    bad = PlanRequest(model="tiny-llama", tp=1, cp=1, pp=4, virtual_stages=2, microbatches=9, mbs=1, seq=64, layers=8)
+    with pytest.raises(ParallelConfigError, match=r"--virtual-stages 2: .*do not divide into"):
+        validate_plan_request(bad)

@@ -97,7 +97,7 @@ def build_1f1b_dag(num_stages: int, num_microbatches: int) -> nx.DiGraph:
     return dag
 
 
-def _check_interleaving(num_ranks: int, virtual_stages: int, num_microbatches: int) -> int:
+def check_interleaving(num_ranks: int, virtual_stages: int, num_microbatches: int) -> int:
     """Check the interleaved schedule's sizes; the microbatches per round."""
     _check_sizes(num_ranks, num_microbatches)
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
@@ -124,7 +124,7 @@ def interleaved_order(
     :func:`one_f_one_b_order`'s sequence."""
     if virtual_stages == 1:
         return [(rank, inst, mb) for inst, mb in one_f_one_b_order(num_ranks, num_microbatches, rank)]
-    per_round = _check_interleaving(num_ranks, virtual_stages, num_microbatches)
+    per_round = check_interleaving(num_ranks, virtual_stages, num_microbatches)
     if not 0 <= rank < num_ranks:
         raise CompositionError(f"rank {rank} is outside 0..{num_ranks - 1}")
     total = virtual_stages * num_microbatches
@@ -152,7 +152,7 @@ def build_pipeline_dag(num_ranks: int, num_microbatches: int, virtual_stages: in
     1F1B over ``num_ranks x virtual_stages`` global stages (nodes are :class:`PipelineNode`)."""
     if virtual_stages == 1:
         return build_1f1b_dag(num_ranks, num_microbatches)
-    _check_interleaving(num_ranks, virtual_stages, num_microbatches)
+    check_interleaving(num_ranks, virtual_stages, num_microbatches)
     dag = nx.DiGraph()
     for rank in range(num_ranks):
         nodes = [
