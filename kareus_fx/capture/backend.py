@@ -2,7 +2,8 @@
 
 Registered through the ``torch_dynamo_backends`` entry point (pyproject.toml), so
 ``torch.compile(model, backend="kareus")`` works in a fresh interpreter. Per Dynamo graph it
-reads the options, opens the graph's dump file (``options={"dump_dir": ...}``) and either
+reads the options (``options=`` over those of the ``KAREUS_CONFIG`` / ``KAREUS_OPTIONS``
+environment variables, ``kareus_fx/config_sources.py``), opens the graph's dump file (``options={"dump_dir": ...}``) and either
 
 - compiles the graph with ``compile_step.compile_graph``: nanobatch split of graphs that
   communicate (``options={"nanobatch": False}`` turns it off; a graph the split cannot prove
@@ -27,6 +28,7 @@ import torch.fx
 from kareus_fx.capture.compile_step import compile_graph
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.config import KareusOptions
+from kareus_fx.config_sources import resolve_options
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.deploy.buckets import deployment_from_options
 from kareus_fx.plan.live_tuning import LiveTuning
@@ -36,7 +38,7 @@ _graph_counter = itertools.count()
 
 def kareus_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options: Any = None) -> Callable[..., Any]:
     """Compile one Dynamo graph. ``options`` is what ``torch.compile(..., options=...)`` received."""
-    opts = KareusOptions.from_user(options)
+    opts = resolve_options(options)
     gpu = gpu_spec(opts.gpu)
     dump = _dump_file(opts, next(_graph_counter))
     if opts.tune is not None and opts.tune_request is None:

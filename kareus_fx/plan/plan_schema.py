@@ -156,6 +156,10 @@ class Method(SchemaModel):
     """``[time_s, energy_j]`` points."""
     metrics: dict[StrictStr, number(-MAX_MAGNITUDE) | None]
     """Metric name -> a relative reduction (a fraction; negative: worse), None when undefined."""
+    chosen_power_limit_w: number() | None = None
+    """Megatron-LM + power limit only: the job-wide limit Zeus's selector picks (its frontier)."""
+    power_limits: list[list[number()]] | None = None
+    """Megatron-LM + power limit only: ``[power_limit_w, time_s, energy_j]`` at every limit tried."""
 
     @field_validator("frontier")
     @classmethod

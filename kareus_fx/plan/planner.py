@@ -76,6 +76,7 @@ from kareus_fx.plan.methods import (
 )
 from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
+from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD, PowerLimitPoint, iteration_of, power_limit_curve, zeus_choice
 from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
@@ -85,7 +86,7 @@ from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz
-from kareus_fx.workload import GraphName, PartitionType
+from kareus_fx.workload import GraphName, Measurement, PartitionType
 
 __all__ = [
     "LIVE_GRAPH_MODEL",
@@ -722,6 +723,9 @@ class _Composed:
     iteration: dict[str, IterationFrontier]
     metrics: dict[str, dict[str, float | None]]
     energy_scale: float
+    power_limits: list[PowerLimitPoint]
+    """Megatron-LM under each job-wide power limit (the sixth method's curve); empty when the
+    profiler cannot price power limits."""
 
 
 def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress) -> _Composed:
@@ -820,7 +824,63 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
-    return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
+    curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, min(clocks), scale)
+    if curve:
+        chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp)
+        metrics[POWER_LIMIT_METHOD] = frontier_metrics(
+            [(chosen.time_s, chosen.energy_j)], megatron, fronts["megatron+perseus"]
+        )
+    return _Composed(
+        microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale, power_limits=curve
+    )
+
+
+def _power_limit_curve(
+    req: PlanRequest,
+    traced: Sequence[StageGraphs],
+    stage_group: Mapping[int, int],
+    waits_s: Mapping[tuple[int, str], float],
+    spec: GPUSpec,
+    lowest_clock_mhz: int,
+    energy_scale: float,
+) -> list[PowerLimitPoint]:
+    """Megatron-LM's iteration under each job-wide power limit (``power_limit.py``); empty for
+    a profiler that cannot price a power limit (the on-device one never sets it)."""
+    if req.profiler != "simulated":
+        return []
+    gpu = canonical_gpu_name(req.gpu)
+
+    def measure_at(limit_w: int | None, clock_mhz: int = spec.clock_max_mhz) -> dict[tuple[int, str], Measurement]:
+        profiler = SimulatedProfiler(gpu, power_limit_w=limit_w)
+        nodes = {}
+        for s in range(req.pp):
+            for name in ("forward", "backward"):
+                m = profiler.measure_sequence(
+                    traced[stage_group[s]].sequential[name].ops,
+                    traced[stage_group[s]].sequential[name].collectives,
+                    clock_mhz,
+                )
+                wait_s = waits_s[(s, name)]
+                nodes[(s, name)] = Measurement(
+                    m.time_s + wait_s,
+                    m.energy_j + spec.blocking_power_w * wait_s,
+                    m.dynamic_energy_j,
+                    m.static_energy_j + spec.blocking_power_w * wait_s,
+                )
+        return nodes
+
+    floor_s, _ = iteration_of(
+        measure_at(None, lowest_clock_mhz), req.pp, req.microbatches, spec.blocking_power_w, energy_scale
+    )
+    return power_limit_curve(
+        measure_at,
+        tdp_w=spec.tdp_w,
+        floor_time_s=floor_s,
+        pp=req.pp,
+        microbatches=req.microbatches,
+        blocking_power_w=spec.blocking_power_w,
+        energy_scale=energy_scale,
+    )
 
 
 def _send_recv_s(
@@ -1040,6 +1100,14 @@ def _plan_data(
         }
         for m in METHODS
     }
+    if composed.power_limits:
+        chosen = zeus_choice(composed.power_limits, gpus=req.tp * req.cp * req.pp)
+        methods[POWER_LIMIT_METHOD] = {
+            "frontier": [[chosen.time_s, chosen.energy_j]],
+            "metrics": composed.metrics[POWER_LIMIT_METHOD],
+            "chosen_power_limit_w": chosen.power_limit_w,
+            "power_limits": [[p.power_limit_w, p.time_s, p.energy_j] for p in composed.power_limits],
+        }
     live = req.model == LIVE_GRAPH_MODEL
     layers = req.layers if live else _model_layers(req)
     stage_layers = (

@@ -1,0 +1,105 @@
+"""The sixth method: Megatron-LM under one job-wide GPU power limit, chosen as Zeus would.
+
+Zeus's ``GlobalPowerLimitOptimizer`` profiles the training step at power limits from the GPU's
+maximum down in 25 W steps and keeps the one its selector picks (``ZeusCost(eta_knob=0.5)`` by
+default: ``eta * energy + (1 - eta) * max_power * time``). Here each limit's step is the un-split
+(Megatron-LM) microbatch at the maximum clock priced by the simulated GPU with that limit as its
+power cap (the clock throttles to where the average power meets it), composed over the same
+1F1B pipeline, link waits and blocking-power accounting as the other methods; the selection is
+Zeus's own selector class on those (time, energy) pairs. The curve over every limit is the
+frontier a power-limit-only policy (Chase) moves along, and what a cluster that forbids locking
+clocks but allows power limits can deploy.
+
+Assumptions: one limit for every GPU of the job; the limit binds the microbatch's average power
+(a GPU's power management acts over about 100 ms windows, the order of one microbatch); the grid
+stops at the first limit under which the step is slower than the un-capped step at the planner's
+lowest tuning clock (below that a limit only slows the job further, as Perseus's clock range
+does). Only the simulated profiler prices limits: the on-device profiler never changes a card's
+power limit, so plans it measures carry no power-limit curve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from zeus.optimizer.power_limit import PowerLimitMeasurement, ZeusCost
+
+from kareus_fx.compose.pipeline import build_1f1b_dag, iteration_energy_j, makespan_s
+from kareus_fx.workload import Measurement
+
+__all__ = [
+    "POWER_LIMIT_METHOD",
+    "ZEUS_ETA_KNOB",
+    "PowerLimitPoint",
+    "iteration_of",
+    "power_limit_curve",
+    "zeus_choice",
+]
+
+POWER_LIMIT_METHOD = "megatron+power-limit"
+ZEUS_POWER_LIMIT_STEP_W = 25
+"""``GlobalPowerLimitOptimizer``'s default ``pl_step``."""
+ZEUS_ETA_KNOB = 0.5
+"""``GlobalPowerLimitOptimizer``'s default selector is ``ZeusCost(eta_knob=0.5)``."""
+
+NodeMeasurements = Mapping[tuple[int, str], Measurement]
+"""Per (stage, "forward"/"backward"): one microbatch's un-split instruction, link wait included."""
+
+
+@dataclass(frozen=True)
+class PowerLimitPoint:
+    """The iteration under one job-wide power limit."""
+
+    power_limit_w: int
+    time_s: float
+    energy_j: float
+
+
+def iteration_of(
+    nodes: NodeMeasurements, pp: int, microbatches: int, blocking_power_w: float, energy_scale: float
+) -> tuple[float, float]:
+    """(time_s, energy_j) of the 1F1B iteration whose every microbatch runs ``nodes``."""
+    dag = build_1f1b_dag(pp, microbatches)
+    time_s = makespan_s(dag, {node: nodes[(node.stage, node.instruction)].time_s for node in dag})
+    busy_s = microbatches * sum(m.time_s for m in nodes.values())
+    busy_j = microbatches * sum(m.energy_j for m in nodes.values())
+    return time_s, energy_scale * iteration_energy_j(pp, time_s, busy_s, busy_j, blocking_power_w)
+
+
+def power_limit_curve(
+    measure_at: Callable[[int | None], NodeMeasurements],
+    *,
+    tdp_w: float,
+    floor_time_s: float,
+    pp: int,
+    microbatches: int,
+    blocking_power_w: float,
+    energy_scale: float,
+) -> list[PowerLimitPoint]:
+    """The iteration at each power limit from ``tdp_w`` down in Zeus's 25 W steps.
+
+    ``measure_at(limit_w)`` prices every (stage, instruction) under that limit (None: no limit);
+    ``floor_time_s`` is the un-capped iteration at the lowest tuning clock, where the grid stops
+    (see the module docstring). ``energy_scale`` turns one traced rank's energy into the plan's
+    scope (its tensor- and context-parallel ranks)."""
+    points = []
+    limit_w = int(tdp_w)
+    while limit_w > 0:
+        time_s, energy_j = iteration_of(measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale)
+        if points and time_s > floor_time_s:
+            break
+        points.append(PowerLimitPoint(limit_w, time_s, energy_j))
+        limit_w -= ZEUS_POWER_LIMIT_STEP_W
+    return points
+
+
+def zeus_choice(points: list[PowerLimitPoint], gpus: int, eta_knob: float = ZEUS_ETA_KNOB) -> PowerLimitPoint:
+    """The limit Zeus's ``ZeusCost(eta_knob, world_size=gpus)`` selects from ``points``, whose
+    energies are all ``gpus`` GPUs' (the selector scales the maximum power by ``world_size``, so
+    time and energy are both the job's)."""
+    selector = ZeusCost(eta_knob=eta_knob, world_size=gpus)
+    chosen_w = selector.select(
+        [PowerLimitMeasurement(power_limit=p.power_limit_w, energy=p.energy_j, time=p.time_s) for p in points]
+    )
+    return next(p for p in points if p.power_limit_w == chosen_w)
