@@ -15,7 +15,7 @@ import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from kareus_fx.compose import CompositionError, InstructionOption, compose_iteration
-from kareus_fx.compose.pipeline import PipelineNode, build_pipeline_dag, interleaved_order
+from kareus_fx.compose.pipeline import PipelineNode, build_pipeline_dag, check_interleaving, interleaved_order
 
 CASES = [(2, 2, 4), (4, 2, 8), (4, 3, 12)]
 
@@ -220,7 +220,11 @@ def test_presets_of_interleaved_pipelines():
     assert sum(v4.stage_layers) == 126 and v4.stage_layers[0] == v4.stage_layers[-1] == 1
     v1 = PRESETS["llama3.1-405b-pp16tp8-v1-mb64"]
     assert v1.stage_layers == (7, *[8] * 14, 7)
-    assert plan_request_from_preset("llama3.3-70b-pp10tp8-v2-mb128").num_stages == 20
+    assert plan_request_from_preset("llama3.3-70b-pp10tp8-v2-mb16").num_stages == 20
+    # ScheduleInterleaved1F1B cannot run 128 microbatches over 10 GPUs in equal rounds: no such preset.
+    assert "llama3.3-70b-pp10tp8-v2-mb128" not in PRESETS
+    for preset in PRESETS.values():
+        check_interleaving(preset.pp, preset.virtual_stages, preset.microbatches)
 
 
 def test_interleaving_request_errors():

@@ -91,13 +91,14 @@ def _worker(rank, world_size, plan_path):
     pp_rank, cpu = layout.pp_rank, torch.device("cpu")
     my_stages = [pp_rank + chunk * WORKLOAD["pp"] for chunk in range(WORKLOAD["virtual_stages"])]
     chunks = {stage: _chunk(layout, stage) for stage in my_stages}
-    first = chunks.get(0, chunks[my_stages[0]])
+    holds_first, holds_last = 0 in chunks, NUM_STAGES - 1 in chunks
+    # Each pipeline rank holds the first or the last stage here: that chunk's example batch has its inputs.
+    source = chunks[0] if holds_first else chunks[NUM_STAGES - 1]
     parts = [
-        first.model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb)
+        source.model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb)
         for mb in range(WORKLOAD["microbatches"])
     ]
     batch = {k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "labels") if k in parts[0]}
-    holds_first, holds_last = 0 in chunks, NUM_STAGES - 1 in chunks
     microbatches = WORKLOAD["microbatches"]
 
     eager = ScheduleInterleaved1F1B(

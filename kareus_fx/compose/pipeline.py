@@ -98,11 +98,14 @@ def build_1f1b_dag(num_stages: int, num_microbatches: int) -> nx.DiGraph:
 
 
 def check_interleaving(num_ranks: int, virtual_stages: int, num_microbatches: int) -> int:
-    """Check the interleaved schedule's sizes; the microbatches per round."""
+    """Check the interleaved schedule's sizes; the microbatches per round (``virtual_stages=1``:
+    1F1B, one round of any count)."""
     _check_sizes(num_ranks, num_microbatches)
     if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
         raise CompositionError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
-    if virtual_stages > 1 and num_microbatches < num_ranks:
+    if virtual_stages == 1:  # plain 1F1B: any count
+        return num_microbatches
+    if num_microbatches < num_ranks:
         raise CompositionError(
             f"interleaved 1F1B over {num_ranks} ranks needs at least {num_ranks} microbatches, got "
             f"{num_microbatches}; use more microbatches or virtual_stages=1"

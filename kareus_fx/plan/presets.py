@@ -10,7 +10,9 @@ Every preset's pipeline is balanced (``stage_layers="balanced"``): the paper par
 "such that stages are as balanced as possible, following Perseus" (section 6.1), not evenly.
 
 The emulation also runs interleaved 1F1B with 2 model chunks per GPU (``-v2``: 20 stages of 4
-layers, balanced the same way; not in the paper).
+layers, balanced the same way; not in the paper), where the schedule can run the microbatch count:
+``ScheduleInterleaved1F1B`` runs ``max(1, M // pp)`` equal rounds (Megatron-LM: ``M`` a multiple of
+``pp``), so over 10 GPUs only 16 of the paper's counts (one round) qualifies: 32, 64 and 128 do not.
 
 Llama 3.1 405B as its pre-training ran (Llama Team, "The Llama 3 Herd of Models", arXiv
 2407.21783, section 3.3.2 and table 4): 126 layers, TP8 x PP16 on H100-80GB GPUs, sequences of
@@ -30,6 +32,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from kareus_fx.compose.pipeline import CompositionError, check_interleaving
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.errors import KareusError
 
@@ -117,7 +120,17 @@ def _emulation_presets() -> list[Preset]:
         )
         for v in (1, 2)
         for microbatches in (16, 32, 64, 128)
+        if v == 1 or interleaving_runs(10, v, microbatches)
     ]
+
+
+def interleaving_runs(pp: int, virtual_stages: int, microbatches: int) -> bool:
+    """Whether interleaved 1F1B can run ``microbatches`` over ``pp`` GPUs (``compose.pipeline``)."""
+    try:
+        check_interleaving(pp, virtual_stages, microbatches)
+    except CompositionError:
+        return False
+    return True
 
 
 def llama3_405b_stage_layers(pp: int, virtual_stages: int, layers: int = 126) -> tuple[int, ...]:
