@@ -181,6 +181,7 @@ def predict_overlap_row(
     ptype = ptype if ptype is not None else _KAREUS_PTYPE
     n_slots = len(ptype.slots)
     scale = harness.block512_rate_factor if row.block == 512 else 1.0
+    join: int | None
     if row.start < 0:
         launch, join = 0, 0
     else:
@@ -203,7 +204,7 @@ def fit_memory_curve(prior: SimParams) -> tuple[dict[str, float], dict[str, Any]
     spec = gpu_spec(A100_80)
     rows = list(_read_csv(NANOFLOW_MEM_FILE))
     longest = max(int(r["seqlen"]) for r in rows)
-    data = {}
+    data: dict[int, list[float]] = {}
     for r in rows:
         if int(r["seqlen"]) == longest:
             data.setdefault(int(r["blocks"]), []).append(float(r["BW"]))

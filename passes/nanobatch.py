@@ -218,7 +218,7 @@ def _specialize_batch(node: fx.Node, value: torch.Tensor) -> None:
     The split needs the batch as a number: this guards on its current value through the graph's
     ShapeEnv, so Dynamo recompiles for another batch size while other dims stay symbolic."""
     size = value.shape[0]
-    if not is_symbolic(_size(size)):
+    if not isinstance(size, torch.SymInt) or not is_symbolic(_size(size)):
         return
     if size.node.hint is None:
         raise Unsupported(f"the batch dim of {node.name} is symbolic ({size}) with no value to specialize it to")
@@ -303,10 +303,10 @@ class _Emitter:
             return self.shared[a]
         if isinstance(a, sympy.Basic):
             return self._sym(a)
-        if isinstance(a, SliceOf):
-            return self._slice(a, h)
-        if isinstance(a, Body):
-            return self._body(a, h)
+        if isinstance(a, (SliceOf, Body)):
+            if h is None:
+                raise Unsupported(f"internal: {a!r} belongs to one nanobatch but is used in a shared call")
+            return self._slice(a, h) if isinstance(a, SliceOf) else self._body(a, h)
         return a
 
     def _map(self, args: Any, h: int | None) -> Any:
@@ -337,9 +337,9 @@ class _Emitter:
             node = source if isinstance(source, fx.Node) else self._new("call_method", "size", source, {}, None)
         elif expr.is_Add or expr.is_Mul:
             fold = operator.add if expr.is_Add else operator.mul
-            parts = [self._sym(a) for a in expr.args]
-            node = parts[0]
-            for part in parts[1:]:
+            parts = [self._sym(a) for a in expr.args]  # two or more: sympy flattens a sum or product
+            node = self._fn(fold, parts[0], parts[1])
+            for part in parts[2:]:
                 node = self._fn(fold, node, part)
         elif isinstance(expr, FloorDiv):
             node = self._fn(operator.floordiv, self._sym(expr.args[0]), self._sym(expr.args[1]))
@@ -387,7 +387,7 @@ class _Emitter:
         self.expected[new] = (self.an.vals.get(like), info, h)
         if h is not None and call.args and isinstance(call.args[0], Body):
             self.body_of[new] = tuple(
-                self.new_attrs[a.target] for a in new.args if isinstance(a, fx.Node) and a.op == "get_attr"
+                self.new_attrs[str(a.target)] for a in new.args if isinstance(a, fx.Node) and a.op == "get_attr"
             )
         return new
 
@@ -572,7 +572,7 @@ def _has_collective(n: fx.Node) -> bool:
     gm = n.graph.owning_module
     for a in n.args:
         if isinstance(a, fx.Node) and a.op == "get_attr":
-            body = _fetch(gm, a.target)
+            body = _fetch(gm, str(a.target))
             if isinstance(body, fx.GraphModule) and any(
                 op_name(m).startswith("c10d.") or _has_collective(m) for m in body.graph.nodes
             ):
@@ -583,7 +583,8 @@ def _has_collective(n: fx.Node) -> bool:
 def _interleave(graph: fx.Graph) -> None:
     """Reorder ``graph`` in place into the nanobatching issue order (module docstring)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    segments, cur = [], []
+    segments: list[list[fx.Node]] = []
+    cur: list[fx.Node] = []
     for n in nodes:
         if is_barrier(n):
             segments += [cur, [n]]
@@ -620,8 +621,8 @@ def _schedule_segment(seg: list[fx.Node]) -> list[fx.Node]:
         if k == "collective":
             heapq.heappush(heaps["collective"], (index[n], n))
         elif k == "wait":
-            src = n.args[0] if isinstance(n.args[0], fx.Node) else None
-            heapq.heappush(heaps["wait"], (issued.get(src, -1), index[n], n))
+            src = n.args[0]
+            heapq.heappush(heaps["wait"], (issued.get(src, -1) if isinstance(src, fx.Node) else -1, index[n], n))
         else:
             heapq.heappush(heaps[label[n]], (index[n], n))
 
@@ -661,6 +662,7 @@ def _schedule_segment(seg: list[fx.Node]) -> list[fx.Node]:
             continue
         n = heapq.heappop(heaps["wait"])[-1]
         emit(n)
-        if label[n] is not None:
-            current = label[n]
+        h = label[n]
+        if h is not None:
+            current = h
     return order

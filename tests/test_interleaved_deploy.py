@@ -69,7 +69,7 @@ def _step(schedule, chunks, batch, holds_first, holds_last):
     losses = []
     args = (batch["input_ids"],) if holds_first else ()
     kwargs = {"labels": batch["labels"], "target": batch["labels"], "losses": losses} if holds_last else {}
-    schedule.step(*args, **kwargs)
+    schedule.step(*args, return_outputs=False, **kwargs)
     grads = {}
     for stage, chunk in chunks.items():
         chunk.model.finalize_grads()

@@ -11,6 +11,8 @@ environment variables, ``kareus_fx/config_sources.py``), opens the graph's dump 
   dump, Inductor's code generation (``options={"inductor": False}`` runs the graphs op by op),
   and with a plan (``options={"plan": PATH, "target": ..., "stage": s}``) the plan's
   stream-scheduled variants (``deploy/deployment.py``, ``passes/stream_schedule.py``); or
+- with ``options={"power_limit": "real" | "dry-run", "plan": ...}``, sets the plan's job-wide power
+  limit for the target and compiles the graph un-split (``deploy/power_limit_mode.py``); or
 - with ``options={"tune": ...}``, returns a :class:`~kareus_fx.plan.live_tuning.LiveTuning` that
   plans the live graph at its first call and then deploys the plan through the same step.
 """
@@ -31,6 +33,7 @@ from kareus_fx.config import KareusOptions
 from kareus_fx.config_sources import resolve_options
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.deploy.buckets import deployment_from_options
+from kareus_fx.deploy.power_limit_mode import deploy_power_limit
 from kareus_fx.plan.live_tuning import LiveTuning
 
 _graph_counter = itertools.count()
@@ -43,6 +46,9 @@ def kareus_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
     dump = _dump_file(opts, next(_graph_counter))
     if opts.tune is not None and opts.tune_request is None:
         return LiveTuning(gm, example_inputs, opts, gpu, dump)
+    if opts.power_limit is not None:
+        deploy_power_limit(opts)
+        return compile_graph(gm, example_inputs, gpu, dump, None, nanobatch=False, inductor=opts.inductor)
     return compile_graph(
         gm, example_inputs, gpu, dump, deployment_from_options(opts), nanobatch=opts.nanobatch, inductor=opts.inductor
     )

@@ -61,8 +61,7 @@ def compile_graph(
     ``inductor``: Inductor generates the code, else the graphs run op by op)."""
     if split is None and nanobatch and graph_communicates(gm, example_inputs):
         split = split_nanobatches(gm, example_inputs)
-    split_made = split is not None and split.split
-    sequence = sequence_input(gm, split.batch_inputs) if split_made else None
+    sequence = sequence_input(gm, split.batch_inputs) if split is not None and split.split else None
     if (
         isinstance(deployment, Deployment)
         and deployment.sizes is None

@@ -155,7 +155,7 @@ def pipeline_group(layout: ParallelLayout) -> dist.ProcessGroup:
     stage in stage order (the ``group`` of its ``PipelineStage``). Collective over the default
     group: every rank creates every pipeline's group, in the same order."""
     stage_size = layout.tp * layout.cp
-    groups = [
+    groups: list[dist.ProcessGroup] = [
         dist.new_group([stage * stage_size + position for stage in range(layout.pp)]) for position in range(stage_size)
     ]
     return groups[layout.cp_rank * layout.tp + layout.tp_rank]

@@ -54,7 +54,11 @@ from kareus_fx.compose.iteration import (
     choose_unit_time_s,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
+<<<<<<< HEAD
 from kareus_fx.compose.pipeline import CompositionError, check_interleaving
+=======
+from kareus_fx.compose.pipeline import INSTRUCTIONS
+>>>>>>> main
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
@@ -531,7 +535,8 @@ def _trace_stages(
         if stage not in sliced:
             continue
         try:
-            paths[stage] = _extend_slices(stage, group.num_layers, *role_slices[group.role], dump_root)
+            short, long = role_slices[group.role]
+            paths[stage] = _extend_slices(stage, group.num_layers, short, long, dump_root)
         except SliceNotRepresentativeError as err:
             warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
     retraced = _run_traces(
@@ -680,9 +685,9 @@ def _replay_tables(traced: Sequence[StageGraphs]) -> dict[str, NodeTable]:
         by_dump = {kind: node_tables_from_dump(load_dump(path)) for kind, path in stage.dump_paths.items()}
         for name, graph in stage.sequential.items():
             tables[replay_key(graph.ops)] = by_dump["sequential"][name]
-        for name, graph in (stage.partitioned or {}).items():
-            tables[replay_key(graph.outside.ops)] = by_dump["nanobatched"][name]
-            for ptype in graph.ptypes:
+        for name, split in (stage.partitioned or {}).items():
+            tables[replay_key(split.outside.ops)] = by_dump["nanobatched"][name]
+            for ptype in split.ptypes:
                 tables[replay_key(op for slot in ptype.slots for op in slot.ops)] = by_dump["nanobatched"][name]
     return tables
 
@@ -742,7 +747,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     baseline_offsets: dict[tuple[int, GraphName], dict[str, int]] = {}
     microbatch: dict[tuple[int, GraphName], MicrobatchFrontier] = {}
     for g, stage in enumerate(traced):
-        for name in ("forward", "backward"):
+        for name in INSTRUCTIONS:
             sequential = sequential_measurements(profiler, stage.sequential[name], clocks)
             options: dict[str, Sequence[Any]] = {
                 "megatron": as_options("megatron", sequential, max_clock),
@@ -791,8 +796,13 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
             (s, name): _with_link_wait(
                 per_group[(stage_group[s], name)][method], waits_s[(s, name)], spec.blocking_power_w
             )
+<<<<<<< HEAD
             for s in range(req.num_stages)
             for name in ("forward", "backward")
+=======
+            for s in range(req.pp)
+            for name in INSTRUCTIONS
+>>>>>>> main
         }
         for method in METHODS
     }
@@ -824,7 +834,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
-    curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, min(clocks), scale)
+    curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
     if curve:
         chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp)
         metrics[POWER_LIMIT_METHOD] = frontier_metrics(
@@ -839,7 +849,7 @@ def _power_limit_curve(
     req: PlanRequest,
     traced: Sequence[StageGraphs],
     stage_group: Mapping[int, int],
-    waits_s: Mapping[tuple[int, str], float],
+    waits_s: Mapping[tuple[int, GraphName], float],
     spec: GPUSpec,
     lowest_clock_mhz: int,
     energy_scale: float,
@@ -885,19 +895,24 @@ def _power_limit_curve(
 
 def _send_recv_s(
     req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int], spec: GPUSpec
-) -> dict[tuple[int, str], float]:
+) -> dict[tuple[int, GraphName], float]:
     """Per (stage, instruction), the blocking pipeline send it ends with (``stage_transfer.py``)."""
     if req.num_stages == 1:
         return {(0, "forward"): 0.0, (0, "backward"): 0.0}
-    missing = [g for g, stage in enumerate(traced) if stage.sent_bytes is None]
+    sent_bytes = {g: stage.sent_bytes for g, stage in enumerate(traced) if stage.sent_bytes is not None}
+    missing = [g for g in range(len(traced)) if g not in sent_bytes]
     if missing:
         raise OptionsError(
             f"a {req.num_stages}-stage pipeline needs the activation each stage sends on, but the traced "
             f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)"
         )
+<<<<<<< HEAD
     return stage_transfer_s(
         [traced[stage_group[s]].sent_bytes for s in range(req.num_stages)], req.tp, req.cp, spec, ranks=req.pp
     )
+=======
+    return stage_transfer_s([sent_bytes[stage_group[s]] for s in range(req.pp)], req.tp, req.cp, spec)
+>>>>>>> main
 
 
 def _with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> list[Any]:
@@ -1060,7 +1075,7 @@ def _plan_data(
     for s in range(req.num_stages):
         g = stage_group[s]
         graphs = {}
-        for name in ("forward", "backward"):
+        for name in INSTRUCTIONS:
             partitioned = traced[g].partitioned
             graphs[name] = {
                 "fingerprint": (
@@ -1078,8 +1093,13 @@ def _plan_data(
     kareus = composed.iteration["kareus"]
     options = {
         instruction_key(s, name): [_option_record(p) for p in kareus.options[(s, name)]]
+<<<<<<< HEAD
         for s in range(req.num_stages)
         for name in ("forward", "backward")
+=======
+        for s in range(req.pp)
+        for name in INSTRUCTIONS
+>>>>>>> main
     }
     frontier = []
     for point in kareus.points:
@@ -1093,7 +1113,7 @@ def _plan_data(
         frontier.append(
             {"time_s": point.time_s, "energy_j": point.energy_j * composed.energy_scale, "choices": choices}
         )
-    methods = {
+    methods: dict[str, dict[str, Any]] = {
         m: {
             "frontier": [[p.time_s, p.energy_j * composed.energy_scale] for p in composed.iteration[m].points],
             "metrics": composed.metrics[m],

@@ -20,19 +20,23 @@ power limit, so plans it measures carry no power-limit curve.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from zeus.optimizer.power_limit import PowerLimitMeasurement, ZeusCost
 
 from kareus_fx.compose.pipeline import build_1f1b_dag, iteration_energy_j, makespan_s
+from kareus_fx.errors import KareusError
 from kareus_fx.workload import Measurement
 
 __all__ = [
     "POWER_LIMIT_METHOD",
     "ZEUS_ETA_KNOB",
     "PowerLimitPoint",
+    "curve_of_plan",
     "iteration_of",
+    "limit_for_target",
     "power_limit_curve",
     "zeus_choice",
 ]
@@ -83,7 +87,7 @@ def power_limit_curve(
     ``floor_time_s`` is the un-capped iteration at the lowest tuning clock, where the grid stops
     (see the module docstring). ``energy_scale`` turns one traced rank's energy into the plan's
     scope (its tensor- and context-parallel ranks)."""
-    points = []
+    points: list[PowerLimitPoint] = []
     limit_w = int(tdp_w)
     while limit_w > 0:
         time_s, energy_j = iteration_of(measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale)
@@ -103,3 +107,45 @@ def zeus_choice(points: list[PowerLimitPoint], gpus: int, eta_knob: float = ZEUS
         [PowerLimitMeasurement(power_limit=p.power_limit_w, energy=p.energy_j, time=p.time_s) for p in points]
     )
     return next(p for p in points if p.power_limit_w == chosen_w)
+
+
+def curve_of_plan(data: Mapping[str, Any], source: str = "<plan>") -> list[PowerLimitPoint]:
+    """The power-limit curve a plan file holds; a plan without one is refused naming why."""
+    method = data.get("methods", {}).get(POWER_LIMIT_METHOD)
+    if not method or not method.get("power_limits"):
+        raise KareusError(
+            f"the plan {source} has no {POWER_LIMIT_METHOD!r} curve: it was made before kareus-fx priced power "
+            f"limits, or measured on a GPU (the on-device profiler never sets a power limit); re-run `kareus plan` "
+            f"with the simulated profiler, or deploy in clock mode"
+        )
+    return [PowerLimitPoint(int(w), float(t), float(e)) for w, t, e in method["power_limits"]]
+
+
+def limit_for_target(points: Sequence[PowerLimitPoint], target: Any) -> PowerLimitPoint:
+    """The curve's point ``target`` selects, as ``Plan.point_index`` does for clocks:
+    'max-throughput' the fastest; ``{"deadline_s": X}`` the least energy finishing by X;
+    ``{"energy_budget_j": Y}`` the fastest within Y."""
+    if target == "max-throughput":
+        return min(points, key=lambda p: (p.time_s, p.energy_j))
+    if isinstance(target, Mapping) and len(target) == 1:
+        ((key, limit),) = target.items()
+        if key == "deadline_s":
+            fits = [p for p in points if p.time_s <= float(limit)]
+            best = min(p.time_s for p in points)
+            pick = min(fits, key=lambda p: (p.energy_j, p.time_s)) if fits else None
+            what = f"finishes an iteration by {float(limit):.4g} s (fastest: {best:.4g} s)"
+        elif key == "energy_budget_j":
+            fits = [p for p in points if p.energy_j <= float(limit)]
+            least = min(p.energy_j for p in points)
+            pick = min(fits, key=lambda p: (p.time_s, p.energy_j)) if fits else None
+            what = f"fits an energy budget of {float(limit):.4g} J (least: {least:.4g} J)"
+        else:
+            pick, what = None, ""
+        if pick is not None:
+            return pick
+        if what:
+            raise KareusError(f"no power limit {what}; relax the target or use 'max-throughput'")
+    raise KareusError(
+        f"a power-limit deployment takes target 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}}, "
+        f"got {target!r}"
+    )

@@ -81,7 +81,8 @@ def stage_transfer_s(
     rank ``s mod ranks`` (interleaved 1F1B's looping placement)."""
     stages = len(sent_bytes)
     ranks = stages if ranks is None else ranks
-    waits = {(s, "forward"): 0.0 for s in range(stages)} | {(s, "backward"): 0.0 for s in range(stages)}
+    waits: dict[tuple[int, Instruction], float] = {(s, "forward"): 0.0 for s in range(stages)}
+    waits |= {(s, "backward"): 0.0 for s in range(stages)}
     for s in range(stages - 1):
         wait_s = link_wait_s(sent_bytes[s], tp, cp, s % ranks, spec, receiver=(s + 1) % ranks)
         waits[(s, "forward")] = wait_s

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 
 from kareus_fx.errors import KareusError
 from kareus_fx.policies.base import FrontierPoint, Observation, Policy
@@ -75,8 +76,8 @@ def replay(
             iteration=int(result.iterations),
             elapsed_s=3600.0 * hour,
             current_index=current,
-            carbon_intensity_g_per_kwh=read_signal("carbon intensity", lambda when=now: trace.at(when)),
-            price_per_kwh=None if price_at is None else read_signal("price", lambda when=now: price_at(when)),
+            carbon_intensity_g_per_kwh=read_signal("carbon intensity", partial(trace.at, now)),
+            price_per_kwh=None if price_at is None else read_signal("price", partial(price_at, now)),
         )
         chosen = policy.choose(ordered, observation)
         if chosen not in by_index:
