@@ -53,27 +53,17 @@ def instruction_key(stage: int, instruction: str) -> str:
 
 class Workload(SchemaModel):
     model: StrictStr
-<<<<<<< HEAD
-    tp: count(1)
-    cp: count(1)
-    pp: count(1, 100_000)
-    virtual_stages: count(1, 1_000) = 1
-    """Model chunks per GPU (interleaved 1F1B above 1); plans older than the field read as 1. The
-    stage-indexed fields (``stages``, ``stage_layers``, the instruction keys) count the
-    ``pp x virtual_stages`` global stages."""
-    microbatches: count(1, 1_000_000)
-    mbs: count(1)
-    seq: count(1)
-    layers: count(1) | None
-=======
     tp: PositiveCount
     cp: PositiveCount
     pp: Annotated[StrictInt, int_range(1, 100_000)]
+    virtual_stages: Annotated[StrictInt, int_range(1, 1_000)] = 1
+    """Model chunks per GPU (interleaved 1F1B above 1); plans older than the field read as 1. The
+    stage-indexed fields (``stages``, ``stage_layers``, the instruction keys) count the
+    ``pp x virtual_stages`` global stages."""
     microbatches: SmallCount
     mbs: PositiveCount
     seq: PositiveCount
     layers: PositiveCount | None
->>>>>>> main
     """None: a plan of a live graph (no reference model, layer count unknown)."""
     stage_layers: list[PositiveCount] | None = None
     """Decoder layers of each pipeline stage (None: a live graph's plan, or a plan older than the field)."""

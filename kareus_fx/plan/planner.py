@@ -54,11 +54,7 @@ from kareus_fx.compose.iteration import (
     choose_unit_time_s,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
-<<<<<<< HEAD
-from kareus_fx.compose.pipeline import CompositionError, check_interleaving
-=======
-from kareus_fx.compose.pipeline import INSTRUCTIONS
->>>>>>> main
+from kareus_fx.compose.pipeline import INSTRUCTIONS, CompositionError, check_interleaving
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
@@ -796,13 +792,8 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
             (s, name): _with_link_wait(
                 per_group[(stage_group[s], name)][method], waits_s[(s, name)], spec.blocking_power_w
             )
-<<<<<<< HEAD
             for s in range(req.num_stages)
-            for name in ("forward", "backward")
-=======
-            for s in range(req.pp)
             for name in INSTRUCTIONS
->>>>>>> main
         }
         for method in METHODS
     }
@@ -863,7 +854,7 @@ def _power_limit_curve(
     def measure_at(limit_w: int | None, clock_mhz: int = spec.clock_max_mhz) -> dict[tuple[int, str], Measurement]:
         profiler = SimulatedProfiler(gpu, power_limit_w=limit_w)
         nodes = {}
-        for s in range(req.pp):
+        for s in range(req.num_stages):
             for name in ("forward", "backward"):
                 m = profiler.measure_sequence(
                     traced[stage_group[s]].sequential[name].ops,
@@ -880,7 +871,12 @@ def _power_limit_curve(
         return nodes
 
     floor_s, _ = iteration_of(
-        measure_at(None, lowest_clock_mhz), req.pp, req.microbatches, spec.blocking_power_w, energy_scale
+        measure_at(None, lowest_clock_mhz),
+        req.pp,
+        req.microbatches,
+        spec.blocking_power_w,
+        energy_scale,
+        req.virtual_stages,
     )
     return power_limit_curve(
         measure_at,
@@ -890,6 +886,7 @@ def _power_limit_curve(
         microbatches=req.microbatches,
         blocking_power_w=spec.blocking_power_w,
         energy_scale=energy_scale,
+        virtual_stages=req.virtual_stages,
     )
 
 
@@ -906,13 +903,9 @@ def _send_recv_s(
             f"a {req.num_stages}-stage pipeline needs the activation each stage sends on, but the traced "
             f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)"
         )
-<<<<<<< HEAD
     return stage_transfer_s(
-        [traced[stage_group[s]].sent_bytes for s in range(req.num_stages)], req.tp, req.cp, spec, ranks=req.pp
+        [sent_bytes[stage_group[s]] for s in range(req.num_stages)], req.tp, req.cp, spec, ranks=req.pp
     )
-=======
-    return stage_transfer_s([sent_bytes[stage_group[s]] for s in range(req.pp)], req.tp, req.cp, spec)
->>>>>>> main
 
 
 def _with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> list[Any]:
@@ -1093,13 +1086,8 @@ def _plan_data(
     kareus = composed.iteration["kareus"]
     options = {
         instruction_key(s, name): [_option_record(p) for p in kareus.options[(s, name)]]
-<<<<<<< HEAD
         for s in range(req.num_stages)
-        for name in ("forward", "backward")
-=======
-        for s in range(req.pp)
         for name in INSTRUCTIONS
->>>>>>> main
     }
     frontier = []
     for point in kareus.points:
