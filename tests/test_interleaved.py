@@ -221,6 +221,7 @@ def test_presets_of_interleaved_pipelines():
     v1 = PRESETS["llama3.1-405b-pp16tp8-v1-mb64"]
     assert v1.stage_layers == (7, *[8] * 14, 7)
     assert plan_request_from_preset("llama3.3-70b-pp10tp8-v2-mb16").num_stages == 20
+    assert not PRESETS["llama3.3-70b-pp10tp8-v2-mb16"].in_paper and not v1.in_paper  # not in bench --suite paper
     # ScheduleInterleaved1F1B cannot run 128 microbatches over 10 GPUs in equal rounds: no such preset.
     assert "llama3.3-70b-pp10tp8-v2-mb128" not in PRESETS
     for preset in PRESETS.values():

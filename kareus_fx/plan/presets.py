@@ -61,6 +61,8 @@ class Preset:
     virtual_stages: int = 1
     """Model chunks per GPU (interleaved 1F1B above 1)."""
     gpu: str = DEFAULT_GPU
+    in_paper: bool = True
+    """A workload of the Kareus paper (``kareus bench --suite paper`` runs these)."""
 
     @property
     def gpus_per_pipeline(self) -> int:
@@ -117,6 +119,7 @@ def _emulation_presets() -> list[Preset]:
             source="paper section 6.3, table 5 (large-scale emulation)"
             + ("" if v == 1 else f"; interleaved 1F1B with {v} chunks per GPU (not in the paper)"),
             virtual_stages=v,
+            in_paper=v == 1,
         )
         for v in (1, 2)
         for microbatches in (16, 32, 64, 128)
@@ -159,6 +162,7 @@ def _llama3_405b_presets() -> list[Preset]:
             stage_layers=llama3_405b_stage_layers(16, v),
             virtual_stages=v,
             gpu="H100-SXM5-80GB",
+            in_paper=False,
         )
         for v in (1, 4)
         for microbatches in (64, 128)
