@@ -57,6 +57,9 @@ class Workload(SchemaModel):
     world_size: count(1)
     preset: StrictStr | None = None
     dtype: StrictStr | None = None
+    recompute: Literal["none", "full", "selective", "checkpointed"] | None = None
+    """Activation checkpointing the plan was traced with (``kareus_fx.models.recompute``); None: a
+    plan older than the field; "checkpointed": a live graph's plan whose graph has checkpointed regions."""
 
 
 class StageGraph(SchemaModel):

@@ -169,6 +169,11 @@ class PlanRequest:
     default), ``"balanced"`` (the split that evens out the stages' step times, as the paper's testbed
     does; ``stage_balance.py``; the presets' default) or one count per stage. :func:`trace_plan_stages`
     resolves ``"balanced"`` to counts."""
+    recompute: str = "none"
+    """Activation checkpointing of the traced model (``--recompute``): ``"none"``, ``"full"`` (every
+    decoder layer, Megatron-LM's full recompute; the presets' default, as the paper's testbed) or
+    ``"selective"`` (core attention, Megatron-LM's selective recompute); see
+    ``kareus_fx.models.recompute``. The backward graph then holds the recomputed forward."""
 
     @property
     def world_size(self) -> int:
@@ -188,6 +193,7 @@ class PlanRequest:
             stage=stage,
             dtype=torch_dtype(self.dtype),
             stage_layers=counts,
+            recompute=self.recompute,
         )
 
 
@@ -204,6 +210,7 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
         "seq": p.seq,
         "preset": p.name,
         "stage_layers": p.stage_layers,
+        "recompute": p.recompute,
     }
     return PlanRequest(**{**fields, **overrides})
 
@@ -1044,6 +1051,7 @@ def _plan_data(
             "world_size": req.world_size,
             "preset": req.preset,
             "dtype": req.dtype,
+            "recompute": req.recompute,
         },
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,

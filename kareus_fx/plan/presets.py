@@ -7,7 +7,9 @@ pipeline). The emulation (section 6.3, table 5) is Llama-3.3-70B with PP10 x TP8
 4K and 16 to 128 microbatches per pipeline (a global batch of 2048 over 128 to 16 pipelines).
 
 Every preset's pipeline is balanced (``stage_layers="balanced"``): the paper partitions its stages
-"such that stages are as balanced as possible, following Perseus" (section 6.1), not evenly.
+"such that stages are as balanced as possible, following Perseus" (section 6.1), not evenly. Every
+preset recomputes activations (``recompute="full"``): "We use activation checkpointing to reduce
+memory pressure" (section 6.1), on Megatron-LM, whose checkpointing recomputes whole layers.
 
 Names read ``<model>-<layout>-mbs<M>-seq<S>k`` (testbed) and ``llama3.3-70b-pp10tp8-mb<N>``
 (emulation), for example ``qwen3-1.7b-tp8-mbs8-seq4k``.
@@ -41,6 +43,9 @@ class Preset:
     """Where in the paper the workload comes from."""
     stage_layers: str = "balanced"
     """The paper balances its pipeline stages by hand (section 6.1); see ``plan/stage_balance.py``."""
+    recompute: str = "full"
+    """The testbed ran with activation checkpointing (section 6.1) on Megatron-LM: its full recompute
+    (``kareus_fx.models.recompute``)."""
 
     @property
     def gpus_per_pipeline(self) -> int:
