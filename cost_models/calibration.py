@@ -546,6 +546,15 @@ def fit_power_and_clock(
     return fitted, prov
 
 
+A40_SWING_START_MHZ = 60.0
+A40_SWING_MAX_MHZ = 450.0
+"""Bounds of the A40 swing fit: from 4 clock steps (a controller that moves one step at a time) up
+to about a third of the A40's clock range."""
+A40_SWING_DIFF_STEP = 0.25
+"""Relative finite-difference step of the swing: the swing is quantised to clock steps, so a
+smaller step sees a flat residual."""
+
+
 def fit_a40(a100: SimParams) -> tuple[SimParams, dict[str, Any]]:
     """A40 from the A100 parameters by spec ratios; power scale and voltage curve fitted."""
     measured = load_stage_profile(PERSEUS_A40_FILE)
@@ -557,9 +566,13 @@ def fit_a40(a100: SimParams) -> tuple[SimParams, dict[str, Any]]:
     p_meas = np.array([measured[k][1] / measured[k][0] for k in keys])
 
     def build(z: np.ndarray) -> SimParams:
-        scale, vf, knee = map(float, z)
+        scale, vf, knee, swing = map(float, z)
         return replace(
-            base, voltage_floor=vf, voltage_knee_frac=knee, **{n: getattr(base, n) * scale for n in _POWER_COEFFS}
+            base,
+            voltage_floor=vf,
+            voltage_knee_frac=knee,
+            throttle_swing_mhz=swing,
+            **{n: getattr(base, n) * scale for n in _POWER_COEFFS},
         )
 
     def residuals(z: np.ndarray) -> np.ndarray:
@@ -570,7 +583,10 @@ def fit_a40(a100: SimParams) -> tuple[SimParams, dict[str, Any]]:
         return np.concatenate([np.log(p / p_meas), t_err])
 
     sol = least_squares(
-        residuals, np.array([1.0, 0.8, 0.6]), bounds=([0.1, 0.5, 0.3], [5.0, 1.0, 0.98]), diff_step=1e-2
+        residuals,
+        np.array([1.0, 0.8, 0.6, A40_SWING_START_MHZ]),
+        bounds=([0.1, 0.5, 0.3, 0.0], [5.0, 1.0, 0.98, A40_SWING_MAX_MHZ]),
+        diff_step=[1e-2, 1e-2, 1e-2, A40_SWING_DIFF_STEP],
     )
     fitted = build(sol.x)
     pred = stage_predictions(Simulator(A40_SPEC, fitted), series, clocks)
@@ -580,8 +596,10 @@ def fit_a40(a100: SimParams) -> tuple[SimParams, dict[str, Any]]:
         "file": PERSEUS_A40_FILE,
         "derived_from": A100,
         "method": "derive_params spec ratios; then power "
-        "scale, voltage floor and knee by least squares on power and time relative to 1740 MHz",
+        "scale, voltage floor and knee, and the throttle swing, by least squares on power and time "
+        "relative to 1740 MHz (the swing is identified by the rows above about 1,455 MHz, where the 300 W cap binds)",
         "power_scale": float(sol.x[0]),
+        "throttle_swing_mhz": float(sol.x[3]),
         "power_mape": _mape(p / p_meas - 1),
         "power_ratio_mape": _mape(p_err),
         "time_ratio_mape": _mape(t_err),
