@@ -51,6 +51,8 @@ from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionCon
 
 _INF = math.inf
 _CACHE_LIMIT = 100_000
+_FALSE_POSITION_STEPS = 8
+"""Illinois steps of the throttle-centre search before bisection closes the bracket."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,8 @@ class Simulator:
         self._structures: dict[int, tuple[PartitionType, _Structure]] = {}
         self._lanes: dict[tuple, _Lane] = {}
         self._cap_clocks: dict[tuple, tuple[float, float]] = {}
+        self._search_powers: dict[float, float] = {}
+        """Average power per clock level during one throttle-centre search (``_level_power_w``)."""
 
     # ----- public API ------------------------------------------------------------------------
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
@@ -271,30 +275,60 @@ class Simulator:
         """Run at ``clock``; if the average power exceeds the TDP, throttled (module docstring).
 
         The throttled centre depends on the requested clock only through the swing's clip, so it
-        is cached under ``key`` (the schedule without its clock) and the requested clock.
+        is cached under ``key`` (the schedule without its clock) and the requested clock, and under
+        ``key`` alone once the swing is not clipped (any request at least the swing above the
+        centre throttles the same: one timeline, not a search).
         """
-        cached = self._cap_clocks.get((key, clock)) if key is not None else None
-        if cached is not None:
-            return self._throttled(run, *cached)
+        if key is not None:
+            unclipped = self._cap_clocks.get(key)
+            if unclipped is not None and clock >= unclipped[0] + self.params.throttle_swing_mhz:
+                return self._throttled(run, *unclipped)
+            cached = self._cap_clocks.get((key, clock))
+            if cached is not None:
+                return self._throttled(run, *cached)
         result = run(clock)
         if self._average_power(result.terms) <= self.spec.tdp_w:
             return self._package(result)
-        throttle = self._throttle_centre(run, clock)
+        throttle = self._throttle_centre(run, clock, self._average_power(result.terms))
         if key is not None:
             if len(self._cap_clocks) > _CACHE_LIMIT:
                 self._cap_clocks.clear()
-            self._cap_clocks[(key, clock)] = throttle
+            unclipped_request = clock >= throttle[0] + self.params.throttle_swing_mhz
+            self._cap_clocks[key if unclipped_request else (key, clock)] = throttle
         return self._throttled(run, *throttle)
 
-    def _throttle_centre(self, run: Callable[[float], _Run], requested_mhz: float) -> tuple[float, float]:
-        """(centre MHz, average power W) of an execution throttled at the TDP: the
-        centre whose swing's average power meets the TDP (bisection to 0.5 MHz), where the power
-        is the TDP; or the minimum clock, over the TDP even there, with its swing's power."""
+    def _throttle_centre(
+        self, run: Callable[[float], _Run], requested_mhz: float, requested_w: float
+    ) -> tuple[float, float]:
+        """(centre MHz, average power W) of an execution throttled at the TDP (``requested_w``:
+        its power at ``requested_mhz``, over the TDP): the centre whose swing's average power meets
+        the TDP, to 0.5 MHz, where the power is the TDP; or the minimum clock, over the TDP even
+        there, with its swing's power.
+
+        The root is bracketed by the minimum and the requested clock (where the swing has no
+        room: one level each) and found by false position with the Illinois step (the swing's
+        power is smooth and rising in the centre), then closed by bisection."""
         tdp = self.spec.tdp_w
+        self._search_powers = {}
         lo, hi = float(self.spec.clock_min_mhz), requested_mhz
-        lowest_w = self._swing_power_w(run, lo, requested_mhz)
-        if lowest_w >= tdp:
-            return lo, lowest_w
+        over_lo = self._swing_power_w(run, lo, requested_mhz) - tdp
+        if over_lo >= 0.0:
+            return lo, over_lo + tdp
+        over_hi, last_side = requested_w - tdp, 0
+        for _ in range(_FALSE_POSITION_STEPS):
+            if hi - lo <= 0.5:
+                break
+            mid = hi - over_hi * (hi - lo) / (over_hi - over_lo)
+            mid = min(max(mid, lo + 0.25), hi - 0.25)
+            over = self._swing_power_w(run, mid, requested_mhz) - tdp
+            if over > 0.0:
+                hi, over_hi = mid, over
+                over_lo = over_lo / 2.0 if last_side > 0 else over_lo
+                last_side = 1
+            else:
+                lo, over_lo = mid, over
+                over_hi = over_hi / 2.0 if last_side < 0 else over_hi
+                last_side = -1
         while hi - lo > 0.5:
             mid = 0.5 * (lo + hi)
             if self._swing_power_w(run, mid, requested_mhz) > tdp:
@@ -306,9 +340,26 @@ class Simulator:
     def _swing_power_w(self, run: Callable[[float], _Run], centre_mhz: float, requested_mhz: float) -> float:
         """Average power of the throttle swing around ``centre_mhz`` (each level equally long)."""
         return sum(
-            weight * self._average_power(run(level).terms)
+            weight * self._level_power_w(run, level)
             for level, weight in self.power.throttle_swing(centre_mhz, requested_mhz)
         )
+
+    def _level_power_w(self, run: Callable[[float], _Run], clock_mhz: float) -> float:
+        """Average power at ``clock_mhz``, linear between the GPU's clock levels (the clocks a
+        throttling GPU runs at), each simulated once per search (``_search_powers``)."""
+        step, lowest = self.spec.clock_step_mhz, self.spec.clock_min_mhz
+        position = (clock_mhz - lowest) / step
+        below = math.floor(position)
+        frac = position - below
+
+        def at(level: float) -> float:
+            power = self._search_powers.get(level)
+            if power is None:
+                power = self._search_powers[level] = self._average_power(run(level).terms)
+            return power
+
+        low_w = at(float(lowest + below * step))
+        return low_w if frac < 1e-9 else low_w + frac * (at(float(lowest + (below + 1) * step)) - low_w)
 
     def _throttled(self, run: Callable[[float], _Run], centre_mhz: float, power_w: float) -> Prediction:
         """The execution throttled around ``centre_mhz``: time and terms at the centre; dynamic
