@@ -51,8 +51,6 @@ from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionCon
 
 _INF = math.inf
 _CACHE_LIMIT = 100_000
-_FALSE_POSITION_STEPS = 8
-"""Illinois steps of the throttle-centre search before bisection closes the bracket."""
 
 
 @dataclass(frozen=True)
@@ -281,7 +279,7 @@ class Simulator:
         """
         if key is not None:
             unclipped = self._cap_clocks.get(key)
-            if unclipped is not None and clock >= unclipped[0] + self.params.throttle_swing_mhz:
+            if unclipped is not None and clock > unclipped[0] + self.params.throttle_swing_mhz:
                 return self._throttled(run, *unclipped)
             cached = self._cap_clocks.get((key, clock))
             if cached is not None:
@@ -289,7 +287,7 @@ class Simulator:
         result = run(clock)
         if self._average_power(result.terms) <= self.spec.tdp_w:
             return self._package(result)
-        throttle = self._throttle_centre(run, clock, self._average_power(result.terms))
+        throttle = self._throttle_centre(run, clock)
         if key is not None:
             if len(self._cap_clocks) > _CACHE_LIMIT:
                 self._cap_clocks.clear()
@@ -297,38 +295,16 @@ class Simulator:
             self._cap_clocks[key if unclipped_request else (key, clock)] = throttle
         return self._throttled(run, *throttle)
 
-    def _throttle_centre(
-        self, run: Callable[[float], _Run], requested_mhz: float, requested_w: float
-    ) -> tuple[float, float]:
-        """(centre MHz, average power W) of an execution throttled at the TDP (``requested_w``:
-        its power at ``requested_mhz``, over the TDP): the centre whose swing's average power meets
-        the TDP, to 0.5 MHz, where the power is the TDP; or the minimum clock, over the TDP even
-        there, with its swing's power.
-
-        The root is bracketed by the minimum and the requested clock (where the swing has no
-        room: one level each) and found by false position with the Illinois step (the swing's
-        power is smooth and rising in the centre), then closed by bisection."""
+    def _throttle_centre(self, run: Callable[[float], _Run], requested_mhz: float) -> tuple[float, float]:
+        """(centre MHz, average power W) of an execution throttled at the TDP: the centre whose
+        swing's average power meets the TDP (bisection to 0.5 MHz), where the power is the TDP; or
+        the minimum clock, over the TDP even there, with its swing's power."""
         tdp = self.spec.tdp_w
         self._search_powers = {}
         lo, hi = float(self.spec.clock_min_mhz), requested_mhz
-        over_lo = self._swing_power_w(run, lo, requested_mhz) - tdp
-        if over_lo >= 0.0:
-            return lo, over_lo + tdp
-        over_hi, last_side = requested_w - tdp, 0
-        for _ in range(_FALSE_POSITION_STEPS):
-            if hi - lo <= 0.5:
-                break
-            mid = hi - over_hi * (hi - lo) / (over_hi - over_lo)
-            mid = min(max(mid, lo + 0.25), hi - 0.25)
-            over = self._swing_power_w(run, mid, requested_mhz) - tdp
-            if over > 0.0:
-                hi, over_hi = mid, over
-                over_lo = over_lo / 2.0 if last_side > 0 else over_lo
-                last_side = 1
-            else:
-                lo, over_lo = mid, over
-                over_hi = over_hi / 2.0 if last_side < 0 else over_hi
-                last_side = -1
+        lowest_w = self._swing_power_w(run, lo, requested_mhz)
+        if lowest_w >= tdp:
+            return lo, lowest_w
         while hi - lo > 0.5:
             mid = 0.5 * (lo + hi)
             if self._swing_power_w(run, mid, requested_mhz) > tdp:
@@ -338,11 +314,12 @@ class Simulator:
         return lo, tdp
 
     def _swing_power_w(self, run: Callable[[float], _Run], centre_mhz: float, requested_mhz: float) -> float:
-        """Average power of the throttle swing around ``centre_mhz`` (each level equally long)."""
-        return sum(
-            weight * self._level_power_w(run, level)
-            for level, weight in self.power.throttle_swing(centre_mhz, requested_mhz)
-        )
+        """Average power of the throttle swing around ``centre_mhz`` (each level equally long); a
+        swing with no room (one level) is the steady clock, simulated at the centre itself."""
+        levels = self.power.throttle_swing(centre_mhz, requested_mhz)
+        if len(levels) == 1:
+            return self._average_power(run(centre_mhz).terms)
+        return sum(weight * self._level_power_w(run, level) for level, weight in levels)
 
     def _level_power_w(self, run: Callable[[float], _Run], clock_mhz: float) -> float:
         """Average power at ``clock_mhz``, linear between the GPU's clock levels (the clocks a
