@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
@@ -33,6 +33,7 @@ _OPTION_HELP: dict[str, str] = {
     "tune_seq": "sequence-length buckets 'tune' plans when the live graph's sequence length is symbolic "
     "(list of ints; default: the lengths it has seen)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
+    "power_limit": "deploy the plan as one GPU power limit instead of clocks: 'real' (through Zeus) or 'dry-run'",
 }
 _TARGET_KEYS = ("deadline_s", "energy_budget_j")
 _TUNE_PROFILERS = ("simulated", "cuda")
@@ -55,6 +56,7 @@ class KareusOptions:
     microbatches: int = 1
     tune_seq: tuple[int, ...] | None = None
     clock_controller: FrequencyController | None = None
+    power_limit: Literal["real", "dry-run"] | None = None
 
     @classmethod
     def from_user(cls, options: Any) -> KareusOptions:
@@ -102,7 +104,8 @@ def _int_option(options: Mapping[str, Any], key: str, low: int, what: str) -> in
 
 
 def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """plan, target, stage, tune, plan_out, tune_request, microbatches, tune_seq, clock_controller (see deploy/deployment.py)."""
+    """plan, target, stage, tune, plan_out, tune_request, microbatches, tune_seq, clock_controller (see
+    deploy/deployment.py), power_limit (deploy/power_limit_mode.py)."""
     values: dict[str, Any] = {}
     for key in ("plan", "plan_out"):
         if options.get(key) is not None:
@@ -147,6 +150,12 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
                 f"(e.g. FrequencyController.open('dry-run')), got {type(options['clock_controller']).__name__}"
             )
         values["clock_controller"] = options["clock_controller"]
+    if options.get("power_limit") is not None:
+        if options["power_limit"] not in ("real", "dry-run"):
+            raise OptionsError(f"option 'power_limit' must be 'real' or 'dry-run', got {options['power_limit']!r}")
+        if options.get("plan") is None:
+            raise OptionsError("option 'power_limit' deploys a plan's power-limit curve: give option 'plan' too")
+        values["power_limit"] = options["power_limit"]
     return values
 
 
