@@ -132,6 +132,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         ("tp", "tensor-parallel degree"),
         ("cp", "context-parallel degree"),
         ("pp", "pipeline stages"),
+        ("dp", "data-parallel replicas: energies count every GPU of the job (default 1)"),
         ("microbatches", "microbatches per iteration"),
         ("mbs", "microbatch size"),
         ("layers", "decoder layers (default: the model's)"),
@@ -249,7 +250,7 @@ def _plan_request(args: argparse.Namespace):
     from kareus_fx.models.configs import HF_CONFIG_PREFIX
     from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
 
-    shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "microbatches", "mbs", "seq", "layers")}
+    shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "microbatches", "mbs", "seq", "layers")}
     if shape["seq"] is not None:
         shape["seq"] = max(shape["seq"])  # the largest bucket (the others: _run_plan)
     common = {
@@ -284,7 +285,7 @@ def _plan_request(args: argparse.Namespace):
             "give --preset NAME, or --model (or --hf-config PATH) with --tp/--cp/--pp/--microbatches/--mbs/--seq"
         )
     model = args.model or f"{HF_CONFIG_PREFIX}{args.hf_config.resolve()}"
-    defaults = {"tp": 1, "cp": 1, "pp": 1, "microbatches": 1}
+    defaults = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "microbatches": 1}
     missing = [f"--{k}" for k in ("mbs", "seq") if shape[k] is None]
     if missing:
         raise OptionsError(f"{given[0]} needs {' and '.join(missing)}")

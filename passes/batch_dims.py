@@ -50,11 +50,14 @@ __all__ = [
     "BatchDim",
     "Body",
     "Call",
+    "FromHalf",
+    "IndexOffsetBody",
     "Info",
     "Size",
     "SliceOf",
     "Step",
     "Unsupported",
+    "Whole",
     "is_symbolic",
     "op_name",
 ]
@@ -110,6 +113,31 @@ class Body:
 
     target: str
     analysis: BatchAnalysis
+
+
+@dataclass(frozen=True)
+class IndexOffsetBody:
+    """Marker in a rewritten argument: a copy of a ``flex_attention`` score or mask function
+    (``get_attr`` target) whose batch-index argument (placeholder ``pos``) is shifted by the
+    nanobatch's first batch element, so it reads captured full-batch buffers at global indices."""
+
+    target: str
+    pos: int
+
+
+@dataclass(frozen=True)
+class Whole:
+    """Marker in a rewritten argument: the full-batch value of a batch-carrying graph input."""
+
+    node: fx.Node
+
+
+@dataclass(frozen=True)
+class FromHalf:
+    """Marker in a rewritten argument: nanobatch ``h``'s copy of a batch-carrying node."""
+
+    node: fx.Node
+    h: int
 
 
 @dataclass
@@ -474,7 +502,18 @@ _REDUCTIONS = {
     "count_nonzero",
     "norm",
 }
-_RESHAPES = {"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"}
+_RESHAPES = {
+    "view",
+    "reshape",
+    "flatten",
+    "unflatten",
+    "squeeze",
+    "unsqueeze",
+    "view_as",
+    "reshape_as",
+    "view_as_complex",
+    "view_as_real",
+}
 _PERMUTES = {"transpose", "swapaxes", "swapdims", "t", "permute", "movedim", "moveaxis"}
 _RNG = {
     "dropout",
@@ -980,6 +1019,10 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     if name == "view" and any(isinstance(a, torch.dtype) for a in node.args[1:]):
         raise an._fail(node, "view as another dtype")
     in_shape, out_shape = an.shape(x), an.shape(node)
+    if name in ("view_as_complex", "view_as_real"):  # the last dim becomes / leaves the complex pairs
+        if name == "view_as_complex" and i.dim == len(in_shape) - 1:
+            raise an._fail(node, "the batch is in the complex pair dim")
+        return Step(i, True)
     out = _reshape_batch(an, node, in_shape, i, out_shape)
 
     if name in ("flatten", "squeeze", "unsqueeze"):
@@ -1708,6 +1751,61 @@ def _rule_dtensor(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     return Step(i, True)
 
 
+def _rule_flex_attention(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
+    """``flex_attention(q, k, v, score_mod, block_mask, scale, kernel_options, score_buffers, mask_buffers)``.
+
+    Every batch element attends on its own, so each nanobatch runs the op on its rows of q, k, v
+    and of every batched ``BlockMask`` tensor (block counts and indices with dim 0 = batch; dim 0
+    of 1 broadcasts and is shared). The score and mask functions see a batch index ``b``: a
+    nanobatch's copy gets ``b`` shifted by its first element, so it reads the buffers it captures
+    (document ids, padding masks) at the rows the unsplit call reads; those buffers are passed
+    whole (a batch-carrying one must be a graph input, whose full value the split graph has).
+    """
+    if len(node.args) != 9:
+        raise an._fail(node, f"{len(node.args)} arguments, expected 9 (the torch 2.13 flex_attention signature)")
+    args: tuple[Any, ...] = tuple(node.args)
+    q, k, v, score_mod, block_mask, _scale, _options, score_buffers, mask_buffers = args
+    qi = an.info(q)
+    if qi != BatchDim(0):
+        raise an._fail(node, f"queries carry the batch as {qi!r}, not on dim 0")
+    for t in (k, v):
+        if an.info(t) not in (None, qi):
+            raise an._fail(node, "keys or values carry the batch unlike the queries")
+    subs: dict[int, Any] = dict(an._shared_slices(node, [k, v], qi, an.shape(q)))
+    mask_fn = block_mask[-1]
+    for part in block_mask[:-1]:
+        if not isinstance(part, fx.Node):
+            continue
+        info = an.info(part)
+        if info is None and an.shape(part)[0] == an.batch and an.batch != 1:
+            subs[id(part)] = SliceOf(part, qi)
+        elif info not in (None, qi) or (info is None and an.shape(part)[0] != 1):
+            raise an._fail(node, f"block mask tensor {part.name} is neither batched on dim 0 nor broadcast")
+    for buf in (*score_buffers, *mask_buffers):
+        if isinstance(buf, fx.Node) and _is_split(an.info(buf)):
+            if buf.op != "placeholder":
+                raise an._fail(node, f"score/mask buffer {buf.name} is computed from batch data inside the graph")
+            subs[id(buf)] = Whole(buf)
+    for fn, pos in ((score_mod, 1), (mask_fn, 0)):
+        if not isinstance(fn, fx.Node) or fn.op != "get_attr":
+            raise an._fail(node, "score or mask function is not a graph attribute")
+        subs[id(fn)] = IndexOffsetBody(str(fn.target), pos)
+    outs = tuple(qi if isinstance(o, torch.Tensor) else None for o in an.vals[node])
+    return Step(outs, True, an._with_slices(node, subs))
+
+
+_BATCH_FREE_ATTRS = ("device_mesh", "placements", "dtype", "device", "ndim", "layout")
+
+
+def _rule_getattr(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
+    """``getattr(x, "device_mesh")`` and other attributes the batch size cannot change: read once,
+    shared, from nanobatch A's copy (``x.device_mesh`` of a DTensor activation, torchtitan's QKV)."""
+    x, attr = node.args[0], node.args[1]
+    if not isinstance(x, fx.Node) or attr not in _BATCH_FREE_ATTRS:
+        raise an._fail(node, f"attribute {attr!r} may depend on the batch size")
+    return Step(None, False, lambda h: Call(node.op, node.target, (FromHalf(x, 0), attr), {}))
+
+
 def _body_analysis(an: BatchAnalysis, node: fx.Node, body: fx.GraphModule, infos: list) -> BatchAnalysis:
     phs = [n for n in body.graph.nodes if n.op == "placeholder"]
     if len(phs) != len(infos):
@@ -1764,6 +1862,8 @@ _RULES: dict[str, Callable[[BatchAnalysis, fx.Node, str], Step]] = {
     "c10d.all_to_all_single": _rule_all_to_all,
     "hop.autograd_function_apply": _rule_autograd_function,
     "hop.tag_activation_checkpoint": _rule_checkpoint,
+    "hop.flex_attention": _rule_flex_attention,
+    "builtins.getattr": _rule_getattr,
     "dtensor.from_local": _rule_dtensor,
     "redistribute": _rule_dtensor,
     "to_local": _rule_dtensor,

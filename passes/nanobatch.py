@@ -79,9 +79,12 @@ from kareus_fx.passes.batch_dims import (
     BatchDim,
     Body,
     Call,
+    FromHalf,
+    IndexOffsetBody,
     SliceOf,
     Step,
     Unsupported,
+    Whole,
     _shape,
     _size,
     is_barrier,
@@ -303,10 +306,16 @@ class _Emitter:
             return self.shared[a]
         if isinstance(a, sympy.Basic):
             return self._sym(a)
-        if isinstance(a, (SliceOf, Body)):
+        if isinstance(a, (SliceOf, Body, IndexOffsetBody)):
             if h is None:
                 raise Unsupported(f"internal: {a!r} belongs to one nanobatch but is used in a shared call")
+            if isinstance(a, IndexOffsetBody):
+                return self._index_offset_body(a, h)
             return self._slice(a, h) if isinstance(a, SliceOf) else self._body(a, h)
+        if isinstance(a, FromHalf):
+            return self.half[a.h][a.node]
+        if isinstance(a, Whole):
+            return self.shared[a.node]
         return a
 
     def _map(self, args: Any, h: int | None) -> Any:
@@ -368,6 +377,18 @@ class _Emitter:
             self.bodies[key] = name
             self.expected.update(sub.expected)
             self.body_of.update(sub.body_of)
+        return self._new("get_attr", self.bodies[key], (), {}, h)
+
+    def _index_offset_body(self, body: IndexOffsetBody, h: int) -> fx.Node:
+        """A flex_attention score/mask function whose batch index is nanobatch ``h``'s global one."""
+        offset = sum(self.an.halves[:h])
+        if offset == 0:
+            return self._new("get_attr", body.target, (), {}, h)
+        key = (body.target, h)
+        if key not in self.bodies:
+            name = f"{body.target}_nb{h}"
+            self.new_attrs[name] = _shift_batch_index(_fetch(self.an.gm, body.target), body.pos, offset)
+            self.bodies[key] = name
         return self._new("get_attr", self.bodies[key], (), {}, h)
 
     # ---- graphs --------------------------------------------------------------------------
@@ -534,6 +555,18 @@ def _graph_module(orig: fx.GraphModule, graph: fx.Graph, new_attrs: dict) -> fx.
         if n.op in ("get_attr", "call_module"):
             root[n.target] = new_attrs[n.target] if n.target in new_attrs else _fetch(orig, n.target)
     return _make_graph_module(root, graph, class_name=type(orig).__name__)
+
+
+def _shift_batch_index(fn: fx.GraphModule, pos: int, offset: int) -> fx.GraphModule:
+    """A copy of ``fn`` in which placeholder ``pos`` (a batch index) reads as itself + ``offset``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(fn.graph, env))
+    index = [n for n in graph.nodes if n.op == "placeholder"][pos]
+    with graph.inserting_after(index):
+        shifted = graph.call_function(operator.add, (index, offset))
+    index.replace_all_uses_with(shifted, delete_user_cb=lambda user: user is not shifted)
+    return _make_graph_module(fn, graph, class_name=type(fn).__name__)
 
 
 def _fetch(mod, target: str):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import pytest
 import torch
@@ -49,6 +50,7 @@ RTOL = 1e-6
             "pp=40 pipeline stages need at least 40 decoder layers",
         ),
         (["--model", "llama3.2-3b", "--mbs", "8"], "--model needs --seq"),
+        (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--dp", "0"], "--dp must be a number of data-parallel replicas"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--profiler", "cuda"], "on-device"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--nproc", "8"], "--nproc starts the processes of a distributed"),
         (["--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--peer-timeout", "5"], "--peer-timeout applies to"),
@@ -117,6 +119,30 @@ def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
     html = (small_plan / "report.html").read_text()
     assert 'src="data:image/png;base64,' in html and "iso-time energy reduction" in html
     assert (small_plan / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow  # about 115 s on a loaded machine (the trace runs again); fast sibling: the --dp 0 case above
+def test_dp_plan_counts_every_gpu_of_the_job(small_plan, tmp_path, capsys):
+    """``--dp 2``: the same schedule per replica, so times are equal and energies double; the plan
+    and its report say the energies are the job's (2 replicas x 16 GPUs). Resumes the small plan's
+    profile database, so nothing is measured again."""
+    out = tmp_path / "dp2"
+    shutil.copytree(small_plan / "work", out / "work")
+    argv = ["plan", "--model", "llama3.2-3b", "--tp", "8", "--pp", "2", "--microbatches", "4", "--mbs", "4"]
+    argv += ["--seq", "2048", "--layers", "2", "--dp", "2", "--out", str(out), "--json"]
+    assert cli.main(argv) == 0
+    one, two = load_plan(small_plan / "plan.json").data, load_plan(out / "plan.json").data
+    assert (one["workload"]["dp"], two["workload"]["dp"]) == (1, 2)
+    assert two["workload"]["world_size"] == 16  # one pipeline's GPUs
+    assert "2 data-parallel replicas x 16 GPUs (tp x cp x pp) = 32 GPUs" in two["energy_scope"]
+    assert len(two["iteration_frontier"]) == len(one["iteration_frontier"])
+    for a, b in zip(one["iteration_frontier"], two["iteration_frontier"]):
+        assert b["time_s"] == a["time_s"] and b["choices"] == a["choices"]
+        assert b["energy_j"] == pytest.approx(2 * a["energy_j"], rel=1e-12)
+    for method, record in two["methods"].items():
+        for (t1, e1), (t2, e2) in zip(one["methods"][method]["frontier"], record["frontier"]):
+            assert t2 == t1 and e2 == pytest.approx(2 * e1, rel=1e-12)
+    assert "DP2" in (out / "report.html").read_text()
 
 
 def test_small_plan_reports_what_its_profiling_costs_on_the_device(small_plan):

@@ -64,6 +64,9 @@ class Workload(SchemaModel):
     stage_layers: list[PositiveCount] | None = None
     """Decoder layers of each pipeline stage (None: a live graph's plan, or a plan older than the field)."""
     world_size: PositiveCount
+    """GPUs of one pipeline (tp x cp x pp)."""
+    dp: PositiveCount = 1
+    """Data-parallel replicas the energies count (plans older than the field: 1)."""
     preset: StrictStr | None = None
     dtype: StrictStr | None = None
     recompute: Literal["none", "full", "selective", "checkpointed"] | None = None

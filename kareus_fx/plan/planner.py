@@ -177,9 +177,14 @@ class PlanRequest:
     decoder layer, Megatron-LM's full recompute; the presets' default, as the paper's testbed) or
     ``"selective"`` (core attention, Megatron-LM's selective recompute); see
     ``kareus_fx.models.recompute``. The backward graph then holds the recomputed forward."""
+    dp: int = 1
+    """Data-parallel replicas of the pipeline (``--dp``): each runs the same plan on its own data, so
+    the plan's energies are ``dp`` times one pipeline's; times are one replica's (data-parallel
+    gradient collectives, which the plan does not schedule, are outside it)."""
 
     @property
     def world_size(self) -> int:
+        """GPUs of one pipeline (tp x cp x pp); the job has ``dp`` times as many."""
         return self.tp * self.cp * self.pp
 
     def trace_spec(self, stage: int = 0) -> TraceSpec:
@@ -214,6 +219,7 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
         "preset": p.name,
         "stage_layers": p.stage_layers,
         "recompute": p.recompute,
+        "dp": p.dp,
     }
     return PlanRequest(**{**fields, **overrides})
 
@@ -221,6 +227,8 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
 def validate_plan_request(req: PlanRequest) -> None:
     """Raise a clear error for a request that cannot be planned, before any tracing."""
     validate_tuning_request(req)
+    if isinstance(req.dp, bool) or not isinstance(req.dp, int) or req.dp < 1:
+        raise ParallelConfigError(f"--dp must be a number of data-parallel replicas (int >= 1), got {req.dp!r}")
     if isinstance(req.stage_layers, str) and req.stage_layers not in STAGE_SPLITS:
         raise ParallelConfigError(
             f"--stage-layers must be {' or '.join(STAGE_SPLITS)} or one layer count per "
@@ -811,7 +819,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     iteration["kareus"] = _with_baseline_plans(
         iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]}
     )
-    scale = float(req.tp * req.cp)
+    scale = float(req.tp * req.cp * req.dp)  # every rank of a stage, in every replica
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
@@ -1121,6 +1129,7 @@ def _plan_data(
             "layers": layers,
             "stage_layers": stage_layers,
             "world_size": req.world_size,
+            "dp": req.dp,
             "preset": req.preset,
             "dtype": req.dtype,
             "recompute": req.recompute,
@@ -1132,6 +1141,10 @@ def _plan_data(
         "energy_scope": (
             f"one pipeline: {req.world_size} GPUs (tp x cp x pp); every rank of a stage "
             f"assumed to cost what the traced rank costs"
+            if req.dp == 1
+            else f"the job: {req.dp} data-parallel replicas x {req.world_size} GPUs (tp x cp x pp) = "
+            f"{req.dp * req.world_size} GPUs; every rank assumed to cost what the traced rank of its stage "
+            f"costs; data-parallel gradient collectives not included"
         ),
         "baselines": list(BASELINES),
         "max_clock_only": req.max_clock_only,

@@ -46,6 +46,8 @@ class Preset:
     recompute: str = "full"
     """The testbed ran with activation checkpointing (section 6.1) on Megatron-LM: its full recompute
     (``kareus_fx.models.recompute``)."""
+    dp: int = 1
+    """Data-parallel replicas (``--dp`` overrides it); the paper's testbed runs one."""
 
     @property
     def gpus_per_pipeline(self) -> int:

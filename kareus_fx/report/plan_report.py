@@ -53,7 +53,7 @@ def _provenance(plan: Mapping[str, Any]) -> str:
     w = plan["workload"]
     source = "simulated GPU (a calibrated cost model, not a measurement)" if plan.get("simulated") else plan["profiler"]
     return (
-        f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']}, {w['microbatches']} microbatches of "
+        f"{w['model']} TP{w['tp']} CP{w['cp']} PP{w['pp']} DP{w.get('dp', 1)}, {w['microbatches']} microbatches of "
         f"{w['mbs']} x {w['seq']} tokens, {plan['gpu']}; times and energies from the {source}; "
         f"energy of {plan['energy_scope']}"
     )

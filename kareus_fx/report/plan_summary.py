@@ -80,7 +80,7 @@ def provenance_lines(plan: Plan) -> list[str]:
     data, w = plan.data, plan.workload
     preset = f" (preset {w['preset']})" if w.get("preset") else ""
     lines = [
-        f"workload: {w['model']}{preset}, {'unknown' if w['layers'] is None else w['layers']} layers, TP{w['tp']} CP{w['cp']} PP{w['pp']} "
+        f"workload: {w['model']}{preset}, {'unknown' if w['layers'] is None else w['layers']} layers, TP{w['tp']} CP{w['cp']} PP{w['pp']} DP{w.get('dp', 1)} "
         f"({w['world_size']} GPUs per pipeline), {w['microbatches']} microbatches of {w['mbs']} x {w['seq']} tokens",
         f"GPU: {plan.gpu}; profiler: {data.get('profiler', '?')}",
     ]

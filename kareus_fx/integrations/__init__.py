@@ -1,0 +1,1 @@
+"""Glue for training frameworks that drive ``torch.compile`` themselves (torchtitan)."""

@@ -1,0 +1,80 @@
+"""A kareus ``parallelize_fn`` for torchtitan's ``ModelSpec`` (issue 30, item 3).
+
+torchtitan (0.3.0) compiles each ``TransformerBlock`` with ``block.compile(backend=..., fullgraph=True)``
+and refuses every backend but ``inductor`` and ``aot_eager`` for a model with FlexAttention; its
+TOML names a backend, never options. :func:`kareus_parallelize` wraps a model's own parallelize
+function: it runs it with torchtitan's compile turned off (TP/SP, activation checkpointing, FSDP2
+all as torchtitan applies them), then compiles every block of ``model.layers`` through the kareus
+backend with the options given over those of the environment (``KAREUS_CONFIG`` / ``KAREUS_OPTIONS``).
+Use it in a model spec::
+
+    spec = llama3.model_registry("debugmodel")
+    spec = dataclasses.replace(spec, parallelize_fn=kareus_parallelize(spec.parallelize_fn))
+
+Per-block graphs. Each block is one Dynamo graph (the blocks share their code, so Dynamo compiles
+it once per distinct guard set and reuses it); the nanobatch split, compile-time tuning
+(``tune`` + ``plan_out``) and a deployed plan all act on that graph: a plan made by ``tune`` on a
+block graph is a per-block plan (one stage whose partitions are the block's), and a plan made by
+``kareus plan`` for a whole stage is not a block's plan (the backend refuses a plan whose graph
+fingerprint differs from the graph it compiles).
+
+Assumptions: ``model.layers`` is an ``nn.ModuleDict`` or ``nn.ModuleList`` of the blocks
+(torchtitan's ``Decoder``); the wrapped function accepts torchtitan's keyword arguments
+(``compile_config`` among them) and returns the model. FSDP2's hooks run outside the compiled
+block graphs (torch's ``skip_fsdp_hooks``, on by default), as with torchtitan's own compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from kareus_fx.config_sources import resolve_options
+from kareus_fx.errors import OptionsError
+
+__all__ = ["compile_blocks", "kareus_parallelize"]
+
+
+def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None) -> int:
+    """Compile every block of ``model.layers`` through the kareus backend; returns how many.
+
+    ``options``: backend options, over those of the environment (``KAREUS_CONFIG`` /
+    ``KAREUS_OPTIONS``, :mod:`kareus_fx.config_sources`), validated here so that a bad value fails
+    before training starts, with an error naming the variable and the field."""
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (nn.ModuleDict, nn.ModuleList)):
+        raise OptionsError(
+            f"{type(model).__name__} has no `layers` ModuleDict/ModuleList of transformer blocks to compile "
+            "(torchtitan's Decoder models have one)"
+        )
+    resolve_options(options)
+    for block in layers.children():
+        block.compile(backend="kareus", options=None if options is None else dict(options), fullgraph=True)
+    return len(layers)
+
+
+def kareus_parallelize(
+    parallelize_fn: Callable[..., nn.Module], options: Mapping[str, Any] | None = None
+) -> Callable[..., nn.Module]:
+    """``parallelize_fn`` with its compile off, then the blocks compiled through kareus.
+
+    The returned function takes torchtitan's arguments. The blocks are compiled when the job's
+    ``compile_config`` enables compile for the model (``compile.enable`` and ``"model"`` in
+    ``compile.components``); ``compile.backend`` is ignored (kareus compiles). ``options``: backend
+    options over those of the environment, read when the function runs.
+    """
+
+    def parallelize(model: nn.Module, *args: Any, compile_config: Any, **kwargs: Any) -> nn.Module:
+        wanted = compile_config.enable and "model" in compile_config.components
+        off = dataclasses.replace(compile_config, enable=False)
+        model = parallelize_fn(model, *args, compile_config=off, **kwargs)
+        if wanted:
+            torch._dynamo.config.capture_scalar_outputs = True  # as torchtitan's apply_compile sets it
+            compile_blocks(model, options)
+        return model
+
+    return parallelize
