@@ -25,7 +25,10 @@ Deviation of an adaptive frontier from the 1 ms frontier (only where the 1 ms so
 (``dE+``: energy lost; ``dE-`` the smallest, negative where the coarse solve found a better
 plan), the largest ``|E~_adaptive(t) - E_1ms(t)| / E_1ms(t)`` with ``E~`` the frontier linearly
 interpolated (``dE~``: the curves' gap, as ``bench/validate_composer.py`` measures it), and the
-relative gap between the fastest plans (``dTmin``).
+relative gap between the fastest plans (``dTmin``), and the multiplicative epsilon indicator
+(``eps``): the least ``e`` such that every 1 ms frontier point ``(t, E)`` has an adaptive point
+within ``(1 + e) t`` and ``(1 + e) E`` (the issue's "within 0.5 % in time and energy at every
+point" is ``eps <= 0.005``).
 
 Usage: ``python bench/compose_scaling.py [--cases 2x8 8x24 10x16 10x128]
 [--steps 250 500 1000] [--max-baseline-steps 2000] [--max-reference-steps 5000] [--json]``.
@@ -152,6 +155,15 @@ def least_energy_within(frontier: IterationFrontier, times_s: np.ndarray) -> np.
     return np.where(idx >= 0, e[np.clip(idx, 0, None)], np.inf)
 
 
+def epsilon_indicator(approx: IterationFrontier, exact: IterationFrontier) -> float:
+    """Least ``e >= 0`` with every point of ``exact`` matched by a point of ``approx`` no more
+    than ``(1 + e)`` times slower and ``(1 + e)`` times costlier (module docstring)."""
+    a = np.array([(p.time_s, p.energy_j) for p in approx.points])
+    x = np.array([(p.time_s, p.energy_j) for p in exact.points])
+    worse = np.maximum(a[None, :, 0] / x[:, None, 0], a[None, :, 1] / x[:, None, 1])
+    return float(max(worse.min(axis=1).max() - 1.0, 0.0))
+
+
 def deviation(adaptive: IterationFrontier, reference: IterationFrontier) -> dict[str, float]:
     ref_t = np.array([p.time_s for p in reference.points])
     ref_e = np.array([p.energy_j for p in reference.points])
@@ -163,6 +175,7 @@ def deviation(adaptive: IterationFrontier, reference: IterationFrontier) -> dict
     curve_gap = (np.interp(ref_t, ada_t, ada_e) - ref_e) / ref_e
     return {
         "max_curve_energy_gap": float(np.abs(curve_gap).max()),
+        "epsilon": epsilon_indicator(adaptive, reference),
         "max_energy_loss": float(gap[finite].max()),
         "min_energy_gap": float(gap[finite].min()),
         "fastest_time_gap": float(fastest_gap),
@@ -235,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'case':>7} {'method':>16} {'quantum ms':>10} {'steps':>6} {'wall s':>9} {'cpu s':>8} "
-        f"{'cpu ratio':>10} {'dE+':>8} {'dE-':>8} {'dE~':>8} {'dTmin':>8}"
+        f"{'cpu ratio':>10} {'dE+':>8} {'dE-':>8} {'dE~':>8} {'dTmin':>8} {'eps':>8}"
     )
     for text in args.cases:  # one case at a time: rows appear as they finish
         row = run_case(parse_case(text), args)
@@ -245,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             dev = m.get("deviation")
             devs = (
                 f"{dev['max_energy_loss']:>8.3%} {dev['min_energy_gap']:>8.3%} "
-                f"{dev['max_curve_energy_gap']:>8.3%} {dev['fastest_time_gap']:>8.3%}"
+                f"{dev['max_curve_energy_gap']:>8.3%} {dev['fastest_time_gap']:>8.3%} {dev['epsilon']:>8.3%}"
                 if dev
                 else ""
             )

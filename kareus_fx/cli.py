@@ -131,7 +131,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
     for name, what in (
         ("tp", "tensor-parallel degree"),
         ("cp", "context-parallel degree"),
-        ("pp", "pipeline stages"),
+        ("pp", "pipeline stages (GPUs of one pipeline)"),
+        ("virtual-stages", "model chunks per pipeline GPU: above 1, interleaved 1F1B (default 1)"),
         ("dp", "data-parallel replicas: energies count every GPU of the job (default 1)"),
         ("microbatches", "microbatches per iteration"),
         ("mbs", "microbatch size"),
@@ -146,7 +147,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help="sequence length; several (2048,4096,8192) plan one frontier per bucket, "
         "deployed per call on the smallest bucket that holds it",
     )
-    plan.add_argument("--gpu", default=DEFAULT_GPU, help=f"GPU to plan for (default {DEFAULT_GPU})")
+    plan.add_argument("--gpu", default=None, help=f"GPU to plan for (default: the preset's, else {DEFAULT_GPU})")
     plan.add_argument("--dtype", default="bfloat16", help="model dtype: bfloat16 (default), float16, float32")
     plan.add_argument(
         "--profiler",
@@ -250,11 +251,12 @@ def _plan_request(args: argparse.Namespace):
     from kareus_fx.models.configs import HF_CONFIG_PREFIX
     from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
 
-    shape = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "microbatches", "mbs", "seq", "layers")}
+    shape = {
+        k: getattr(args, k) for k in ("tp", "cp", "pp", "virtual_stages", "dp", "microbatches", "mbs", "seq", "layers")
+    }
     if shape["seq"] is not None:
         shape["seq"] = max(shape["seq"])  # the largest bucket (the others: _run_plan)
     common = {
-        "gpu": args.gpu,
         "profiler": args.profiler,
         "dtype": args.dtype,
         "seed": args.seed,
@@ -263,6 +265,8 @@ def _plan_request(args: argparse.Namespace):
         "full_trace": args.full_trace,
         "max_clock_only": args.max_clock_only,
     }
+    if args.gpu is not None:
+        common["gpu"] = args.gpu
     if args.clock_stride is not None:
         common["clock_stride_mhz"] = args.clock_stride
     if args.device_window is not None:
@@ -285,7 +289,7 @@ def _plan_request(args: argparse.Namespace):
             "give --preset NAME, or --model (or --hf-config PATH) with --tp/--cp/--pp/--microbatches/--mbs/--seq"
         )
     model = args.model or f"{HF_CONFIG_PREFIX}{args.hf_config.resolve()}"
-    defaults = {"tp": 1, "cp": 1, "pp": 1, "dp": 1, "microbatches": 1}
+    defaults = {"tp": 1, "cp": 1, "pp": 1, "virtual_stages": 1, "dp": 1, "microbatches": 1}
     missing = [f"--{k}" for k in ("mbs", "seq") if shape[k] is None]
     if missing:
         raise OptionsError(f"{given[0]} needs {' and '.join(missing)}")

@@ -37,7 +37,7 @@ def test_the_unlimited_step_is_megatron_and_limits_step_down_as_zeus_does(plan):
 def test_the_chosen_limit_is_zeus_cost_with_eta_half_over_the_job(plan):
     method = plan.data["methods"][POWER_LIMIT_METHOD]
     w = plan.workload
-    gpus = w["tp"] * w["cp"] * w["pp"]
+    gpus = w["tp"] * w["cp"] * w["pp"] * w.get("dp", 1)
     by_hand = min(
         method["power_limits"],
         key=lambda row: 0.5 * row[2] + 0.5 * max(r[0] for r in method["power_limits"]) * gpus * row[1],

@@ -108,7 +108,7 @@ SUITES: dict[str, tuple[BenchCase, ...]] = {
         ),
     ),
     # Releases: every preset of the paper at full size (testbed, table 3; emulation, table 5).
-    "paper": tuple(BenchCase(name) for name in PRESETS),
+    "paper": tuple(BenchCase(name) for name, preset in PRESETS.items() if preset.in_paper),
 }
 
 ABLATIONS: dict[str, dict[str, Any]] = {

@@ -10,10 +10,11 @@ Energy accounting (Perseus): each stage's GPU is either running one of its instr
 blocked waiting on pipeline communication (bubbles, waits) for the rest of the iteration, at the
 GPU's communication-blocking power ``blocking_power_w``:
 
-    energy = sum of chosen option energies + blocking_power_w * (S * T - sum of chosen times)
+    energy = sum of chosen option energies + blocking_power_w * (G * T - sum of chosen times)
 
 As Perseus does, the solver works on *effective* option costs ``energy - blocking_power_w * time``
-(the energy above what blocking would have cost), so the static term is ``S * T * P_block``.
+(the energy above what blocking would have cost), so the static term is ``G * T * P_block`` with ``G``
+the GPUs (stages / virtual stages per GPU).
 
 Time quantum: lowtime's solver works on integer time units (``quant_time = floor(time /
 unit_time)``) and shortens the iteration by one unit per step, so the frontier has one point per
@@ -94,7 +95,7 @@ from kareus_fx.compose.pipeline import (
     CompositionError,
     Instruction,
     PipelineNode,
-    build_1f1b_dag,
+    build_pipeline_dag,
     iteration_energy_j,
     makespan_s,
 )
@@ -147,7 +148,7 @@ class IterationPoint:
     """lowtime's quantized iteration time (quant_time x unit_time); NaN for a plan of the
     fast-end walk after a coarsened solve (module docstring)."""
     solver_energy_j: float
-    """lowtime's model energy plus ``S x solver_time_s x blocking power`` (Perseus's number);
+    """lowtime's model energy plus ``G x solver_time_s x blocking power`` (Perseus's number);
     NaN where ``solver_time_s`` is."""
     choices: np.ndarray = field(compare=False, repr=False)
     """Index of the chosen option per node, in :attr:`IterationFrontier.nodes` order."""
@@ -170,6 +171,13 @@ class IterationFrontier:
     after a coarsened solve, the fast-end walk)."""
     trace: tuple[IterationPoint, ...]
     """Every plan in solver order: the slowest plan first, then one per solver step."""
+    virtual_stages: int = 1
+    """Stages per GPU (interleaved 1F1B when above 1); ``num_stages`` counts global stages."""
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs of the pipeline (one per rank)."""
+        return self.num_stages // self.virtual_stages
 
     def plan(self, point: IterationPoint) -> dict[PipelineNode, Any]:
         """The chosen option of every (stage, instruction, microbatch) node at ``point``."""
@@ -269,6 +277,7 @@ def _finite_or_none(value: object) -> int | float | None:
 def _normalize_options(
     options: Mapping[tuple[int, Instruction], Sequence[OptionLike] | Any],
     unit_time_s: float,
+    virtual_stages: int = 1,
 ) -> tuple[int, dict[tuple[int, Instruction], tuple[Any, ...]]]:
     if not options:
         raise CompositionError("no options given: need forward and backward options per stage")
@@ -306,6 +315,13 @@ def _normalize_options(
             f"missing options for {', '.join(missing)} (stages must be 0..{num_stages - 1}, "
             "each with forward and backward options)"
         )
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+        raise CompositionError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    if num_stages % virtual_stages:
+        raise CompositionError(
+            f"{num_stages} stages do not divide into {virtual_stages} virtual stages per GPU: give options "
+            f"for pp x virtual_stages global stages"
+        )
     return num_stages, normalized
 
 
@@ -340,6 +356,7 @@ def choose_unit_time_s(
     max_steps: int,
     *,
     min_unit_time_s: float = DEFAULT_UNIT_TIME_S,
+    virtual_stages: int = 1,
 ) -> float:
     """The smallest time quantum ``>= min_unit_time_s`` whose solve takes ``<= max_steps`` steps.
 
@@ -354,8 +371,8 @@ def choose_unit_time_s(
     if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
         raise CompositionError(f"max_solver_steps must be an integer >= 1, got {max_steps!r}")
     _check_unit_time(min_unit_time_s)
-    num_stages, normalized = _normalize_options(options, min_unit_time_s)
-    pipeline = build_1f1b_dag(num_stages, num_microbatches)
+    num_stages, normalized = _normalize_options(options, min_unit_time_s, virtual_stages)
+    pipeline = build_pipeline_dag(num_stages // virtual_stages, num_microbatches, virtual_stages)
     shortest_s = min(float(o.time_s) for items in normalized.values() for o in items)
     fine_steps = _quantized_span(pipeline, normalized, min_unit_time_s)
     unit = min_unit_time_s * max(1.0, fine_steps / max_steps)
@@ -377,11 +394,14 @@ def count_solver_steps(
     options: Mapping[tuple[int, Instruction], Sequence[OptionLike] | Any],
     num_microbatches: int,
     unit_time_s: float = DEFAULT_UNIT_TIME_S,
+    *,
+    virtual_stages: int = 1,
 ) -> int:
     """At most how many solver steps :func:`compose_iteration` takes at quantum ``unit_time_s``."""
     _check_unit_time(unit_time_s)
-    num_stages, normalized = _normalize_options(options, unit_time_s)
-    return _quantized_span(build_1f1b_dag(num_stages, num_microbatches), normalized, unit_time_s)
+    num_stages, normalized = _normalize_options(options, unit_time_s, virtual_stages)
+    pipeline = build_pipeline_dag(num_stages // virtual_stages, num_microbatches, virtual_stages)
+    return _quantized_span(pipeline, normalized, unit_time_s)
 
 
 def _check_unit_time(unit_time_s: Any) -> None:
@@ -430,8 +450,9 @@ def compose_iteration(
     progress: bool = False,
     max_solver_steps: int | None = None,
     solver_loop: SolverLoop = "fast",
+    virtual_stages: int = 1,
 ) -> IterationFrontier:
-    """The iteration time-energy frontier of a 1F1B pipeline.
+    """The iteration time-energy frontier of a 1F1B or interleaved 1F1B pipeline.
 
     Args:
         options: per ``(stage, instruction)`` (stages ``0..S-1``, instructions ``"forward"``
@@ -448,6 +469,9 @@ def compose_iteration(
             (:func:`choose_unit_time_s`) so the solve takes at most this many steps; the
             quantum used is the frontier's ``unit_time_s``.
         solver_loop: ``"fast"`` or ``"lowtime"`` (same plans; see the module docstring).
+        virtual_stages: model chunks per GPU: 1 is 1F1B; above 1 interleaved 1F1B, with
+            ``options`` keyed by global stage (``pipeline.py``: GPU ``r`` holds stages ``r,
+            r + pp, ...``) and energy counted per GPU.
 
     Raises:
         CompositionError: a missing (stage, instruction), an empty option list, a non-finite,
@@ -463,11 +487,14 @@ def compose_iteration(
     coarsened = False
     if max_solver_steps is not None:
         fine_unit_time_s = unit_time_s
-        unit_time_s = choose_unit_time_s(options, num_microbatches, max_solver_steps, min_unit_time_s=unit_time_s)
+        unit_time_s = choose_unit_time_s(
+            options, num_microbatches, max_solver_steps, min_unit_time_s=unit_time_s, virtual_stages=virtual_stages
+        )
         # A caller may pass an already-coarse floor (one quantum for several frontiers).
         coarsened = unit_time_s > min(fine_unit_time_s, DEFAULT_UNIT_TIME_S)
-    num_stages, normalized = _normalize_options(options, unit_time_s)
-    pipeline = build_1f1b_dag(num_stages, num_microbatches)
+    num_stages, normalized = _normalize_options(options, unit_time_s, virtual_stages)
+    num_gpus = num_stages // virtual_stages
+    pipeline = build_pipeline_dag(num_gpus, num_microbatches, virtual_stages)
 
     specs = {
         key: _operation_spec(items, unit_time_s, blocking_power_w, cost_model, f"stage {key[0]} {key[1]}")
@@ -509,15 +536,13 @@ def compose_iteration(
         flat = node_offset + choices
         chosen_t, chosen_e = option_times_s[flat], option_energies_j[flat]
         time_s = _longest_path(preds, chosen_t.tolist())[0]
-        energy_j = iteration_energy_j(
-            num_stages, time_s, float(chosen_t.sum()), float(chosen_e.sum()), blocking_power_w
-        )
+        energy_j = iteration_energy_j(num_gpus, time_s, float(chosen_t.sum()), float(chosen_e.sum()), blocking_power_w)
         choices.setflags(write=False)
         return IterationPoint(time_s, energy_j, solver_time_s, solver_energy_j, choices)
 
     def evaluate(solver_time_s: float, solver_cost: float) -> IterationPoint:
         choices = np.fromiter((op.assigned_knob for op in operations), dtype=choice_dtype, count=len(nodes))
-        solver_energy_j = solver_cost + num_stages * solver_time_s * blocking_power_w
+        solver_energy_j = solver_cost + num_gpus * solver_time_s * blocking_power_w
         return evaluate_choices(choices, solver_time_s, solver_energy_j)
 
     # Slowest plan: lowtime starts from every operation at its longest duration but yields only
@@ -559,6 +584,7 @@ def compose_iteration(
         options=normalized,
         points=points,
         trace=tuple(trace),
+        virtual_stages=virtual_stages,
     )
 
 

@@ -34,7 +34,7 @@ from kareus_fx.compose.pipeline import (
     CompositionError,
     Instruction,
     PipelineNode,
-    one_f_one_b_order,
+    interleaved_order,
 )
 
 __all__ = [
@@ -176,14 +176,15 @@ def write_perseus_profile(target: PathOrFile, profile: Mapping[tuple[int, Instru
 
 
 def plan_frequencies(frontier: IterationFrontier, point: IterationPoint) -> list[list[int]]:
-    """Per stage, the clock (MHz) of each instruction at ``point``, in the stage's 1F1B order."""
+    """Per GPU (a stage under 1F1B), the clock (MHz) of each instruction at ``point``, in the order
+    the GPU runs them (1F1B, or interleaved 1F1B over its chunks)."""
     plan = frontier.plan(point)
     return [
         [
-            _frequency_of(plan[PipelineNode(stage, inst, mb)])
-            for inst, mb in one_f_one_b_order(frontier.num_stages, frontier.num_microbatches, stage)
+            _frequency_of(plan[PipelineNode(*action)])
+            for action in interleaved_order(frontier.num_gpus, frontier.virtual_stages, frontier.num_microbatches, rank)
         ]
-        for stage in range(frontier.num_stages)
+        for rank in range(frontier.num_gpus)
     ]
 
 

@@ -1,4 +1,4 @@
-"""The synchronous 1F1B pipeline schedule as a DAG of (stage, instruction, microbatch) nodes.
+"""Pipeline schedules as DAGs of (stage, instruction, microbatch) nodes: 1F1B and interleaved 1F1B.
 
 Every stage runs its microbatches' forward and backward instructions in 1F1B order: stage ``s`` of
 ``S`` first runs ``min(S - s, N)`` forwards, then alternates one backward and one forward, then
@@ -10,6 +10,19 @@ against lowtime's.
 Edges (the dependencies Perseus uses): consecutive instructions of one stage;
 forward ``(s, m) -> (s + 1, m)``; backward ``(s + 1, m) -> (s, m)``. The last stage's forward of
 ``m`` precedes its backward of ``m`` through the stage order.
+
+Interleaved 1F1B (virtual pipeline stages, Narayanan et al. 2021, section 2.2; Megatron-LM's
+``--num-layers-per-virtual-pipeline-stage``, ``torch.distributed.pipelining.ScheduleInterleaved1F1B``):
+``R`` ranks each hold ``V`` model chunks; the ``R x V`` stages are numbered globally (PyTorch's
+``stage_index``) and rank ``r`` holds stages ``r, r + R, ..., r + (V - 1) R`` (the looping placement).
+Microbatches go through in rounds of ``G = M / max(1, M // R)`` (``R`` when ``M`` is a multiple of
+``R``); the ``k``-th forward a rank runs is on its chunk ``(k // G) mod V``, the ``k``-th backward on
+chunk ``V - 1 - (k // G) mod V``, each chunk taking its microbatches in order. Rank ``r`` first runs
+``min(M V, (V - 1) G + 2 (R - 1 - r))`` forwards (the warm-up), then alternates one forward and one
+backward, then drains the backwards. ``tests/test_interleaved.py`` checks the per-rank order against
+the action lists ``ScheduleInterleaved1F1B`` executes. The edges are the same as 1F1B's over global
+stages: the rank's consecutive instructions, forward ``(g, m) -> (g + 1, m)`` and backward
+``(g + 1, m) -> (g, m)``; ``V = 1`` is plain 1F1B (:func:`build_1f1b_dag`).
 
 The DAG here is plain data (networkx with :class:`PipelineNode` nodes); ``iteration.py`` puts
 lowtime operations on it.
@@ -84,6 +97,81 @@ def build_1f1b_dag(num_stages: int, num_microbatches: int) -> nx.DiGraph:
     return dag
 
 
+def check_interleaving(num_ranks: int, virtual_stages: int, num_microbatches: int) -> int:
+    """Check the interleaved schedule's sizes; the microbatches per round (``virtual_stages=1``:
+    1F1B, one round of any count)."""
+    _check_sizes(num_ranks, num_microbatches)
+    if not isinstance(virtual_stages, int) or isinstance(virtual_stages, bool) or virtual_stages < 1:
+        raise CompositionError(f"virtual_stages must be a positive integer, got {virtual_stages!r}")
+    if virtual_stages == 1:  # plain 1F1B: any count
+        return num_microbatches
+    if num_microbatches < num_ranks:
+        raise CompositionError(
+            f"interleaved 1F1B over {num_ranks} ranks needs at least {num_ranks} microbatches, got "
+            f"{num_microbatches}; use more microbatches or virtual_stages=1"
+        )
+    rounds = max(1, num_microbatches // num_ranks)
+    if num_microbatches % rounds:
+        raise CompositionError(
+            f"interleaved 1F1B runs microbatches in {rounds} equal rounds, but {num_microbatches} microbatches "
+            f"do not divide into {rounds}; use a multiple of {num_ranks} microbatches"
+        )
+    return num_microbatches // rounds
+
+
+def interleaved_order(
+    num_ranks: int, virtual_stages: int, num_microbatches: int, rank: int
+) -> list[tuple[int, Instruction, int]]:
+    """The (global stage, instruction, microbatch) sequence that ``rank`` runs under interleaved
+    1F1B with ``virtual_stages`` chunks per rank (module docstring). ``virtual_stages=1`` gives
+    :func:`one_f_one_b_order`'s sequence."""
+    if virtual_stages == 1:
+        return [(rank, inst, mb) for inst, mb in one_f_one_b_order(num_ranks, num_microbatches, rank)]
+    per_round = check_interleaving(num_ranks, virtual_stages, num_microbatches)
+    if not 0 <= rank < num_ranks:
+        raise CompositionError(f"rank {rank} is outside 0..{num_ranks - 1}")
+    total = virtual_stages * num_microbatches
+    warmup = min(total, (virtual_stages - 1) * per_round + 2 * (num_ranks - 1 - rank))
+    next_microbatch: dict[tuple[Instruction, int], int] = {}
+
+    def run(instruction: Instruction, k: int) -> tuple[int, Instruction, int]:
+        chunk = (k // per_round) % virtual_stages
+        if instruction == "backward":
+            chunk = virtual_stages - 1 - chunk
+        microbatch = next_microbatch.get((instruction, chunk), 0)
+        next_microbatch[(instruction, chunk)] = microbatch + 1
+        return chunk * num_ranks + rank, instruction, microbatch
+
+    order = [run("forward", k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order.append(run("forward", warmup + k))
+        order.append(run("backward", k))
+    order.extend(run("backward", k) for k in range(total - warmup, total))
+    return order
+
+
+def build_pipeline_dag(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> nx.DiGraph:
+    """The dependency DAG of 1F1B (``virtual_stages=1``: :func:`build_1f1b_dag`) or interleaved
+    1F1B over ``num_ranks x virtual_stages`` global stages (nodes are :class:`PipelineNode`)."""
+    if virtual_stages == 1:
+        return build_1f1b_dag(num_ranks, num_microbatches)
+    check_interleaving(num_ranks, virtual_stages, num_microbatches)
+    dag = nx.DiGraph()
+    for rank in range(num_ranks):
+        nodes = [
+            PipelineNode(*action) for action in interleaved_order(num_ranks, virtual_stages, num_microbatches, rank)
+        ]
+        dag.add_nodes_from(nodes)
+        dag.add_edges_from(itertools.pairwise(nodes))
+    for stage in range(num_ranks * virtual_stages - 1):
+        for mb in range(num_microbatches):
+            dag.add_edge(PipelineNode(stage, "forward", mb), PipelineNode(stage + 1, "forward", mb))
+            dag.add_edge(PipelineNode(stage + 1, "backward", mb), PipelineNode(stage, "backward", mb))
+    if not nx.is_directed_acyclic_graph(dag):  # a schedule that would deadlock: a bug here, not bad input
+        raise AssertionError(f"interleaved 1F1B order for {num_ranks} ranks x {virtual_stages} chunks deadlocks")
+    return dag
+
+
 def makespan_s(dag: nx.DiGraph, durations_s: Mapping[PipelineNode, float]) -> float:
     """Length of the longest path through ``dag`` when each node takes ``durations_s[node]``.
 
@@ -97,18 +185,19 @@ def makespan_s(dag: nx.DiGraph, durations_s: Mapping[PipelineNode, float]) -> fl
 
 
 def iteration_energy_j(
-    num_stages: int,
+    num_gpus: int,
     time_s: float,
     busy_time_s: float,
     busy_energy_j: float,
     blocking_power_w: float,
 ) -> float:
-    """Energy of one iteration on ``num_stages`` GPUs (one per stage).
+    """Energy of one iteration on ``num_gpus`` GPUs (one per rank: a rank with several virtual
+    stages is one GPU).
 
     Each GPU is busy running instructions (``busy_*`` summed over every instruction of every
     stage) or blocked waiting on pipeline communication for the rest of the iteration, at
     ``blocking_power_w`` (Perseus's accounting: the idle time of bubbles counts at the GPU's
     communication-blocking power).
     """
-    idle_s = num_stages * time_s - busy_time_s
+    idle_s = num_gpus * time_s - busy_time_s
     return busy_energy_j + blocking_power_w * idle_s

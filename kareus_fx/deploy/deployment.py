@@ -169,6 +169,13 @@ def prepare_collectives(
     return sm_counts
 
 
+def plan_num_stages(workload: Mapping[str, Any]) -> int:
+    """Global pipeline stages of a plan's workload: ``pp x virtual_stages`` (a plan older than
+    ``virtual_stages`` has one chunk per GPU). Stage-indexed plan fields use the global index
+    (``torch.distributed.pipelining``'s ``stage_index``; GPU ``r`` holds ``r, r + pp, ...``)."""
+    return int(workload["pp"]) * int(workload.get("virtual_stages", 1))
+
+
 def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
     """The plan's clock of every (stage, instruction, microbatch) at frontier point ``point_index``.
 
@@ -177,7 +184,7 @@ def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
     return ClockSchedule.from_entries(
         (
             (stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
-            for stage in range(workload["pp"])
+            for stage in range(plan_num_stages(workload))
             for name in INSTRUCTIONS
             for mb in range(workload["microbatches"])
         ),
@@ -549,10 +556,12 @@ def _check_plan_fits(plan: Plan, opts: KareusOptions) -> None:
             f"(tp={workload['tp']} x cp={workload['cp']} x pp={workload['pp']}) but this job runs {world}; "
             f"launch {workload['world_size']} processes or re-plan with `kareus plan` for {world}"
         )
-    if opts.stage >= workload["pp"]:
+    num_stages = plan_num_stages(workload)
+    if opts.stage >= num_stages:
         raise PlanMismatchError(
-            f"options stage={opts.stage}, but the plan {plan.source} has {workload['pp']} pipeline "
-            f"stage(s); pass the stage this rank runs (0..{workload['pp'] - 1})"
+            f"options stage={opts.stage}, but the plan {plan.source} has {num_stages} pipeline "
+            f"stage(s) (pp={workload['pp']} x virtual_stages={workload.get('virtual_stages', 1)}); pass the "
+            f"global index of the stage (model chunk) this graph runs (0..{num_stages - 1})"
         )
 
 

@@ -150,6 +150,21 @@ _REGISTRY: dict[str, ModelConfig] = {
         tie_embeddings=False,
         rope_scaling=_LLAMA3_SCALING_8,
     ),
+    # https://huggingface.co/meta-llama/Llama-3.1-405B/blob/main/config.json
+    "llama3.1-405b": ModelConfig(
+        name="llama3.1-405b",
+        hidden_size=16384,
+        num_layers=126,
+        num_heads=128,
+        num_kv_heads=8,
+        head_dim=128,
+        ffn_size=53248,
+        vocab_size=128256,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_embeddings=False,
+        rope_scaling=_LLAMA3_SCALING_8,
+    ),
     # Test-sized models (not published): an untied Llama with llama3 RoPE scaling and a tied
     # Qwen3 with QK-norm, so the tests cover both LM-head variants.
     "tiny-llama": ModelConfig(

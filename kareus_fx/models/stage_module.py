@@ -6,6 +6,8 @@ arguments; the others: what the previous stage sent) and the ``step`` keyword ar
 name, so :class:`StageModule` maps ``forward(x, labels=None)`` onto it: ``x`` is the token ids on
 the first stage and the hidden states elsewhere; the last stage takes ``labels`` and returns its
 loss (as the plan's last-stage graph does). It adds no op: its graph is the stage's graph.
+An interleaved schedule (``ScheduleInterleaved1F1B``) passes the ``step`` keyword arguments to every
+stage of the rank, so a stage that is not the last one ignores ``labels``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class StageModule(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if not self.model.stage.is_last:
+            labels = None  # another chunk of this rank is the last stage (module docstring)
         if self.model.stage.is_first:
             return self.model(input_ids=x, labels=labels)
         return self.model(hidden=x, labels=labels)

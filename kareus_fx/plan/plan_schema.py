@@ -56,6 +56,10 @@ class Workload(SchemaModel):
     tp: PositiveCount
     cp: PositiveCount
     pp: Annotated[StrictInt, int_range(1, 100_000)]
+    virtual_stages: Annotated[StrictInt, int_range(1, 1_000)] = 1
+    """Model chunks per GPU (interleaved 1F1B above 1); plans older than the field read as 1. The
+    stage-indexed fields (``stages``, ``stage_layers``, the instruction keys) count the
+    ``pp x virtual_stages`` global stages."""
     microbatches: SmallCount
     mbs: PositiveCount
     seq: PositiveCount
@@ -301,7 +305,8 @@ def _cross_check_one(plan: PlanFile, fail: Fail) -> None:
                 f"{where}.comm_sms", f"{comm_sms} outside 1-{gpu.sm_count - 1} (the {plan.gpu} has {gpu.sm_count} SMs)"
             )
 
-    keys = [instruction_key(s, name) for s in range(workload.pp) for name in INSTRUCTIONS]
+    num_stages = workload.pp * workload.virtual_stages
+    keys = [instruction_key(s, name) for s in range(num_stages) for name in INSTRUCTIONS]
     for tid, record in types.items():
         for i, slot in enumerate(record.launch_slots):
             if slot >= len(record.slots):
@@ -317,13 +322,13 @@ def _cross_check_one(plan: PlanFile, fail: Fail) -> None:
                     f"slot {point.launch_slot} outside the type's {len(record.slots)} slots",
                 )
 
-    if len(plan.stages) != workload.pp:
-        fail("stages", f"expected {workload.pp} stages (workload.pp), got {len(plan.stages)}")
+    if len(plan.stages) != num_stages:
+        fail("stages", f"expected {num_stages} stages (workload.pp x workload.virtual_stages), got {len(plan.stages)}")
     if workload.stage_layers is not None:
-        if len(workload.stage_layers) != workload.pp:
+        if len(workload.stage_layers) != num_stages:
             fail(
                 "workload.stage_layers",
-                f"expected one layer count per stage ({workload.pp}), got {len(workload.stage_layers)}",
+                f"expected one layer count per stage ({num_stages}), got {len(workload.stage_layers)}",
             )
         if workload.layers is not None and sum(workload.stage_layers) != workload.layers:
             fail(

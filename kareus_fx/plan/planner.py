@@ -54,7 +54,7 @@ from kareus_fx.compose.iteration import (
     choose_unit_time_s,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
-from kareus_fx.compose.pipeline import INSTRUCTIONS
+from kareus_fx.compose.pipeline import INSTRUCTIONS, CompositionError, check_interleaving
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
@@ -181,11 +181,20 @@ class PlanRequest:
     """Data-parallel replicas of the pipeline (``--dp``): each runs the same plan on its own data, so
     the plan's energies are ``dp`` times one pipeline's; times are one replica's (data-parallel
     gradient collectives, which the plan does not schedule, are outside it)."""
+    virtual_stages: int = 1
+    """Model chunks per GPU (``--virtual-stages``): above 1 the pipeline runs interleaved 1F1B
+    (``compose.pipeline``) over ``pp x virtual_stages`` global stages, GPU ``r`` holding stages ``r,
+    r + pp, ...``; every stage-indexed field (``stage_layers``, the plan's ``stages``) counts global stages."""
 
     @property
     def world_size(self) -> int:
         """GPUs of one pipeline (tp x cp x pp); the job has ``dp`` times as many."""
         return self.tp * self.cp * self.pp
+
+    @property
+    def num_stages(self) -> int:
+        """Global pipeline stages (model chunks): ``pp x virtual_stages``."""
+        return self.pp * self.virtual_stages
 
     def trace_spec(self, stage: int = 0) -> TraceSpec:
         """The trace of stage ``stage``: an unresolved ``"balanced"`` split traces as the even one."""
@@ -197,7 +206,7 @@ class PlanRequest:
             mbs=self.mbs,
             seq=self.seq,
             layers=self.layers,
-            pp=self.pp,
+            pp=self.num_stages,
             stage=stage,
             dtype=torch_dtype(self.dtype),
             stage_layers=counts,
@@ -213,6 +222,7 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
         "tp": p.tp,
         "cp": p.cp,
         "pp": p.pp,
+        "virtual_stages": p.virtual_stages,
         "microbatches": p.microbatches,
         "mbs": p.mbs,
         "seq": p.seq,
@@ -220,6 +230,7 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
         "stage_layers": p.stage_layers,
         "recompute": p.recompute,
         "dp": p.dp,
+        "gpu": p.gpu,
     }
     return PlanRequest(**{**fields, **overrides})
 
@@ -266,6 +277,10 @@ def validate_tuning_request(req: PlanRequest) -> None:
             f"{req.microbatches} microbatches cannot fill a {req.pp}-stage 1F1B pipeline (every stage "
             f"needs a microbatch in flight); use --microbatches >= {req.pp} or a smaller --pp"
         )
+    try:
+        check_interleaving(req.pp, req.virtual_stages, req.microbatches)
+    except CompositionError as err:
+        raise ParallelConfigError(f"--virtual-stages {req.virtual_stages}: {err}") from None
     torch_dtype(req.dtype)
     if req.workers < 1 or req.clock_stride_mhz < 1:
         raise OptionsError("--workers and --clock-stride must be positive integers")
@@ -439,10 +454,10 @@ def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, l
     slices (or trace the stages in full, where slicing does not apply)."""
     if req.stage_layers != "balanced":
         return req, _trace_stages(req, dump_root)
-    if req.pp == 1:
+    if req.num_stages == 1:
         req = dataclasses.replace(req, stage_layers="even")
         return req, _trace_stages(req, dump_root)
-    first_stage_of_role = {stage_role(i, req.pp): i for i in reversed(range(req.pp))}
+    first_stage_of_role = {stage_role(i, req.num_stages): i for i in reversed(range(req.num_stages))}
     dumps = _run_traces(
         {
             stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
@@ -473,8 +488,8 @@ def _balanced_stage_layers(
     role_costs = {
         role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0]) for role, (short, long) in dumps.items()
     }
-    roles = [stage_role(s, req.pp) for s in range(req.pp)]
-    sends = stage_transfer_s([boundary_bytes(dumps[role][0]) for role in roles], req.tp, req.cp, spec)
+    roles = [stage_role(s, req.num_stages) for s in range(req.num_stages)]
+    sends = stage_transfer_s([boundary_bytes(dumps[role][0]) for role in roles], req.tp, req.cp, spec, ranks=req.pp)
     return balanced_layer_counts(
         _model_layers(req),
         [
@@ -571,7 +586,7 @@ def _slice_trace(req: PlanRequest, stage: int, layers: int, dump_root: Path) -> 
     ``layers * pp`` layers has ``layers``."""
     return _trace(
         req,
-        dataclasses.replace(req.trace_spec(stage), layers=layers * req.pp, stage_layers=None),
+        dataclasses.replace(req.trace_spec(stage), layers=layers * req.num_stages, stage_layers=None),
         dump_root,
         f"stage{stage}-{{kind}}-slice{layers}",
     )
@@ -793,7 +808,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
             (s, name): _with_link_wait(
                 per_group[(stage_group[s], name)][method], waits_s[(s, name)], spec.blocking_power_w
             )
-            for s in range(req.pp)
+            for s in range(req.num_stages)
             for name in INSTRUCTIONS
         }
         for method in METHODS
@@ -802,10 +817,12 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     floor_s = min(DEFAULT_UNIT_TIME_S, shortest_s / 4)
     # One time quantum for every method, so their frontiers differ by their options, not by rounding.
     unit_s = max(
-        choose_unit_time_s(options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s)
+        choose_unit_time_s(
+            options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s, virtual_stages=req.virtual_stages
+        )
         for options in by_method.values()
     )
-    nodes = 2 * req.pp * req.microbatches
+    nodes = 2 * req.num_stages * req.microbatches
     processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
     iteration = compose_iterations(
         by_method,
@@ -815,6 +832,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         blocking_power_w=spec.blocking_power_w,
         unit_time_s=unit_s,
         max_solver_steps=MAX_SOLVER_STEPS,
+        virtual_stages=req.virtual_stages,
     )
     iteration["kareus"] = _with_baseline_plans(
         iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]}
@@ -825,7 +843,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
     curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
     if curve:
-        chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp)
+        chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp * req.dp)
         metrics[POWER_LIMIT_METHOD] = frontier_metrics(
             [(chosen.time_s, chosen.energy_j)], megatron, fronts["megatron+perseus"]
         )
@@ -852,7 +870,7 @@ def _power_limit_curve(
     def measure_at(limit_w: int | None, clock_mhz: int = spec.clock_max_mhz) -> dict[tuple[int, str], Measurement]:
         profiler = SimulatedProfiler(gpu, power_limit_w=limit_w)
         nodes = {}
-        for s in range(req.pp):
+        for s in range(req.num_stages):
             for name in ("forward", "backward"):
                 m = profiler.measure_sequence(
                     traced[stage_group[s]].sequential[name].ops,
@@ -869,7 +887,12 @@ def _power_limit_curve(
         return nodes
 
     floor_s, _ = iteration_of(
-        measure_at(None, lowest_clock_mhz), req.pp, req.microbatches, spec.blocking_power_w, energy_scale
+        measure_at(None, lowest_clock_mhz),
+        req.pp,
+        req.microbatches,
+        spec.blocking_power_w,
+        energy_scale,
+        req.virtual_stages,
     )
     return power_limit_curve(
         measure_at,
@@ -879,6 +902,7 @@ def _power_limit_curve(
         microbatches=req.microbatches,
         blocking_power_w=spec.blocking_power_w,
         energy_scale=energy_scale,
+        virtual_stages=req.virtual_stages,
     )
 
 
@@ -886,16 +910,18 @@ def _send_recv_s(
     req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int], spec: GPUSpec
 ) -> dict[tuple[int, GraphName], float]:
     """Per (stage, instruction), the blocking pipeline send it ends with (``stage_transfer.py``)."""
-    if req.pp == 1:
+    if req.num_stages == 1:
         return {(0, "forward"): 0.0, (0, "backward"): 0.0}
     sent_bytes = {g: stage.sent_bytes for g, stage in enumerate(traced) if stage.sent_bytes is not None}
     missing = [g for g in range(len(traced)) if g not in sent_bytes]
     if missing:
         raise OptionsError(
-            f"a {req.pp}-stage pipeline needs the activation each stage sends on, but the traced "
+            f"a {req.num_stages}-stage pipeline needs the activation each stage sends on, but the traced "
             f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)"
         )
-    return stage_transfer_s([sent_bytes[stage_group[s]] for s in range(req.pp)], req.tp, req.cp, spec)
+    return stage_transfer_s(
+        [sent_bytes[stage_group[s]] for s in range(req.num_stages)], req.tp, req.cp, spec, ranks=req.pp
+    )
 
 
 def _with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> list[Any]:
@@ -1055,7 +1081,7 @@ def _plan_data(
         count = next(t.count for t in traced[g].partitioned[name].ptypes if t.type_id == local)
         counts.setdefault((g, name), {})[plan_id] = count
     stages = []
-    for s in range(req.pp):
+    for s in range(req.num_stages):
         g = stage_group[s]
         graphs = {}
         for name in INSTRUCTIONS:
@@ -1076,13 +1102,15 @@ def _plan_data(
     kareus = composed.iteration["kareus"]
     options = {
         instruction_key(s, name): [_option_record(p) for p in kareus.options[(s, name)]]
-        for s in range(req.pp)
+        for s in range(req.num_stages)
         for name in INSTRUCTIONS
     }
     frontier = []
     for point in kareus.points:
         choices: dict[str, list[int]] = {
-            instruction_key(s, n): [0] * req.microbatches for s in range(req.pp) for n in ("forward", "backward")
+            instruction_key(s, n): [0] * req.microbatches
+            for s in range(req.num_stages)
+            for n in ("forward", "backward")
         }
         for node, index in zip(kareus.nodes, point.choices):
             choices[instruction_key(node.stage, node.instruction)][node.microbatch] = int(index)
@@ -1097,7 +1125,7 @@ def _plan_data(
         for m in METHODS
     }
     if composed.power_limits:
-        chosen = zeus_choice(composed.power_limits, gpus=req.tp * req.cp * req.pp)
+        chosen = zeus_choice(composed.power_limits, gpus=req.tp * req.cp * req.pp * req.dp)
         methods[POWER_LIMIT_METHOD] = {
             "frontier": [[chosen.time_s, chosen.energy_j]],
             "metrics": composed.metrics[POWER_LIMIT_METHOD],
@@ -1111,7 +1139,7 @@ def _plan_data(
         if live
         else list(req.stage_layers)
         if isinstance(req.stage_layers, tuple)
-        else even_layer_counts(layers, req.pp)
+        else even_layer_counts(layers, req.num_stages)
     )
     return {
         "format": PLAN_FORMAT,
@@ -1123,6 +1151,7 @@ def _plan_data(
             "tp": req.tp,
             "cp": req.cp,
             "pp": req.pp,
+            "virtual_stages": req.virtual_stages,
             "microbatches": req.microbatches,
             "mbs": req.mbs,
             "seq": req.seq,

@@ -26,7 +26,7 @@ from typing import Any
 
 from zeus.optimizer.power_limit import PowerLimitMeasurement, ZeusCost
 
-from kareus_fx.compose.pipeline import build_1f1b_dag, iteration_energy_j, makespan_s
+from kareus_fx.compose.pipeline import build_pipeline_dag, iteration_energy_j, makespan_s
 from kareus_fx.errors import KareusError
 from kareus_fx.workload import Measurement
 
@@ -61,10 +61,16 @@ class PowerLimitPoint:
 
 
 def iteration_of(
-    nodes: NodeMeasurements, pp: int, microbatches: int, blocking_power_w: float, energy_scale: float
+    nodes: NodeMeasurements,
+    pp: int,
+    microbatches: int,
+    blocking_power_w: float,
+    energy_scale: float,
+    virtual_stages: int = 1,
 ) -> tuple[float, float]:
-    """(time_s, energy_j) of the 1F1B iteration whose every microbatch runs ``nodes``."""
-    dag = build_1f1b_dag(pp, microbatches)
+    """(time_s, energy_j) of the 1F1B (interleaved 1F1B over ``virtual_stages`` chunks per GPU)
+    iteration whose every microbatch runs ``nodes`` (keyed by global stage)."""
+    dag = build_pipeline_dag(pp, microbatches, virtual_stages)
     time_s = makespan_s(dag, {node: nodes[(node.stage, node.instruction)].time_s for node in dag})
     busy_s = microbatches * sum(m.time_s for m in nodes.values())
     busy_j = microbatches * sum(m.energy_j for m in nodes.values())
@@ -80,6 +86,7 @@ def power_limit_curve(
     microbatches: int,
     blocking_power_w: float,
     energy_scale: float,
+    virtual_stages: int = 1,
 ) -> list[PowerLimitPoint]:
     """The iteration at each power limit from ``tdp_w`` down in Zeus's 25 W steps.
 
@@ -90,7 +97,9 @@ def power_limit_curve(
     points: list[PowerLimitPoint] = []
     limit_w = int(tdp_w)
     while limit_w > 0:
-        time_s, energy_j = iteration_of(measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale)
+        time_s, energy_j = iteration_of(
+            measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale, virtual_stages
+        )
         if points and time_s > floor_time_s:
             break
         points.append(PowerLimitPoint(limit_w, time_s, energy_j))

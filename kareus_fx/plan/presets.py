@@ -11,8 +11,22 @@ Every preset's pipeline is balanced (``stage_layers="balanced"``): the paper par
 preset recomputes activations (``recompute="full"``): "We use activation checkpointing to reduce
 memory pressure" (section 6.1), on Megatron-LM, whose checkpointing recomputes whole layers.
 
-Names read ``<model>-<layout>-mbs<M>-seq<S>k`` (testbed) and ``llama3.3-70b-pp10tp8-mb<N>``
-(emulation), for example ``qwen3-1.7b-tp8-mbs8-seq4k``.
+The emulation also runs interleaved 1F1B with 2 model chunks per GPU (``-v2``: 20 stages of 4
+layers, balanced the same way; not in the paper), where the schedule can run the microbatch count:
+``ScheduleInterleaved1F1B`` runs ``max(1, M // pp)`` equal rounds (Megatron-LM: ``M`` a multiple of
+``pp``), so over 10 GPUs only 16 of the paper's counts (one round) qualifies: 32, 64 and 128 do not.
+
+Llama 3.1 405B as its pre-training ran (Llama Team, "The Llama 3 Herd of Models", arXiv
+2407.21783, section 3.3.2 and table 4): 126 layers, TP8 x PP16 on H100-80GB GPUs, sequences of
+8,192 tokens, a microbatch of one sequence (16 sequences per data-parallel group per step at
+16M tokens over DP128), interleaved 1F1B, and "to balance the pipeline, we reduce one Transformer
+layer each from the first and the last stages". Presets ``llama3.1-405b-pp16tp8-v<V>-mb<N>``:
+``V = 1`` (16 stages: 7, 8 x 14, 7 layers) and ``V = 4`` (64 chunks: 1, 2 x 62, 1), each with
+``N`` = 64 or 128 microbatches per pipeline (the paper's own count per step is 16; more
+microbatches per pipeline is what a smaller data-parallel degree gives).
+
+Names read ``<model>-<layout>-mbs<M>-seq<S>k`` (testbed), ``llama3.3-70b-pp10tp8[-v2]-mb<N>``
+(emulation) and ``llama3.1-405b-pp16tp8-v<V>-mb<N>``, for example ``qwen3-1.7b-tp8-mbs8-seq4k``.
 """
 
 from __future__ import annotations
@@ -20,6 +34,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 
+from kareus_fx.compose.pipeline import CompositionError, check_interleaving
+from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.errors import KareusError
 
 
@@ -41,8 +57,14 @@ class Preset:
     seq: int
     source: str
     """Where in the paper the workload comes from."""
-    stage_layers: str = "balanced"
-    """The paper balances its pipeline stages by hand (section 6.1); see ``plan/stage_balance.py``."""
+    stage_layers: str | tuple[int, ...] = "balanced"
+    """The paper balances its pipeline stages by hand (section 6.1); see ``plan/stage_balance.py``.
+    A tuple: the layers of each of the ``pp x virtual_stages`` stages."""
+    virtual_stages: int = 1
+    """Model chunks per GPU (interleaved 1F1B above 1)."""
+    gpu: str = DEFAULT_GPU
+    in_paper: bool = True
+    """A workload of the Kareus paper (``kareus bench --suite paper`` runs these)."""
     recompute: str = "full"
     """The testbed ran with activation checkpointing (section 6.1) on Megatron-LM: its full recompute
     (``kareus_fx.models.recompute``)."""
@@ -93,7 +115,7 @@ def _testbed_presets() -> list[Preset]:
 def _emulation_presets() -> list[Preset]:
     return [
         Preset(
-            name=f"llama3.3-70b-pp10tp8-mb{microbatches}",
+            name=f"llama3.3-70b-pp10tp8{'' if v == 1 else f'-v{v}'}-mb{microbatches}",
             model="llama3.3-70b",
             tp=8,
             cp=1,
@@ -101,13 +123,60 @@ def _emulation_presets() -> list[Preset]:
             microbatches=microbatches,
             mbs=4,
             seq=4096,
-            source="paper section 6.3, table 5 (large-scale emulation)",
+            source="paper section 6.3, table 5 (large-scale emulation)"
+            + ("" if v == 1 else f"; interleaved 1F1B with {v} chunks per GPU (not in the paper)"),
+            virtual_stages=v,
+            in_paper=v == 1,
         )
+        for v in (1, 2)
         for microbatches in (16, 32, 64, 128)
+        if v == 1 or interleaving_runs(10, v, microbatches)
     ]
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in _testbed_presets() + _emulation_presets()}
+def interleaving_runs(pp: int, virtual_stages: int, microbatches: int) -> bool:
+    """Whether interleaved 1F1B can run ``microbatches`` over ``pp`` GPUs (``compose.pipeline``)."""
+    try:
+        check_interleaving(pp, virtual_stages, microbatches)
+    except CompositionError:
+        return False
+    return True
+
+
+def llama3_405b_stage_layers(pp: int, virtual_stages: int, layers: int = 126) -> tuple[int, ...]:
+    """Layers per global stage as Llama 3's pre-training splits 405B: every stage the same, but
+    one layer fewer on the first and on the last (arXiv 2407.21783, section 3.3.2)."""
+    stages = pp * virtual_stages
+    per_stage, rest = divmod(layers + 2, stages)
+    if rest or per_stage < 2:
+        raise ValueError(f"{layers} + 2 layers do not split evenly over {stages} stages of at least 2")
+    return (per_stage - 1, *([per_stage] * (stages - 2)), per_stage - 1)
+
+
+def _llama3_405b_presets() -> list[Preset]:
+    return [
+        Preset(
+            name=f"llama3.1-405b-pp16tp8-v{v}-mb{microbatches}",
+            model="llama3.1-405b",
+            tp=8,
+            cp=1,
+            pp=16,
+            microbatches=microbatches,
+            mbs=1,
+            seq=8192,
+            source="Llama 3 pre-training (arXiv 2407.21783, section 3.3.2, table 4): TP8 x PP16 on H100, "
+            "8K sequences, one sequence per microbatch, first and last stage one layer short",
+            stage_layers=llama3_405b_stage_layers(16, v),
+            virtual_stages=v,
+            gpu="H100-SXM5-80GB",
+            in_paper=False,
+        )
+        for v in (1, 4)
+        for microbatches in (64, 128)
+    ]
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in _testbed_presets() + _emulation_presets() + _llama3_405b_presets()}
 
 
 def get_preset(name: str) -> Preset:

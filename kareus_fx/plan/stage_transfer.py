@@ -56,10 +56,12 @@ def _node_of(rank: int, spec: GPUSpec) -> int:
     return rank // spec.gpus_per_node
 
 
-def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec) -> float:
-    """Seconds from stage ``sender``'s send to the activation being whole on the next stage."""
+def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec, receiver: int | None = None) -> float:
+    """Seconds from pipeline rank ``sender``'s send to the activation being whole on pipeline rank
+    ``receiver`` (default ``sender + 1``; interleaved 1F1B's last rank sends on to rank 0)."""
     group = tp * cp
-    across_nodes = _node_of(sender * group, spec) != _node_of((sender + 1) * group, spec)
+    receiver = sender + 1 if receiver is None else receiver
+    across_nodes = _node_of(sender * group, spec) != _node_of(receiver * group, spec)
     per_gpu_bytes_per_s = spec.nvlink_bandwidth_bytes_per_s
     if across_nodes:
         if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
@@ -74,16 +76,20 @@ def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec)
 
 
 def stage_transfer_s(
-    sent_bytes: Sequence[float], tp: int, cp: int, spec: GPUSpec
+    sent_bytes: Sequence[float], tp: int, cp: int, spec: GPUSpec, ranks: int | None = None
 ) -> dict[tuple[int, Instruction], float]:
     """Per (stage, instruction), the blocking send it ends with: a forward sends its activation
     to the next stage, a backward the activation's gradient to the previous one (``sent_bytes[s]``:
-    the boundary tensor stage ``s`` sends on; the last stage's is unused). Zero where nothing is sent."""
+    the boundary tensor stage ``s`` sends on; the last stage's is unused). Zero where nothing is sent.
+
+    ``ranks``: the pipeline's GPUs (default: one per stage); with fewer, global stage ``s`` runs on
+    rank ``s mod ranks`` (interleaved 1F1B's looping placement)."""
     stages = len(sent_bytes)
+    ranks = stages if ranks is None else ranks
     waits: dict[tuple[int, Instruction], float] = {(s, "forward"): 0.0 for s in range(stages)}
     waits |= {(s, "backward"): 0.0 for s in range(stages)}
     for s in range(stages - 1):
-        wait_s = link_wait_s(sent_bytes[s], tp, cp, s, spec)
+        wait_s = link_wait_s(sent_bytes[s], tp, cp, s % ranks, spec, receiver=(s + 1) % ranks)
         waits[(s, "forward")] = wait_s
         waits[(s + 1, "backward")] = wait_s
     return waits

@@ -207,7 +207,7 @@ def chosen_options_table(plan: Plan, point_index: int) -> Tabular:
     """Per (stage, instruction) the microbatch options the frontier point runs, grouped."""
     point = plan.frontier[point_index]
     rows = []
-    for stage in range(plan.workload["pp"]):
+    for stage in range(plan.workload["pp"] * plan.workload.get("virtual_stages", 1)):  # global stages
         for instruction in INSTRUCTIONS:
             key = instruction_key(stage, instruction)
             by_option: dict[int, list[int]] = {}
