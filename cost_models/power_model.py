@@ -8,9 +8,9 @@ up to a knee clock and rises linearly to the max clock above it, so dynamic powe
 clock^3 above the knee (the regime of the paper's Appendix A) and about linearly below it.
 
 The power cap is the simulator's (``simulator.py``): an execution (a partition, or a sequence of
-ops) whose average power at the requested clock exceeds the TDP runs at the lower clock where its
-average power equals the TDP (the GPU's power controller averages over milliseconds, longer than
-a kernel; the time-averaged clock of a throttling GPU, paper section 6.2.1).
+ops) whose average power at the requested clock exceeds the TDP throttles; its clock swings in
+the GPU's clock steps around a lower centre (:meth:`PowerModel.throttle_swing`), time following
+the centre and dynamic energy the swing (paper Appendix A).
 
 An execution is summarised by :class:`EnergyTerms`, whose energy is linear in the power
 coefficients (the calibration fits them by linear least squares).
@@ -18,6 +18,7 @@ coefficients (the calibration fits them by linear least squares).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kareus_fx.cost_models.hardware import GPUSpec
@@ -84,6 +85,26 @@ class PowerModel:
         if clock_mhz <= self._knee_mhz or fmax <= self._knee_mhz:
             return p.voltage_floor
         return p.voltage_floor + (1.0 - p.voltage_floor) * (clock_mhz - self._knee_mhz) / (fmax - self._knee_mhz)
+
+    def throttle_swing(self, centre_mhz: float, requested_mhz: float) -> tuple[tuple[float, float], ...]:
+        """The clock levels of a throttling GPU around ``centre_mhz`` and their time shares.
+
+        The power controller moves the clock one step (``spec.clock_step_mhz``) at a time, down
+        while over the cap and up while under it, so the clock spends equal time on the levels
+        ``centre +- k x step`` (``k <= n``) of a swing of half-width ``throttle_swing_mhz``, clipped
+        so that it stays within the minimum and the requested clock (a request just over the cap
+        barely swings). The levels' mean is the centre. Their average of a smooth function of the
+        clock is taken by the two-point rule at ``centre +- sigma`` (``sigma``: the levels' standard
+        deviation, ``step x sqrt(n (n + 1) / 3)``), exact for a cubic; power is about cubic in
+        the clock above the voltage knee (module docstring).
+        """
+        step = float(self.spec.clock_step_mhz)
+        half = min(self.params.throttle_swing_mhz, requested_mhz - centre_mhz, centre_mhz - self.spec.clock_min_mhz)
+        levels = math.floor(max(half, 0.0) / step)
+        if levels == 0:
+            return ((centre_mhz, 1.0),)
+        sigma = step * math.sqrt(levels * (levels + 1) / 3.0)
+        return ((centre_mhz - sigma, 0.5), (centre_mhz + sigma, 0.5))
 
     def clock_scale(self, clock_mhz: float) -> float:
         """clock x voltage^2 relative to the max clock (per-cycle switching power)."""

@@ -100,6 +100,12 @@ class SimParams:
     """Core voltage at and below the knee, relative to the voltage at max clock."""
     voltage_knee_frac: float = 0.75
     """Clock (fraction of max) below which the voltage stays at its floor; above it rises linearly."""
+    throttle_swing_mhz: float = 0.0
+    """Half-width of the clock's swing while the power cap throttles (``PowerModel.throttle_swing``).
+    The prior, 0, is a steady clock at the cap. Fitted on the Perseus A40 profile, the calibration
+    data where the cap binds (300 W above about 1,455 MHz: time stops falling while power keeps
+    rising); the A100 takes the A40's value (the same Ampere power-management loop; its own
+    calibration data never throttles steadily enough to identify it)."""
 
     def comm_kind_factor(self, kind: str) -> float:
         if kind == "all_gather":

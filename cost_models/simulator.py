@@ -18,10 +18,17 @@ ends, the collective starts, leaves its latency phase or ends) the rates are rec
   power keep being drawn.
 
 Energy comes from :mod:`power_model`. The power cap acts on average power (the GPU's power
-controller averages over milliseconds, longer than a kernel): when an execution's average power at
-the requested clock exceeds the TDP, it runs at the lower clock where its average power equals the
-TDP (the time-averaged clock of a throttling GPU, paper section 6.2.1) and draws the TDP. Static
-energy is the spec's static power x time; dynamic energy is the rest (DESIGN.md).
+controller averages over milliseconds, longer than a kernel). When an execution's average power at
+the requested clock exceeds the TDP, the clock throttles: it moves in the GPU's clock steps
+(``spec.clock_step_mhz``) up and down around a centre level, never above the requested clock
+(:meth:`PowerModel.throttle_swing`: each level of the swing held equally long, half-width
+``throttle_swing_mhz``, clipped to the requested clock and the minimum clock). The centre is the
+level whose swing's average power meets the TDP. Time follows the average clock (the centre: paper
+Appendix A, assumption 3); dynamic energy follows the clock's distribution (the swing's average
+dynamic power x that time), which by Jensen's inequality costs more than a steady clock with the
+same average (Appendix A, theorem 1): a throttled execution runs slower than a steady clock at the
+TDP would, at the same power. A swing of 0 is the steady clock at the TDP. Static energy is the
+spec's static power x time; dynamic energy is the rest (DESIGN.md).
 
 Kernel rates and whole lanes are cached per clock and SM count: a call costs tens of
 microseconds once the caches are warm.
@@ -141,7 +148,9 @@ class Simulator:
         self._caps: dict[tuple, float] = {}
         self._structures: dict[int, tuple[PartitionType, _Structure]] = {}
         self._lanes: dict[tuple, _Lane] = {}
-        self._cap_clocks: dict[tuple, float] = {}
+        self._cap_clocks: dict[tuple, tuple[float, float]] = {}
+        self._search_powers: dict[float, float] = {}
+        """Average power per clock level during one throttle-centre search (``_level_power_w``)."""
 
     # ----- public API ------------------------------------------------------------------------
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
@@ -261,36 +270,80 @@ class Simulator:
 
     # ----- the power cap ------------------------------------------------------------------------
     def _finish(self, run: Callable[[float], _Run], clock: float, key: tuple | None = None) -> Prediction:
-        """Run at ``clock``; if the average power exceeds the TDP, at the clock where it equals it.
+        """Run at ``clock``; if the average power exceeds the TDP, throttled (module docstring).
 
-        That cap clock does not depend on the requested clock, so it is cached under ``key`` (the
-        schedule without its clock): a later request above it needs one timeline, not a search.
+        The throttled centre depends on the requested clock only through the swing's clip, so it
+        is cached under ``key`` (the schedule without its clock) and the requested clock, and under
+        ``key`` alone once the swing is not clipped (any request at least the swing above the
+        centre throttles the same: one timeline, not a search).
         """
-        tdp = self.spec.tdp_w
-        cap = self._cap_clocks.get(key) if key is not None else None
-        if cap is not None and clock > cap:
-            return self._package(run(cap), capped_power_w=tdp)
+        if key is not None:
+            unclipped = self._cap_clocks.get(key)
+            if unclipped is not None and clock > unclipped[0] + self.params.throttle_swing_mhz:
+                return self._throttled(run, *unclipped)
+            cached = self._cap_clocks.get((key, clock))
+            if cached is not None:
+                return self._throttled(run, *cached)
         result = run(clock)
-        if self._average_power(result.terms) <= tdp:
+        if self._average_power(result.terms) <= self.spec.tdp_w:
             return self._package(result)
-        lo, hi = float(self.spec.clock_min_mhz), clock
-        low = run(lo)
-        if self._average_power(low.terms) >= tdp:  # over the cap even at the lowest clock
-            cap, result = lo, low
-        else:
-            # Bisection to 0.5 MHz: the time-averaged clock of a GPU throttling at its cap.
-            while hi - lo > 0.5:
-                mid = 0.5 * (lo + hi)
-                if self._average_power(run(mid).terms) > tdp:
-                    hi = mid
-                else:
-                    lo = mid
-            cap, result = lo, run(lo)
+        throttle = self._throttle_centre(run, clock)
         if key is not None:
             if len(self._cap_clocks) > _CACHE_LIMIT:
                 self._cap_clocks.clear()
-            self._cap_clocks[key] = cap
-        return self._package(result, capped_power_w=tdp)
+            unclipped_request = clock >= throttle[0] + self.params.throttle_swing_mhz
+            self._cap_clocks[key if unclipped_request else (key, clock)] = throttle
+        return self._throttled(run, *throttle)
+
+    def _throttle_centre(self, run: Callable[[float], _Run], requested_mhz: float) -> tuple[float, float]:
+        """(centre MHz, average power W) of an execution throttled at the TDP: the centre whose
+        swing's average power meets the TDP (bisection to 0.5 MHz), where the power is the TDP; or
+        the minimum clock, over the TDP even there, with its swing's power."""
+        tdp = self.spec.tdp_w
+        self._search_powers = {}
+        lo, hi = float(self.spec.clock_min_mhz), requested_mhz
+        lowest_w = self._swing_power_w(run, lo, requested_mhz)
+        if lowest_w >= tdp:
+            return lo, lowest_w
+        while hi - lo > 0.5:
+            mid = 0.5 * (lo + hi)
+            if self._swing_power_w(run, mid, requested_mhz) > tdp:
+                hi = mid
+            else:
+                lo = mid
+        return lo, tdp
+
+    def _swing_power_w(self, run: Callable[[float], _Run], centre_mhz: float, requested_mhz: float) -> float:
+        """Average power of the throttle swing around ``centre_mhz`` (each level equally long); a
+        swing with no room (one level) is the steady clock, simulated at the centre itself."""
+        levels = self.power.throttle_swing(centre_mhz, requested_mhz)
+        if len(levels) == 1:
+            return self._average_power(run(centre_mhz).terms)
+        return sum(weight * self._level_power_w(run, level) for level, weight in levels)
+
+    def _level_power_w(self, run: Callable[[float], _Run], clock_mhz: float) -> float:
+        """Average power at ``clock_mhz``, linear between the GPU's clock levels (the clocks a
+        throttling GPU runs at), each simulated once per search (``_search_powers``)."""
+        step, lowest = self.spec.clock_step_mhz, self.spec.clock_min_mhz
+        position = (clock_mhz - lowest) / step
+        below = math.floor(position)
+        frac = position - below
+
+        def at(level: float) -> float:
+            power = self._search_powers.get(level)
+            if power is None:
+                power = self._search_powers[level] = self._average_power(run(level).terms)
+            return power
+
+        low_w = at(float(lowest + below * step))
+        return low_w if frac < 1e-9 else low_w + frac * (at(float(lowest + (below + 1) * step)) - low_w)
+
+    def _throttled(self, run: Callable[[float], _Run], centre_mhz: float, power_w: float) -> Prediction:
+        """The execution throttled around ``centre_mhz``: time and terms at the centre; dynamic
+        energy = (the swing's average power ``power_w`` - static) x time."""
+        result = run(centre_mhz)
+        dynamic_w = power_w - self.spec.static_power_w
+        return self._package(result, throttled_dynamic_j=dynamic_w * result.terms.time_s)
 
     def _average_power(self, terms: EnergyTerms) -> float:
         return self.power.energy_j(terms) / terms.time_s if terms.time_s > 0 else 0.0
@@ -525,17 +578,15 @@ class Simulator:
             link += bus
         return _Run(self._terms(clock, t, busy, flops, nbytes, link), exposed)
 
-    def _package(self, run: _Run, capped_power_w: float | None = None) -> Prediction:
+    def _package(self, run: _Run, throttled_dynamic_j: float | None = None) -> Prediction:
+        """The prediction of ``run``; a throttled run's dynamic energy is given (``_throttled``)."""
         terms = run.terms
         static = self.power.static_energy_j(terms.time_s)
-        if capped_power_w is None:
-            energy = static + self.power.dynamic_energy_j(terms)
-        else:  # throttling at the cap: the GPU draws the cap
-            energy = capped_power_w * terms.time_s
-        measurement = Measurement(terms.time_s, energy, energy - static, static)
+        dynamic = self.power.dynamic_energy_j(terms) if throttled_dynamic_j is None else throttled_dynamic_j
+        measurement = Measurement(terms.time_s, static + dynamic, dynamic, static)
         timeline = tuple(run.segments) if run.segments else ()
         return Prediction(
-            measurement, terms.average_clock_mhz, capped_power_w is not None, terms, run.exposed_comm_s, timeline
+            measurement, terms.average_clock_mhz, throttled_dynamic_j is not None, terms, run.exposed_comm_s, timeline
         )
 
     # ----- argument checks --------------------------------------------------------------------

@@ -199,6 +199,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "(e.g. 15,13: what your job runs)",
     )
     plan.add_argument(
+        "--recompute",
+        choices=("none", "full", "selective"),
+        default=None,
+        help="activation checkpointing of the traced model: none, full (every decoder layer, "
+        "Megatron-LM's full recompute; the presets' default, as the paper's testbed) or selective "
+        "(core attention only); the plan deploys only on a model checkpointed the same way",
+    )
+    plan.add_argument(
         "--full-trace",
         action="store_true",
         help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
@@ -265,6 +273,8 @@ def _plan_request(args: argparse.Namespace):
         common["device_window_s"] = args.device_window
     if args.stage_layers is not None:
         common["stage_layers"] = args.stage_layers
+    if args.recompute is not None:
+        common["recompute"] = args.recompute
     given = [
         flag
         for flag, value in (("--preset", args.preset), ("--model", args.model), ("--hf-config", args.hf_config))

@@ -305,3 +305,37 @@ def test_memory_share_of_an_extreme_kernel_is_finite():
     assert memory_share(1e100, 1e-100, 4.0) == 0.0
     assert memory_share(1e-100, 1e100, 4.0) == 1.0
     assert memory_share(2.0, 1.0, 4.0) == pytest.approx(1.0 / 17.0)
+
+
+def test_a_throttle_swing_costs_energy_at_the_same_power():
+    """Paper Appendix A: a clock that swings around its average costs more dynamic energy than a
+    steady clock with that average. Under the cap the swing's average power meets the TDP, so the
+    swinging GPU runs at a lower average clock (slower) for the same power; a swing of 0 is the
+    steady clock at the cap; a request just over the cap barely swings (the swing stays below the
+    requested clock), and the cost grows with the request up to the full swing."""
+    base = gpu_params(A100)
+    spec = replace(base.spec, tdp_w=300.0)  # caps a GEMM near 1,150 MHz, above the voltage knee
+    gemm = [OpCost("gemm", "aten.mm.default", 2.0 * 8192 * 8192 * 8192, 3 * 8192 * 8192 * 2.0)]
+    steady = Simulator(spec, replace(base.params, throttle_swing_mhz=0.0))
+    swinging = Simulator(spec, replace(base.params, throttle_swing_mhz=150.0))
+    s, w = steady.predict_sequence(gemm, (), FMAX), swinging.predict_sequence(gemm, (), FMAX)
+    assert s.throttled and w.throttled
+    for p in (s, w):  # both draw the cap on average
+        assert p.measurement.energy_j / p.measurement.time_s == pytest.approx(300.0, rel=1e-9)
+    assert w.clock_mhz < s.clock_mhz - 1.0 and w.measurement.time_s > s.measurement.time_s
+    # At the swing's average clock, a steady clock costs less dynamic energy than the swing.
+    same_average = steady.predict_sequence(gemm, (), w.clock_mhz)
+    assert not same_average.throttled
+    assert same_average.measurement.time_s == pytest.approx(w.measurement.time_s, rel=1e-9)
+    assert same_average.measurement.dynamic_energy_j < w.measurement.dynamic_energy_j
+    # The swing stays below the requested clock: just over the cap it is a step or two.
+    levels = swinging.power.throttle_swing(s.clock_mhz, s.clock_mhz + 20.0)
+    assert max(level for level, _ in levels) <= s.clock_mhz + 20.0
+    assert sum(weight for _, weight in levels) == pytest.approx(1.0)
+    assert sum(level * weight for level, weight in levels) == pytest.approx(s.clock_mhz)
+    # A request further over the cap swings wider: a lower average clock, slower (the A40 profile's
+    # backward above 1,455 MHz is slower than at it).
+    requests = [s.clock_mhz + 15.0, s.clock_mhz + 75.0, s.clock_mhz + 150.0]
+    assert requests[-1] <= FMAX
+    clocks = [swinging.predict_sequence(gemm, (), f).clock_mhz for f in requests]
+    assert clocks[0] > clocks[1] > clocks[2] == pytest.approx(w.clock_mhz, abs=1.0)

@@ -35,7 +35,7 @@ from kareus_fx.capture.codegen import GraphCodegen
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.deploy.buckets import BucketedDeployment, sequence_input
-from kareus_fx.deploy.deployment import Deployment
+from kareus_fx.deploy.deployment import Deployment, check_plan_recompute
 from kareus_fx.passes.analysis import analyse_graph, sizes_at
 from kareus_fx.passes.issue_order import apply_issue_order
 from kareus_fx.passes.kernel_groups import group_kernels
@@ -60,6 +60,8 @@ def compile_graph(
 ) -> Callable[..., Any]:
     """Steps 1-5 of the module docstring (``split``: the nanobatch split, when already made;
     ``inductor``: Inductor generates the code, else the graphs run op by op)."""
+    if deployment is not None:
+        check_plan_recompute(deployment.plan, gm)
     if split is None and nanobatch and graph_communicates(gm, example_inputs):
         split = split_nanobatches(gm, example_inputs)
     sequence = sequence_input(gm, split.batch_inputs) if split is not None and split.split else None

@@ -34,6 +34,7 @@ from kareus_fx.models.pipeline import (
     check_stage_layers,
     group_stages,
 )
+from kareus_fx.models.recompute import check_recompute
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class TraceSpec:
     pp: int = 1
     stage: int = 0
     stage_layers: tuple[int, ...] | None = None
+    recompute: str = "none"
+    """Activation checkpointing of the traced model (``kareus_fx.models.recompute``)."""
 
     @property
     def world_size(self) -> int:
@@ -93,6 +96,7 @@ def validate_trace_spec(spec: TraceSpec) -> None:
     from kareus_fx.models import get_config
 
     config = get_config(spec.model)  # unknown model -> error listing the known ones
+    check_recompute(spec.recompute)
     for name, value in (("tp", spec.tp), ("cp", spec.cp), ("mbs", spec.mbs), ("seq", spec.seq)):
         if value < 1:
             raise ParallelConfigError(f"--{name} must be a positive integer, got {value}")
@@ -225,6 +229,7 @@ def _stage_model(spec: TraceSpec) -> Iterator[tuple[Any, dict[str, torch.Tensor]
                     num_layers=spec.layers,
                     dtype=spec.dtype,
                     stage=PipelineStage(spec.stage, spec.pp, spec.stage_layers),
+                    recompute=spec.recompute,
                 )
             yield model, model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")
     finally:

@@ -8,6 +8,8 @@
    another GPU (``options["gpu"]`` against the plan's), another world size (the initialised
    process group against ``workload.world_size`` = tp x cp x pp; data parallelism is not
    supported), or a stage the pipeline does not have.
+   At the Dynamo graph: refuse a model checkpointed otherwise than the plan's ``workload.recompute``
+   (:func:`check_plan_recompute`: checkpointed regions in the graph against ``none`` or not).
 2. Per aten graph (forward, backward): refuse another rank layout (the group sizes of the
    graph's collectives against the plan's tp and cp) and another graph (fingerprint of the
    nanobatched graph, its ops as a multiset, as ``kareus plan`` computes it from a layer slice
@@ -82,6 +84,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.deploy.hook_ops import ClockBinding, set_running
 from kareus_fx.deploy.peer_failure import is_collective_failure, peer_failure
 from kareus_fx.errors import KareusError, OptionsError
+from kareus_fx.models.recompute import checkpoint_regions
 from kareus_fx.passes.analysis import META_KEY
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.passes.stream_schedule import (
@@ -510,6 +513,31 @@ def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     copy = torch.fx.Graph()
     copy.output(copy.graph_copy(graph, {}))
     return copy
+
+
+def check_plan_recompute(plan: Plan, gm: torch.fx.GraphModule) -> None:
+    """Refuse Dynamo's graph ``gm`` if it is activation-checkpointed and the plan was traced
+    without checkpointing, or the other way round (a plan older than the field is not checked;
+    the fingerprint check still compares the graphs op by op)."""
+    planned = plan.workload.get("recompute")
+    if planned is None:
+        return
+    regions = checkpoint_regions(gm)
+    if (planned == "none") == (regions == 0):
+        return
+    if regions:
+        raise PlanMismatchError(
+            f"recompute differs: the plan {plan.source} was made with recompute=none, but this model "
+            f"checkpoints {regions} region(s) (torch.utils.checkpoint or gradient_checkpointing_enable()), so "
+            f"its backward recomputes them; remove the checkpointing or re-plan with `kareus plan --recompute "
+            f"full` (every layer) or `--recompute selective` (core attention)"
+        )
+    raise PlanMismatchError(
+        f"recompute differs: the plan {plan.source} was made with recompute={planned}, but this model "
+        f"checkpoints nothing, so its backward has no recomputed forward; checkpoint it as the plan "
+        f"did (torch.utils.checkpoint per layer, HF gradient_checkpointing_enable()) or re-plan with "
+        f"`kareus plan --recompute none`"
+    )
 
 
 def _check_plan_fits(plan: Plan, opts: KareusOptions) -> None:

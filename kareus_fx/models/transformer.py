@@ -84,6 +84,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from kareus_fx.errors import ParallelConfigError
 from kareus_fx.models.attention_op import attention as kareus_attention
@@ -96,6 +97,7 @@ from kareus_fx.models.parallel import (
     reduce_from_tp,
 )
 from kareus_fx.models.pipeline import PipelineStage, stage_layer_range
+from kareus_fx.models.recompute import check_recompute
 
 
 class RMSNorm(nn.Module):
@@ -279,11 +281,20 @@ ATTENTION_IMPLS = ("kareus", "sdpa")
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layout: ParallelLayout, dtype=None, attention: str = "kareus") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: ParallelLayout,
+        dtype=None,
+        attention: str = "kareus",
+        recompute_core: bool = False,
+    ) -> None:
         super().__init__()
         d, std = config.head_dim, config.init_std
         self.head_dim = d
         self.attention = attention
+        self.recompute_core = recompute_core
+        """Checkpoint the core attention (``recompute="selective"``, see ``recompute.py``)."""
         self.local_heads = config.num_heads // layout.tp
         self.local_kv_heads = config.num_kv_heads // layout.tp
         self.cp, self.cp_rank, self.cp_group = layout.cp, layout.cp_rank, layout.cp_group_name
@@ -319,7 +330,7 @@ class Attention(nn.Module):
             # keys up to the end of their own chunk.
             end = (self.cp_rank + 1) * seq
             k, v = k[:end].permute(1, 2, 0, 3), v[:end].permute(1, 2, 0, 3)
-        out = self._attend(q, k, v)
+        out = checkpoint(self._attend, q, k, v, use_reentrant=False) if self.recompute_core else self._attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(mbs, seq, hq * d))
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -348,10 +359,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layout: ParallelLayout, dtype=None, attention: str = "kareus") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: ParallelLayout,
+        dtype=None,
+        attention: str = "kareus",
+        recompute_core: bool = False,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, dtype)
-        self.self_attn = Attention(config, layout, dtype, attention)
+        self.self_attn = Attention(config, layout, dtype, attention, recompute_core)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, dtype)
         self.mlp = MLP(config, layout, dtype)
 
@@ -376,8 +394,10 @@ class Transformer(nn.Module):
         dtype=None,
         attention: str = "kareus",
         stage: PipelineStage | None = None,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
+        self.recompute = check_recompute(recompute)
         layout = layout or ParallelLayout()
         stage = stage or PipelineStage()
         config.check_parallel(layout.tp, layout.cp)
@@ -388,7 +408,9 @@ class Transformer(nn.Module):
         h, std = config.hidden_size, config.init_std
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype) if stage.is_first else None
         self.rotary = RotaryEmbedding(config, layout)
-        self.layers = nn.ModuleList(DecoderLayer(config, layout, dtype, attention) for _ in self.layer_range)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layout, dtype, attention, recompute == "selective") for _ in self.layer_range
+        )
         if stage.is_last:
             self.norm: RMSNorm | None = RMSNorm(h, config.norm_eps, dtype)
             self.lm_head: ColumnParallelLinear | None = ColumnParallelLinear(
@@ -420,7 +442,7 @@ class Transformer(nn.Module):
         assert h is not None, "_check_inputs lets a stage after the first through only with hidden"
         cos, sin = self.rotary(h.shape[1], h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = checkpoint(layer, h, cos, sin, use_reentrant=False) if self.recompute == "full" else layer(h, cos, sin)
         if self.norm is None or self.lm_head is None or self.loss_fn is None:
             return h  # a stage before the last hands its hidden state on
         return self.loss_fn(self.lm_head(self.norm(h)), labels)
@@ -569,6 +591,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     attention: str = "kareus",
     stage: PipelineStage | None = None,
+    recompute: str = "none",
 ) -> Transformer:
     """The model ``name`` (see ``model_names()``) sharded for ``layout``, on the default device.
 
@@ -578,6 +601,8 @@ def build_model(
     ``attention``: ``"kareus"`` (``kareus::attention``, one node forward and one backward on
     every device) or ``"sdpa"`` (``F.scaled_dot_product_attention``; on meta it lowers to the
     math path with the full score matrix in the graph).
+    ``recompute``: activation checkpointing, ``"none"``, ``"full"`` (every decoder layer) or
+    ``"selective"`` (core attention); see ``recompute.py``.
     """
     config = get_config(name) if isinstance(name, str) else name
-    return Transformer(config.with_layers(num_layers), layout, dtype, attention, stage)
+    return Transformer(config.with_layers(num_layers), layout, dtype, attention, stage, recompute)

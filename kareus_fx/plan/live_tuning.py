@@ -48,6 +48,7 @@ from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.deploy.buckets import deployment_from_options, sequence_input
 from kareus_fx.errors import KareusError, ParallelConfigError
+from kareus_fx.models.recompute import live_recompute
 from kareus_fx.passes.nanobatch import NanobatchResult, graph_communicates, split_nanobatches
 from kareus_fx.plan.plan_format import bucketed_plan_data, write_plan
 
@@ -259,6 +260,7 @@ def live_plan_request(
         gpu=opts.gpu,
         profiler=opts.tune or "simulated",
         dtype=str(dtype).removeprefix("torch."),
+        recompute=live_recompute(gm),
     )  # plan_traced refuses other dtypes
 
 

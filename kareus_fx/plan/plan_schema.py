@@ -73,6 +73,9 @@ class Workload(SchemaModel):
     """Data-parallel replicas the energies count (plans older than the field: 1)."""
     preset: StrictStr | None = None
     dtype: StrictStr | None = None
+    recompute: Literal["none", "full", "selective", "checkpointed"] | None = None
+    """Activation checkpointing the plan was traced with (``kareus_fx.models.recompute``); None: a
+    plan older than the field; "checkpointed": a live graph's plan whose graph has checkpointed regions."""
 
 
 class StageGraph(SchemaModel):

@@ -172,6 +172,11 @@ class PlanRequest:
     default), ``"balanced"`` (the split that evens out the stages' step times, as the paper's testbed
     does; ``stage_balance.py``; the presets' default) or one count per stage. :func:`trace_plan_stages`
     resolves ``"balanced"`` to counts."""
+    recompute: str = "none"
+    """Activation checkpointing of the traced model (``--recompute``): ``"none"``, ``"full"`` (every
+    decoder layer, Megatron-LM's full recompute; the presets' default, as the paper's testbed) or
+    ``"selective"`` (core attention, Megatron-LM's selective recompute); see
+    ``kareus_fx.models.recompute``. The backward graph then holds the recomputed forward."""
     dp: int = 1
     """Data-parallel replicas of the pipeline (``--dp``): each runs the same plan on its own data, so
     the plan's energies are ``dp`` times one pipeline's; times are one replica's (data-parallel
@@ -205,6 +210,7 @@ class PlanRequest:
             stage=stage,
             dtype=torch_dtype(self.dtype),
             stage_layers=counts,
+            recompute=self.recompute,
         )
 
 
@@ -222,6 +228,7 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
         "seq": p.seq,
         "preset": p.name,
         "stage_layers": p.stage_layers,
+        "recompute": p.recompute,
         "dp": p.dp,
         "gpu": p.gpu,
     }
@@ -1154,6 +1161,7 @@ def _plan_data(
             "dp": req.dp,
             "preset": req.preset,
             "dtype": req.dtype,
+            "recompute": req.recompute,
         },
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,

@@ -7,7 +7,9 @@ pipeline). The emulation (section 6.3, table 5) is Llama-3.3-70B with PP10 x TP8
 4K and 16 to 128 microbatches per pipeline (a global batch of 2048 over 128 to 16 pipelines).
 
 Every preset's pipeline is balanced (``stage_layers="balanced"``): the paper partitions its stages
-"such that stages are as balanced as possible, following Perseus" (section 6.1), not evenly.
+"such that stages are as balanced as possible, following Perseus" (section 6.1), not evenly. Every
+preset recomputes activations (``recompute="full"``): "We use activation checkpointing to reduce
+memory pressure" (section 6.1), on Megatron-LM, whose checkpointing recomputes whole layers.
 
 The emulation also runs interleaved 1F1B with 2 model chunks per GPU (``-v2``: 20 stages of 4
 layers, balanced the same way; not in the paper), where the schedule can run the microbatch count:
@@ -63,6 +65,9 @@ class Preset:
     gpu: str = DEFAULT_GPU
     in_paper: bool = True
     """A workload of the Kareus paper (``kareus bench --suite paper`` runs these)."""
+    recompute: str = "full"
+    """The testbed ran with activation checkpointing (section 6.1) on Megatron-LM: its full recompute
+    (``kareus_fx.models.recompute``)."""
     dp: int = 1
     """Data-parallel replicas (``--dp`` overrides it); the paper's testbed runs one."""
 
