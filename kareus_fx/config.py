@@ -16,6 +16,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
 
 if TYPE_CHECKING:
+    from kareus_fx.deploy.switching import PointSwitcher
     from kareus_fx.runtime.frequency import FrequencyController
 
 _OPTION_HELP: dict[str, str] = {
@@ -33,6 +34,8 @@ _OPTION_HELP: dict[str, str] = {
     "tune_seq": "sequence-length buckets 'tune' plans when the live graph's sequence length is symbolic "
     "(list of ints; default: the lengths it has seen)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
+    "switching": "a kareus_fx.deploy.switching.PointSwitcher (it names the plan and target): switch frontier "
+    "points between iterations",
 }
 _TARGET_KEYS = ("deadline_s", "energy_budget_j")
 _TUNE_PROFILERS = ("simulated", "cuda")
@@ -55,6 +58,7 @@ class KareusOptions:
     microbatches: int = 1
     tune_seq: tuple[int, ...] | None = None
     clock_controller: FrequencyController | None = None
+    switching: PointSwitcher | None = None
 
     @classmethod
     def from_user(cls, options: Any) -> KareusOptions:
@@ -147,7 +151,30 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
                 f"(e.g. FrequencyController.open('dry-run')), got {type(options['clock_controller']).__name__}"
             )
         values["clock_controller"] = options["clock_controller"]
+    if options.get("switching") is not None:
+        values.update(_switching_options(options, values))
     return values
+
+
+def _switching_options(options: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The PointSwitcher names the plan and the target; option 'target', if given, must agree
+    (option 'plan' is checked against the switcher's plan when the deployment loads it)."""
+    from kareus_fx.deploy.switching import PointSwitcher
+
+    switcher = options["switching"]
+    if not isinstance(switcher, PointSwitcher):
+        raise OptionsError(
+            "option 'switching' must be a kareus_fx.deploy.switching.PointSwitcher "
+            f"(e.g. PointSwitcher('plan.json', candidates=5)), got {type(switcher).__name__}"
+        )
+    if "tune" in values:
+        raise OptionsError("option 'switching' deploys the switcher's plan; it cannot be combined with 'tune'")
+    if "target" in values and values["target"] != switcher.target:
+        raise OptionsError(
+            f"option 'target' {values['target']!r} differs from the PointSwitcher's target {switcher.target!r}; "
+            "give the target to the PointSwitcher only"
+        )
+    return {"switching": switcher, "target": switcher.target}
 
 
 def _target(target: Any) -> str | dict[str, float]:
