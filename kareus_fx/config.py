@@ -7,6 +7,7 @@ does not call backends eagerly). An unknown key, a wrong type or an unknown GPU 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -25,7 +26,8 @@ _OPTION_HELP: dict[str, str] = {
     "nanobatch": "split each microbatch into two nanobatches (bool, default True)",
     "inductor": "Inductor generates the code of the scheduled graphs (bool, default True); False runs them op by op",
     "plan": "plan.json to deploy (str or Path; see kareus_fx/deploy/deployment.py)",
-    "target": "frontier point: 'max-throughput' (default), {'deadline_s': X} or {'energy_budget_j': Y}",
+    "target": "frontier point: 'max-throughput' (default), {'deadline_s': X}, {'energy_budget_j': Y}, "
+    "{'zeus_cost': eta in [0, 1]} or {'max_slowdown': factor >= 1}",
     "stage": "pipeline stage this rank compiles (int, default 0)",
     "tune": "tune at compile time: 'simulated' or 'cuda' (needs plan_out): the live graph, or tune_request's",
     "plan_out": "where 'tune' writes the plan (str or Path)",
@@ -37,7 +39,12 @@ _OPTION_HELP: dict[str, str] = {
     "switching": "a kareus_fx.deploy.switching.PointSwitcher (it names the plan and target): switch frontier "
     "points between iterations",
 }
-_TARGET_KEYS = ("deadline_s", "energy_budget_j")
+_TARGET_VALUE_OK = {
+    "deadline_s": lambda v: v > 0,
+    "energy_budget_j": lambda v: v > 0,
+    "zeus_cost": lambda v: 0 <= v <= 1,  # eta_knob
+    "max_slowdown": lambda v: v >= 1,  # factor
+}
 _TUNE_PROFILERS = ("simulated", "cuda")
 
 
@@ -180,13 +187,15 @@ def _switching_options(options: Mapping[str, Any], values: Mapping[str, Any]) ->
 def _target(target: Any) -> str | dict[str, float]:
     if target == "max-throughput":
         return target
-    if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in _TARGET_KEYS:
+    if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in _TARGET_VALUE_OK:
         ((key, value),) = target.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if numeric and _TARGET_VALUE_OK[key](value):
             return {key: float(value)}
     raise OptionsError(
         f"option 'target' must be 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}} "
-        f"with a positive number, got {target!r}"
+        f"with a positive number, {{'zeus_cost': eta}} with 0 <= eta <= 1 or {{'max_slowdown': factor}} "
+        f"with factor >= 1, got {target!r}"
     )
 
 
