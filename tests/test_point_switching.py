@@ -1,8 +1,9 @@
 """Switching frontier points between iterations without recompiling (issue 31, item 1), on gloo.
 
-The plan is made once per module by the real planner for tiny-llama, TP=2, 2 microbatches of
-[2, 256] tokens, 1 layer, fp32 (the parity dtype). At this size the model is launch-bound and
-the planner's frontier is one point, so the module gives the plan a frontier of four points
+The plan is made once per session by the real planner for tiny-llama, TP=2, 2 microbatches of
+[2, 256] tokens, 1 layer, fp32 (the parity dtype; ``tiny_tp2_plan_data`` in conftest.py). At
+this size the model is launch-bound and the planner's frontier is one point, so the module
+gives the plan a frontier of four points
 (:data:`POINTS`: time and energy in the shape of a frontier, faster costs more energy) and
 gives each point its own microbatch options: point 0 runs both microbatches un-split, points 1
 and 2 run them nanobatched with other SM counts and launch slots, point 3 runs microbatch 0
@@ -21,13 +22,13 @@ import copy
 
 import pytest
 import torch
+from conftest import TINY_TP2_WORKLOAD as WORKLOAD
 from conftest import train_microbatches
 from dist_harness import run_distributed
 
 from kareus_fx.plan.plan_format import instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": 2, "seq": 256, "layers": 1}
 POINTS = ((1.00, 1.30), (1.10, 1.18), (1.25, 1.08), (1.40, 1.02))
 """Per frontier point: (time, energy) relative to the planner's one point."""
 SPLITS = ({0: None, 1: None}, {0: 0, 1: 0}, {0: 1, 1: 2}, {0: None, 1: 3})
@@ -36,18 +37,6 @@ CLOCKS_MHZ = (1410, 1290, 1170, 1050)
 """Per point; microbatch 1 runs 30 MHz and the backward 60 MHz lower."""
 ORDER = (0, 3, 1, 2, 3, 0)
 """The point of each of the 6 iterations (every iteration switches)."""
-
-
-@pytest.fixture(scope="module")
-def plan_data(tmp_path_factory):
-    from kareus_fx.plan.planner import PlanRequest, make_plan
-
-    outcome = make_plan(
-        PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
-        tmp_path_factory.mktemp("plan-work"),
-        progress=False,
-    )
-    return outcome.data
 
 
 def _configs(data, graph, variant):
@@ -181,13 +170,13 @@ def _expected_launches(data, point):
     return sorted(launches)
 
 
-def test_switching_points_every_iteration_follows_each_points_clocks_and_variants(plan_data, tmp_path):
+def test_switching_points_every_iteration_follows_each_points_clocks_and_variants(tiny_tp2_plan_data, tmp_path):
     from kareus_fx.compose.pipeline import PipelineNode
     from kareus_fx.deploy.deployment import clock_schedule
     from kareus_fx.plan.plan_format import load_plan
 
     plan_path = tmp_path / "plan.json"
-    data = switching_plan(plan_data, plan_path)
+    data = switching_plan(tiny_tp2_plan_data, plan_path)
     plan = load_plan(plan_path)
     results = run_distributed(_switch_worker, 2, str(plan_path), timeout_s=900)
     for result in results:
@@ -206,11 +195,11 @@ def test_switching_points_every_iteration_follows_each_points_clocks_and_variant
         assert "middle of an iteration" in mid_iteration
 
 
-def test_candidates_spread_over_the_frontier_and_include_the_target(plan_data, tmp_path):
+def test_candidates_spread_over_the_frontier_and_include_the_target(tiny_tp2_plan_data, tmp_path):
     from kareus_fx.deploy.switching import PointSwitcher, PointSwitchError, spread_candidates
     from kareus_fx.plan.plan_format import load_plan
 
-    data = copy.deepcopy(plan_data)
+    data = copy.deepcopy(tiny_tp2_plan_data)
     (base,) = data["iteration_frontier"]
     data["iteration_frontier"] = [
         {**base, "time_s": base["time_s"] * (1 + k / 10), "energy_j": base["energy_j"] * (1 - k / 40)}

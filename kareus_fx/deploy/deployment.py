@@ -146,6 +146,8 @@ class DeployedGraph:
     """False: the un-split graph of the microbatches whose option is sequential."""
     output_code: str | None = None
     """Inductor's generated source of ``gm`` (None with ``options={"inductor": False}``)."""
+    runs: tuple[tuple[int, int], ...] = ()
+    """The (frontier point, microbatch) pairs that run this variant."""
 
 
 _DEPLOYED: list[DeployedGraph] = []
@@ -352,16 +354,17 @@ class Deployment:
                 variant_of[(point, mb)] = key
         variants = {}
         for key, per_type in schedules.items():
-            microbatches = tuple(sorted({mb for (_, mb), k in variant_of.items() if k == key}))
+            runs = tuple(sorted(run for run, k in variant_of.items() if k == key))
             variants[key] = self._compile_variant(
                 name,
                 gm,
                 partitioning,
                 per_type,
-                microbatches,
+                tuple(sorted({mb for _, mb in runs})),
                 example_inputs,
                 codegen,
                 nanobatched=partitioning is not None,
+                runs=runs,
             )
         return self._dispatcher(name, variants, variant_of)
 
@@ -473,6 +476,7 @@ class Deployment:
         codegen: Codegen,
         *,
         nanobatched: bool,
+        runs: tuple[tuple[int, int], ...],
     ) -> tuple[DeployedGraph, Callable[..., Any]]:
         if partitioning is None:
             variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -492,6 +496,7 @@ class Deployment:
             partitions=tuple(summary),
             nanobatched=nanobatched,
             output_code=getattr(compiled, "source_code", None),
+            runs=runs,
         )
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
@@ -543,9 +548,11 @@ class Deployment:
 
     def _write_code(self, deployed: DeployedGraph) -> None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        mbs = "-".join(map(str, deployed.microbatches))
+        mbs = "_mb" + "-".join(map(str, deployed.microbatches))
+        if self.switching is not None:  # one variant per set of (point, microbatch) runs
+            mbs = "_" + "-".join(f"p{point}mb{mb}" for point, mb in deployed.runs)
         split = "" if deployed.nanobatched else "_unsplit"
-        path = self.dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}_mb{mbs}_rank{rank}.py"
+        path = self.dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}{mbs}_rank{rank}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(deployed.gm.code)
         if deployed.output_code is not None:
