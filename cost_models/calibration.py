@@ -38,7 +38,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -102,6 +102,8 @@ A40_SPEC = GPUSpec(
 
 
 # ----- data loading -------------------------------------------------------------------------------
+
+
 def _read_lines(rel: str) -> list[str]:
     return resources.files("kareus_fx.cost_models").joinpath(f"{DATA}/{rel}").read_text().splitlines()
 
@@ -181,6 +183,7 @@ def predict_overlap_row(
     ptype = ptype if ptype is not None else _KAREUS_PTYPE
     n_slots = len(ptype.slots)
     scale = harness.block512_rate_factor if row.block == 512 else 1.0
+    join: int | None
     if row.start < 0:
         launch, join = 0, 0
     else:
@@ -203,7 +206,7 @@ def fit_memory_curve(prior: SimParams) -> tuple[dict[str, float], dict[str, Any]
     spec = gpu_spec(A100_80)
     rows = list(_read_csv(NANOFLOW_MEM_FILE))
     longest = max(int(r["seqlen"]) for r in rows)
-    data = {}
+    data: dict[int, list[float]] = {}
     for r in rows:
         if int(r["seqlen"]) == longest:
             data.setdefault(int(r["blocks"]), []).append(float(r["BW"]))
@@ -359,6 +362,12 @@ def _overlap_predictions(
     return [predict_overlap_row(sim, r, harness, spec.clock_max_mhz) for r in rows]
 
 
+def _with_fitted(params: SimParams, fitted: Mapping[str, float]) -> SimParams:
+    """``params`` with the fitted float fields in ``fitted`` replaced."""
+    values: dict[str, Any] = dict(fitted)  # mypy would check a **dict's float values against every field, ints too
+    return replace(params, **values)
+
+
 def fit_partition_timing(
     params: SimParams, rows: Sequence[OverlapRow], harness0: OverlapHarness, spec: GPUSpec, power_capped: bool = False
 ) -> tuple[SimParams, OverlapHarness, dict[str, Any]]:
@@ -374,7 +383,7 @@ def fit_partition_timing(
 
     def unpack(z: np.ndarray) -> tuple[SimParams, OverlapHarness]:
         x = z * scale
-        p = replace(params, **dict(zip(_TIME_FIT, map(float, x[: len(_TIME_FIT)]))))
+        p = _with_fitted(params, dict(zip(_TIME_FIT, map(float, x[: len(_TIME_FIT)]))))
         h = OverlapHarness(*map(float, x[len(_TIME_FIT) :]))
         return p, h
 
@@ -498,7 +507,7 @@ def fit_power_and_clock(
         eb = (fixed_b + xb @ c) / p_meas - 1
         et, _ = ratio_errors(stage, perseus, perseus_spec.clock_max_mhz)
         score = float(np.mean(ea**2) + np.mean(eb**2) + np.mean(et**2))
-        fitted = replace(p, **dict(zip(_POWER_COEFFS, map(float, c))))
+        fitted = _with_fitted(p, dict(zip(_POWER_COEFFS, map(float, c))))
         return (
             fitted,
             score,
@@ -618,13 +627,13 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
     spec = gpu_spec(A100)
     log("1/5 memory-bound kernel curve (NanoFlow)")
     mem, mem_prov = fit_memory_curve(prior)
-    params = replace(prior, **mem)
+    params = _with_fitted(prior, mem)
     log("2/5 collective curve shape (NanoFlow)")
     coll, coll_prov = fit_collective_shape(prior)
-    params = replace(params, **coll)
+    params = _with_fitted(params, coll)
     log("2b/5 collective contention beside a compute-bound kernel (NanoFlow)")
     contention, contention_prov = fit_compute_contention(params, coll_prov)
-    params = replace(params, **contention)
+    params = _with_fitted(params, contention)
     log(f"    comm_contention_compute {contention['comm_contention_compute']:.3f}")
     log("3/5 partition timing (Kareus attention overlap)")
     rows = load_overlap()

@@ -16,6 +16,7 @@ when no GPU is present.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 from importlib import resources
@@ -187,11 +188,11 @@ def gpu_spec(name: str = DEFAULT_GPU) -> GPUSpec:
     nvlink = fields["nvlink"]
     links = nvlink["links"]
     nvlink_bytes_per_s = links * nvlink["nccl_effective_GBps_per_link"] * 1e9
-    sources = {k: v.get("source", v.get("status", "")) for k, v in fields.items() if isinstance(v, dict)}
+    sources = {k: _source(v) for k, v in fields.items() if isinstance(v, dict)}
     return GPUSpec(
         name=key,
         sm_count=int(value("sm_count")),
-        clock_min_mhz=int(fields.get("sm_clock_min_mhz", fields.get("sm_clock_idle_mhz"))["value"]),
+        clock_min_mhz=int(value("sm_clock_min_mhz" if "sm_clock_min_mhz" in fields else "sm_clock_idle_mhz")),
         clock_max_mhz=int(value("sm_clock_max_mhz")),
         clock_step_mhz=int(value("sm_clock_step_mhz")),
         tuning_clock_min_mhz=_TUNING_MIN_CLOCK_MHZ[key],
@@ -212,6 +213,11 @@ def gpu_spec(name: str = DEFAULT_GPU) -> GPUSpec:
 def _spec_table() -> dict[str, dict[str, Any]]:
     text = resources.files("kareus_fx.cost_models").joinpath("data/gpu_specs.json").read_text()
     return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+def _source(entry: Mapping[str, Any]) -> str:
+    """Where a spec field's value comes from: its ``source``, else its ``status``, else ""."""
+    return entry.get("source", entry.get("status", ""))
 
 
 def _merged_fields(key: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ Key: (profiler kind, GPU name, partition-type fingerprint, clock MHz, comm SMs, 
 slot's ops as target, FLOPs and bytes; the collective), not of its names or count, so the same
 structure found in another layer, model run or process maps to the same rows.
 
-:class:`CachedProfiler` wraps any :class:`~kareus_fx.workload.Profiler`: it answers from the
+:class:`CachedProfiler` wraps any :class:`~kareus_fx.workload.SequenceProfiler`: it answers from the
 database when it can and records what the inner profiler measures, counting hits and misses.
 """
 
@@ -29,16 +29,24 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import StrictStr, ValidationError, create_model
+from pydantic import StrictInt, StrictStr, ValidationError, create_model
 
-from kareus_fx.capture.validated_input import MAX_MAGNITUDE, SchemaModel, count, error_text, number
+from kareus_fx.capture.validated_input import MAX_MAGNITUDE, Number, SchemaModel, error_text, finite, int_range
 from kareus_fx.errors import KareusError
-from kareus_fx.workload import Measurement, MeasurementFailedError, PartitionConfig, PartitionType, Profiler
+from kareus_fx.workload import (
+    CollectiveSpec,
+    Measurement,
+    MeasurementFailedError,
+    OpCost,
+    PartitionConfig,
+    PartitionType,
+    SequenceProfiler,
+)
 
 SCHEMA_VERSION = 2
 _MIGRATES_FROM = (1,)  # versions whose files gain the failures table when opened
@@ -51,14 +59,14 @@ MEASUREMENT_COLUMNS: tuple[tuple[str, str, Any], ...] = (
     ("profiler", "TEXT NOT NULL", StrictStr),
     ("gpu", "TEXT NOT NULL", StrictStr),
     ("fingerprint", "TEXT NOT NULL", StrictStr),
-    ("clock_mhz", "INTEGER NOT NULL", count(1, 100_000)),
-    ("comm_sms", "INTEGER NOT NULL", count(1, 100_000)),
-    ("launch_slot", "INTEGER NOT NULL", count(_SEQUENTIAL, 100_000)),
-    ("time_s", "REAL NOT NULL", number()),
-    ("energy_j", "REAL NOT NULL", number()),
-    ("dynamic_energy_j", "REAL NOT NULL", number(-MAX_MAGNITUDE)),
-    ("static_energy_j", "REAL NOT NULL", number()),
-    ("created_unix_s", "REAL NOT NULL", number()),
+    ("clock_mhz", "INTEGER NOT NULL", Annotated[StrictInt, int_range(1, 100_000)]),
+    ("comm_sms", "INTEGER NOT NULL", Annotated[StrictInt, int_range(1, 100_000)]),
+    ("launch_slot", "INTEGER NOT NULL", Annotated[StrictInt, int_range(_SEQUENTIAL, 100_000)]),
+    ("time_s", "REAL NOT NULL", Number),
+    ("energy_j", "REAL NOT NULL", Number),
+    ("dynamic_energy_j", "REAL NOT NULL", Annotated[int | float, finite(-MAX_MAGNITUDE)]),
+    ("static_energy_j", "REAL NOT NULL", Number),
+    ("created_unix_s", "REAL NOT NULL", Number),
 )
 """The one description of a ``measurements`` row: (column, SQL type, validated type). The table,
 the queries and :class:`MeasurementRow` (which checks every row written and read: finite
@@ -66,9 +74,10 @@ numbers, clocks and SM counts in range) are built from it; a new column is added
 MEASUREMENT_FIELDS = ("time_s", "energy_j", "dynamic_energy_j", "static_energy_j")
 """The columns that make a :class:`~kareus_fx.workload.Measurement`, in its field order."""
 
-MeasurementRow = create_model(
-    "MeasurementRow", __base__=SchemaModel, **{name: (kind, ...) for name, _, kind in MEASUREMENT_COLUMNS}
-)
+_ROW_FIELDS: dict[str, Any] = {name: (kind, ...) for name, _, kind in MEASUREMENT_COLUMNS}
+"""Field name -> (type, required); ``Any`` as ``create_model`` takes it: typed values would be
+checked against its ``__config__`` / ``__doc__`` / ... keywords too when unpacked."""
+MeasurementRow = create_model("MeasurementRow", __base__=SchemaModel, **_ROW_FIELDS)
 """One validated ``measurements`` row."""
 
 _TABLE_COLUMNS = {
@@ -459,7 +468,7 @@ class CachedProfiler:
 
     def __init__(
         self,
-        inner: Profiler,
+        inner: SequenceProfiler,
         db: ProfileDB,
         kind: str | None = None,
         log: Any | None = None,
@@ -511,7 +520,9 @@ class CachedProfiler:
             self.log.log(measurement_key(self.kind, self.gpu_name, fp, config), self.run, self.rank, inserted)
         return stored
 
-    def measure_sequence(self, ops, collectives, clock_mhz: int) -> Measurement:
+    def measure_sequence(
+        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int
+    ) -> Measurement:
         """Work run op after op, measured by the inner profiler (not stored: the database keys
         partitions; sequential work is one measurement per clock and graph)."""
         return self.inner.measure_sequence(ops, collectives, clock_mhz)

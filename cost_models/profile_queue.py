@@ -104,7 +104,8 @@ class ProfileQueue:
 
     def logged(self, run: str | None = None) -> list[tuple[str, str, int, bool]]:
         """Logged measurements, optionally of one run: (key, run, rank, inserted)."""
-        sql, args = "SELECT key, run, rank, inserted FROM log", ()
+        sql = "SELECT key, run, rank, inserted FROM log"
+        args: tuple[str, ...] = ()
         if run is not None:
             sql, args = sql + " WHERE run=?", (run,)
         return [(k, r, int(rank), bool(i)) for k, r, rank, i in self._conn.execute(sql + " ORDER BY rowid", args)]

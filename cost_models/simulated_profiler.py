@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -22,10 +23,18 @@ from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionCon
 
 
 class SimulatedProfiler:
-    """Measures partitions on the simulated ``gpu_name`` (calibrated parameters unless ``params``)."""
+    """Measures partitions on the simulated ``gpu_name`` (calibrated parameters unless ``params``).
+
+    ``power_limit_w``: the GPU runs under that power limit instead of its TDP (the clock throttles
+    to where the average power meets it, as at the TDP); None: the TDP."""
 
     def __init__(
-        self, gpu_name: str = DEFAULT_GPU, noise_std: float = 0.0, seed: int = 0, params: SimParams | None = None
+        self,
+        gpu_name: str = DEFAULT_GPU,
+        noise_std: float = 0.0,
+        seed: int = 0,
+        params: SimParams | None = None,
+        power_limit_w: float | None = None,
     ) -> None:
         if noise_std < 0.0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std}")
@@ -33,7 +42,13 @@ class SimulatedProfiler:
         self.gpu_name = loaded.spec.name
         self.noise_std = float(noise_std)
         self.seed = int(seed)
-        self.simulator = Simulator(loaded.spec, params if params is not None else loaded.params)
+        spec = loaded.spec
+        if power_limit_w is not None:
+            if not 0.0 < power_limit_w <= spec.tdp_w:
+                raise ValueError(f"power_limit_w must be in (0, {spec.tdp_w:g}] W for {spec.name}, got {power_limit_w}")
+            spec = replace(spec, tdp_w=float(power_limit_w))
+        self.power_limit_w = power_limit_w
+        self.simulator = Simulator(spec, params if params is not None else loaded.params)
         self._repeats: dict[tuple[str, PartitionConfig], int] = {}
         self._fingerprint = FingerprintCache()
         params_text = json.dumps(self.simulator.params.to_dict(), sort_keys=True)
@@ -43,7 +58,8 @@ class SimulatedProfiler:
     def kind(self) -> str:
         """Profile-database key of this profiler: changes when the parameters or the noise change."""
         noise = f"noise={self.noise_std:g},seed={self.seed}" if self.noise_std > 0 else "exact"
-        return f"simulated:{self._params_hash}:{noise}"
+        limit = "" if self.power_limit_w is None else f":limit={self.power_limit_w:g}W"
+        return f"simulated:{self._params_hash}:{noise}{limit}"
 
     def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement:
         measurement = self.simulator.measure(ptype, config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -277,7 +278,9 @@ def _plan_request(args: argparse.Namespace):
     missing = [f"--{k}" for k in ("mbs", "seq") if shape[k] is None]
     if missing:
         raise OptionsError(f"{given[0]} needs {' and '.join(missing)}")
-    return PlanRequest(model=model, **{k: (defaults.get(k) if v is None else v) for k, v in shape.items()}, **common)
+    # argparse's values (Any) for PlanRequest's typed fields; planning validates the request
+    sizes: dict[str, Any] = {k: (defaults.get(k) if v is None else v) for k, v in shape.items()}
+    return PlanRequest(model=model, **sizes, **common)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -388,16 +391,25 @@ def _run_dump(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    from kareus_fx.report.inspector import inspected_html, load_inspectable, print_inspected
+    from kareus_fx.report.inspector import (
+        InspectedDump,
+        InspectedPlan,
+        inspected_html,
+        load_inspectable,
+        print_inspected,
+    )
     from kareus_fx.report.plan_diff import diff_dumps, diff_plans, format_changes
 
     if args.diff is not None:
         if args.file is not None or args.html is not None:
             raise OptionsError("--diff A B compares two files; give no other FILE and no --html with it")
         a, b = (load_inspectable(path) for path in args.diff)
-        if (a.plan is None) != (b.plan is None):
+        if isinstance(a, InspectedPlan) and isinstance(b, InspectedPlan):
+            changes = diff_plans(a.plan, b.plan)
+        elif isinstance(a, InspectedDump) and isinstance(b, InspectedDump):
+            changes = diff_dumps(a.dump, b.dump)
+        else:
             raise OptionsError(f"--diff compares two plans or two dumps; {a.path} and {b.path} are one of each")
-        changes = diff_plans(a.plan, b.plan) if a.plan is not None else diff_dumps(a.dump, b.dump)
         print(format_changes(changes, str(a.path), str(b.path)))
         return 0
     if args.file is None:

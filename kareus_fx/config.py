@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
@@ -36,6 +36,7 @@ _OPTION_HELP: dict[str, str] = {
     "tune_seq": "sequence-length buckets 'tune' plans when the live graph's sequence length is symbolic "
     "(list of ints; default: the lengths it has seen)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
+    "power_limit": "deploy the plan as one GPU power limit instead of clocks: 'real' (through Zeus) or 'dry-run'",
     "switching": "a kareus_fx.deploy.switching.PointSwitcher (it names the plan and target): switch frontier "
     "points between iterations",
 }
@@ -65,6 +66,7 @@ class KareusOptions:
     microbatches: int = 1
     tune_seq: tuple[int, ...] | None = None
     clock_controller: FrequencyController | None = None
+    power_limit: Literal["real", "dry-run"] | None = None
     switching: PointSwitcher | None = None
 
     @classmethod
@@ -113,7 +115,8 @@ def _int_option(options: Mapping[str, Any], key: str, low: int, what: str) -> in
 
 
 def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """plan, target, stage, tune, plan_out, tune_request, microbatches, tune_seq, clock_controller (see deploy/deployment.py)."""
+    """plan, target, stage, tune, plan_out, tune_request, microbatches, tune_seq, clock_controller (see
+    deploy/deployment.py), power_limit (deploy/power_limit_mode.py)."""
     values: dict[str, Any] = {}
     for key in ("plan", "plan_out"):
         if options.get(key) is not None:
@@ -158,6 +161,12 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
                 f"(e.g. FrequencyController.open('dry-run')), got {type(options['clock_controller']).__name__}"
             )
         values["clock_controller"] = options["clock_controller"]
+    if options.get("power_limit") is not None:
+        if options["power_limit"] not in ("real", "dry-run"):
+            raise OptionsError(f"option 'power_limit' must be 'real' or 'dry-run', got {options['power_limit']!r}")
+        if options.get("plan") is None:
+            raise OptionsError("option 'power_limit' deploys a plan's power-limit curve: give option 'plan' too")
+        values["power_limit"] = options["power_limit"]
     if options.get("switching") is not None:
         values.update(_switching_options(options, values))
     return values
@@ -174,8 +183,11 @@ def _switching_options(options: Mapping[str, Any], values: Mapping[str, Any]) ->
             "option 'switching' must be a kareus_fx.deploy.switching.PointSwitcher "
             f"(e.g. PointSwitcher('plan.json', candidates=5)), got {type(switcher).__name__}"
         )
-    if "tune" in values:
-        raise OptionsError("option 'switching' deploys the switcher's plan; it cannot be combined with 'tune'")
+    for other in ("tune", "power_limit"):
+        if other in values:
+            raise OptionsError(
+                f"option 'switching' deploys the switcher's plan's clocks; it cannot be combined with {other!r}"
+            )
     if "target" in values and values["target"] != switcher.target:
         raise OptionsError(
             f"option 'target' {values['target']!r} differs from the PointSwitcher's target {switcher.target!r}; "

@@ -146,3 +146,14 @@ class Profiler(Protocol):
         """Time and energy of one partition of type ``ptype`` run with ``config``; raises
         :class:`MeasurementFailedError` for a configuration that cannot run."""
         ...
+
+
+class SequenceProfiler(Profiler, Protocol):
+    """A profiler that also measures work run op after op (outside partitions, un-split graphs)."""
+
+    def measure_sequence(
+        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int
+    ) -> Measurement:
+        """Time and energy of ``ops`` one after another, then each collective alone (default SM
+        count), at ``clock_mhz``."""
+        ...

@@ -32,6 +32,7 @@ import torch.fx
 from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from kareus_fx.capture.node_arguments import int_arg, node_arg, tensor_value
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.models.attention_op import attention_backward_flops, attention_flops
 from kareus_fx.workload import CollectiveKind
@@ -210,11 +211,11 @@ def _group_size(node: torch.fx.Node, group_name: str) -> int | None:
         c10d.all_gather_into_tensor_coalesced.default,
         c10d.reduce_scatter_tensor_coalesced.default,
     ):
-        return int(node.args[-2])
+        return int_arg(node, -2)
     try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-        return _resolve_process_group(group_name).size()
+        return _resolve_process_group(GroupName(group_name)).size()
     except Exception:  # noqa: BLE001 - the group is not live in this process (e.g. an offline graph)
         return None
 
@@ -227,17 +228,17 @@ def _flops(node: torch.fx.Node) -> float:
     if packet in flop_registry:
         return float(_concrete(flop_registry[packet](*args, **kwargs, out_val=out)))
     if target is _KAREUS_ATTENTION:
-        q, k, v = args[:3]
-        return attention_flops(hinted(q.shape), hinted(k.shape), hinted(v.shape))
+        q, k, v = _hinted_arg_shapes(node, range(3))
+        return attention_flops(q, k, v)
     if target is _KAREUS_ATTENTION_BACKWARD:
-        q, k, v = args[1:4]
-        return attention_backward_flops(hinted(q.shape), hinted(k.shape), hinted(v.shape))
+        q, k, v = _hinted_arg_shapes(node, range(1, 4))
+        return attention_backward_flops(q, k, v)
     if target in _CPU_SDPA_FORWARD:
-        q, k, v = args[:3]
-        return float(_concrete(sdpa_flop_count(q.shape, k.shape, v.shape)))
+        q, k, v = (_arg_tensor(node, pos).shape for pos in range(3))
+        return float(_concrete(sdpa_flop_count(q, k, v)))
     if target in _CPU_SDPA_BACKWARD:
-        grad_out, q, k, v = args[:4]
-        return float(_concrete(sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)))
+        grad_out, q, k, v = (_arg_tensor(node, pos).shape for pos in range(4))
+        return float(_concrete(sdpa_backward_flop_count(grad_out, q, k, v)))
     tensors = _tensors(out) + _input_tensors(node)
     return float(max((_concrete(t.numel()) for t in tensors), default=0))
 
@@ -246,9 +247,19 @@ def _bytes(node: torch.fx.Node) -> float:
     outputs = _tensors(node.meta.get("val"))
     written = sum(_nbytes(t) for t in outputs)
     if node.target in _EMBEDDING:
-        indices = node.args[1].meta.get("val")
-        return float(2 * written + _nbytes(indices))
+        return float(2 * written + _nbytes(node_arg(node, 1).meta.get("val")))
     return float(written + sum(_nbytes(t) for t in _input_tensors(node)))
+
+
+def _arg_tensor(node: torch.fx.Node, pos: int) -> torch.Tensor:
+    """The fake tensor that argument ``pos`` of ``node`` holds."""
+    return tensor_value(node_arg(node, pos))
+
+
+def _hinted_arg_shapes(node: torch.fx.Node, positions: Iterable[int]) -> list[torch.Size]:
+    """The shapes of the tensors at ``positions`` in ``node``'s arguments, each size concrete
+    (:func:`hinted`)."""
+    return [torch.Size(hinted(_arg_tensor(node, pos).shape)) for pos in positions]
 
 
 def _input_tensors(node: torch.fx.Node) -> list[torch.Tensor]:

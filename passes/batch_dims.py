@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -207,10 +207,49 @@ def op_name(node: fx.Node) -> str:
 # Argument access
 
 
-def _arg(node: fx.Node, pos: int, name: str, default: Any = None) -> Any:
+def _arg(node: fx.Node, pos: int, name: str, default: fx.node.Argument = None) -> fx.node.Argument:
     if len(node.args) > pos:
         return node.args[pos]
     return node.kwargs.get(name, default)
+
+
+def _node_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str = "") -> fx.Node:
+    """Argument ``pos`` (or keyword ``name``) of ``node`` as a graph node (a tensor the rules read
+    the shape of). Unsupported, so the graph is left unsplit, when it is a constant instead."""
+    a = _arg(node, pos, name)
+    if not isinstance(a, fx.Node):
+        raise an._fail(node, f"argument {name or pos} is {a!r}, not a tensor")
+    return a
+
+
+def _int_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str = "", default: int | None = None) -> int:
+    """Argument ``pos`` (or keyword ``name``, else ``default``) of ``node`` as a Python int (a
+    dim, a group size). Unsupported when it is anything else (a symbolic size, a tensor)."""
+    a = _arg(node, pos, name, default)
+    if not isinstance(a, int):
+        raise an._fail(node, f"argument {name or pos} is {a!r}, not an int")
+    return a
+
+
+def _seq_arg(an: BatchAnalysis, node: fx.Node, pos: int, name: str) -> Sequence[fx.node.Argument]:
+    """Argument ``pos`` (or keyword ``name``) of ``node`` as a list or tuple (sizes, tensors).
+    Unsupported when it is anything else."""
+    a = _arg(node, pos, name)
+    if not isinstance(a, (list, tuple)):
+        raise an._fail(node, f"argument {name} is {a!r}, not a list")
+    return a
+
+
+def _int_list(an: BatchAnalysis, node: fx.Node, value: object) -> list[int]:
+    """A dims argument of ``node`` (an int, or a list or tuple of ints) as a list; Unsupported
+    otherwise."""
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        ints = [v for v in value if isinstance(v, int)]
+        if len(ints) == len(value):
+            return ints
+    raise an._fail(node, f"dims {value!r} are not a list of ints")
 
 
 def _set_arg(call: Call, pos: int, name: str, value: Any) -> None:
@@ -718,7 +757,7 @@ class BatchAnalysis:
             training = _arg(node, 2, "training" if node.op == "call_function" else "train", True)
             if node.op == "call_function" and node.target is torch.dropout:
                 training = _arg(node, 2, "train", True)
-            return p == 0 or training is False
+            return bool(p == 0) or training is False
         return False
 
     def _check_reductions_are_sinks(self) -> None:
@@ -815,7 +854,7 @@ class BatchAnalysis:
             return Step(PARTIAL, True)
         raise self._fail(node, "non-linear op on a partial batch sum")
 
-    def _reduction_over_batch(self, node: fx.Node, kind: str, **combine_args) -> Step:
+    def _reduction_over_batch(self, node: fx.Node, kind: Combine, **combine_args: Any) -> Step:
         if self.mode == "body":
             if kind == "sum":
                 return Step(PARTIAL, True)
@@ -852,7 +891,7 @@ def _rule_convert(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_along_dim(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
@@ -861,7 +900,7 @@ def _rule_along_dim(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     if d is None:
         raise an._fail(node, "implicit dim")
     dims = _dims_arg(d, len(an.shape(x)))
-    if i.dim in dims:
+    if dims is None or i.dim in dims:  # None: an empty dim list, read as every dim
         raise an._fail(node, "works along the batch dim")
     out = an.vals.get(node)
     if isinstance(out, (tuple, list)):
@@ -870,14 +909,15 @@ def _rule_along_dim(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_last_two(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    i = an.info(node.args[0])
-    if not isinstance(i, BatchDim) or i.dim >= len(an.shape(node.args[0])) - 2:
+    x = _node_arg(an, node, 0)
+    i = an.info(x)
+    if not isinstance(i, BatchDim) or i.dim >= len(an.shape(x)) - 2:
         raise an._fail(node, "batch in the last two dims")
     return Step(i, True)
 
 
 def _rule_reduction(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
@@ -931,7 +971,7 @@ def _reshape_batch(an: BatchAnalysis, node, in_shape, i: BatchDim, out_shape) ->
 
 
 def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         if name in ("view_as", "reshape_as"):
@@ -950,8 +990,8 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         if name in ("view", "reshape"):
             return Call(node.op, node.target, (x, hs), {})
         if name == "unflatten":
-            d = _norm_dim(_arg(node, 1, "dim"), len(in_shape))
-            n = len(_arg(node, 2, "sizes"))
+            d = _norm_dim(_int_arg(an, node, 1, "dim"), len(in_shape))
+            n = len(_seq_arg(an, node, 2, "sizes"))
             return Call(node.op, node.target, (x, d, hs[d : d + n]), {})
         # view_as / reshape_as
         return Call("call_method", "reshape", (x, hs), {})
@@ -960,28 +1000,25 @@ def _rule_reshape(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_permute(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
     nd = len(an.shape(x))
     perm = list(range(nd))
     if name in ("transpose", "swapaxes", "swapdims"):
-        a, b = _norm_dim(node.args[1], nd), _norm_dim(node.args[2], nd)
+        a, b = _norm_dim(_int_arg(an, node, 1), nd), _norm_dim(_int_arg(an, node, 2), nd)
         perm[a], perm[b] = perm[b], perm[a]
     elif name == "t":
         perm = perm[::-1]
     elif name == "permute":
-        dims = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
+        dims: object = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         if node.op == "call_function" or "dims" in node.kwargs:
             dims = _arg(node, 1, "dims")
-        perm = [_norm_dim(d, nd) for d in dims]
+        perm = [_norm_dim(d, nd) for d in _int_list(an, node, dims)]
     else:  # movedim
-        src, dst = _arg(node, 1, "source"), _arg(node, 2, "destination")
-        src = [src] if isinstance(src, int) else list(src)
-        dst = [dst] if isinstance(dst, int) else list(dst)
-        src = [_norm_dim(s, nd) for s in src]
-        dst = [_norm_dim(s, nd) for s in dst]
+        src = [_norm_dim(s, nd) for s in _int_list(an, node, _arg(node, 1, "source"))]
+        dst = [_norm_dim(s, nd) for s in _int_list(an, node, _arg(node, 2, "destination"))]
         perm = [-1] * nd
         for s, d in zip(src, dst):
             perm[d] = s
@@ -991,7 +1028,7 @@ def _rule_permute(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_expand(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through the shape argument")
@@ -1001,7 +1038,7 @@ def _rule_expand(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_repeat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     reps = node.args[1:] if not isinstance(node.args[1], (list, tuple)) else node.args[1]
     if not isinstance(i, BatchDim):
@@ -1013,11 +1050,11 @@ def _rule_repeat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_narrow_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim) or any(isinstance(a, fx.Node) for a in node.args[1:]):
         raise an._fail(node, "batch enters through an index argument")
-    d = _norm_dim(_arg(node, 1, "dim"), len(an.shape(x)))
+    d = _norm_dim(_int_arg(an, node, 1, "dim"), len(an.shape(x)))
     if d == i.dim:
         raise an._fail(node, f"{name} along the batch dim")
     if name == "select" and d < i.dim:
@@ -1026,7 +1063,7 @@ def _rule_narrow_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_index_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, d, idx = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index")
+    x, d, idx = _node_arg(an, node, 0), _int_arg(an, node, 1, "dim"), _arg(node, 2, "index")
     i = an.info(x)
     if not isinstance(i, BatchDim) or an.info(idx) is not None:
         raise an._fail(node, "batch-carrying index")
@@ -1036,7 +1073,7 @@ def _rule_index_select(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, d, idx = node.args[0], _arg(node, 1, "dim"), _arg(node, 2, "index")
+    x, d, idx = node.args[0], _int_arg(an, node, 1, "dim"), _arg(node, 2, "index")
     step = an._pointwise(node, [x, idx])
     if _norm_dim(d, len(an.shape(node))) == step.info.dim:
         raise an._fail(node, "gather along the batch dim")
@@ -1044,15 +1081,15 @@ def _rule_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_split_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
     nd = len(an.shape(x))
     if name == "unbind":
-        d = _norm_dim(_arg(node, 1, "dim", 0), nd)
+        d = _norm_dim(_int_arg(an, node, 1, "dim", 0), nd)
     else:
-        d = _norm_dim(_arg(node, 2, "dim", 0), nd)
+        d = _norm_dim(_int_arg(an, node, 2, "dim", 0), nd)
     n_out = len(an.vals[node])
     if d != i.dim:
         out = i if name != "unbind" or d > i.dim else i.moved(i.dim - 1)
@@ -1085,16 +1122,16 @@ def _rule_getitem(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
             ):
                 return Step(j, True)
         if isinstance(info, BatchDim):
-            return _advanced_getitem(an, node, src, info, items)
+            return _advanced_getitem(an, node, _node_arg(an, node, 0), info, items)
         raise an._fail(node, "advanced (tensor) indexing involving the batch")
     if not isinstance(info, BatchDim):
         raise an._fail(node, "unexpected input kind")
-    shape = an.shape(src)
+    shape = an.shape(_node_arg(an, node, 0))
     nd = len(shape)
     consuming = sum(1 for a in items if a is not None and a is not Ellipsis)
     i_dim = o_dim = 0
     out_dim = None
-    new_items = []
+    new_items: list[object] = []
     for a in items:
         if a is None:
             o_dim += 1
@@ -1244,12 +1281,14 @@ def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: Batc
 
 
 def _rule_cat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    tensors = list(_arg(node, 0, "tensors"))
+    inputs = _seq_arg(an, node, 0, "tensors")
+    tensors = [t for t in inputs if isinstance(t, fx.Node)]
+    if len(tensors) != len(inputs):
+        raise an._fail(node, "an input is not a tensor")
     out_shape = an.shape(node)
     nd = len(out_shape)
-    d = _arg(node, 1, "dim", 0)
     stack = name == "stack"
-    d = _norm_dim(d, nd)
+    d = _norm_dim(_int_arg(an, node, 1, "dim", 0), nd)
     out = None
     for t in tensors:
         i = an.info(t)
@@ -1278,7 +1317,7 @@ def _rule_cat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_linear(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, w, b = node.args[0], _arg(node, 1, "weight"), _arg(node, 2, "bias")
+    x, w, b = _node_arg(an, node, 0), _arg(node, 1, "weight"), _arg(node, 2, "bias")
     if an.info(w) is not None or an.info(b) is not None:
         raise an._fail(node, "batch-carrying weight or bias")
     i = an.info(x)
@@ -1289,10 +1328,11 @@ def _rule_linear(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_matmul(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
+    bias: fx.Node | None = None
     if name in ("addmm", "baddbmm"):
-        bias, a, b = node.args[0], node.args[1], node.args[2]
+        bias, a, b = _node_arg(an, node, 0), _node_arg(an, node, 1), _node_arg(an, node, 2)
     else:
-        bias, a, b = None, node.args[0], node.args[1]
+        a, b = _node_arg(an, node, 0), _node_arg(an, node, 1)
     sa, sb = an.shape(a), an.shape(b)
     out_shape = an.shape(node)
     no = len(out_shape)
@@ -1392,19 +1432,19 @@ def _attention(an: BatchAnalysis, node: fx.Node, q, k, v, mask) -> Step:
 
 
 def _rule_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     extra = [a for a in node.all_input_nodes if a is not x]
     if not isinstance(i, BatchDim) or any(an.info(a) is not None for a in extra):
         raise an._fail(node, "batch-carrying weight or bias")
-    n = len(_arg(node, 1, "normalized_shape"))
+    n = len(_seq_arg(an, node, 1, "normalized_shape"))
     if i.dim >= len(an.shape(x)) - n:
         raise an._fail(node, "normalises over the batch dim")
     return Step(i, True)
 
 
 def _rule_batch_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if _arg(node, 5, "training", False):
         raise an._fail(node, "batch_norm in training mode averages over the batch")
@@ -1418,7 +1458,7 @@ def _rule_batch_norm(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_conv(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     n = int(name[-2])
     if not isinstance(i, BatchDim) or len(an.shape(x)) != n + 2 or i.dim != 0 or i.p != 1 or i.k != 1:
@@ -1429,7 +1469,7 @@ def _rule_conv(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_pad(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, pad = node.args[0], _arg(node, 1, "pad")
+    x, pad = _node_arg(an, node, 0), _seq_arg(an, node, 1, "pad")
     i = an.info(x)
     if not isinstance(i, BatchDim) or i.dim >= len(an.shape(x)) - len(pad) // 2:
         raise an._fail(node, "pads the batch dim")
@@ -1441,18 +1481,22 @@ def _rule_new_factory(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     if any(isinstance(a, fx.Node) for a in list(node.args[1:]) + list(node.kwargs.values())):
         raise an._fail(node, "size or value from a tensor")
     fn = {"new_ones": torch.ones, "new_zeros": torch.zeros, "new_empty": torch.empty, "new_full": torch.full}[name]
+    args: tuple[object, ...]
     if name == "new_full":
         args = (_arg(node, 1, "size"), _arg(node, 2, "fill_value"))
     else:  # x.new_zeros(2, 3) or x.new_zeros((2, 3))
         size = node.args[1:] if len(node.args) > 1 else node.kwargs["size"]
-        args = (tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list)) else tuple(size),)
+        if not isinstance(size, (tuple, list)):
+            raise an._fail(node, f"size {size!r} is not a sequence")
+        nested = size[0] if len(size) == 1 else None
+        args = (tuple(nested) if isinstance(nested, (tuple, list)) else tuple(size),)
     v = an.vals[node]
     kwargs = {"dtype": v.dtype, "device": v.device}
     return Step(None, False, lambda h: Call("call_function", fn, args, kwargs))
 
 
 def _cross_entropy_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    inp, tgt = node.args[0], _arg(node, 1, "target")
+    inp, tgt = _node_arg(an, node, 0), _node_arg(an, node, 1, "target")
     weight = _arg(node, 2, "weight")
     if _arg(node, 3, "size_average") is not None or _arg(node, 5, "reduce") is not None:
         raise an._fail(node, "legacy size_average/reduce arguments")
@@ -1476,11 +1520,13 @@ def _cross_entropy_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         if want is not None and want != i_t:
             raise an._fail(node, "input and target carry the batch on different dims")
         want = i_t
+    if i_in is None:
+        raise an._fail(node, "shared logits with batch-carrying targets")
+    if want is None:
+        raise an._fail(node, "neither input nor target carries the batch")
     slices = {}
     if i_t is None:
         slices.update(an._shared_slices(node, [tgt], want, t_shape))
-    if i_in is None:
-        raise an._fail(node, "shared logits with batch-carrying targets")
     if reduction == "none":
         return Step(want, True, an._with_slices(node, slices))
     if reduction == "sum":
@@ -1518,7 +1564,7 @@ _LOSS_REDUCTION_POS = {
 
 def _rule_pointwise_loss(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     operands = list(node.all_input_nodes)
-    inp = node.args[0]
+    inp = _node_arg(an, node, 0)
     full = an._pointwise(node, operands, out_shape=an.shape(inp))
     pos = _LOSS_REDUCTION_POS[name]
     if name != "huber_loss" and (
@@ -1535,7 +1581,7 @@ def _rule_pointwise_loss(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_all_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, group_size = node.args[0], node.args[1]
+    x, group_size = node.args[0], _int_arg(an, node, 1)
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
@@ -1543,7 +1589,7 @@ def _rule_all_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
 
 
 def _rule_reduce_scatter(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    x, group_size = node.args[0], node.args[2]
+    x, group_size = node.args[0], _int_arg(an, node, 2)
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
@@ -1572,10 +1618,9 @@ def _rule_autograd_function(an: BatchAnalysis, node: fx.Node, name: str) -> Step
     (autograd adds the two nanobatches' parts).
     """
     fwd_attr, bwd_attr, *args = node.args
-    if fwd_attr.op != "get_attr" or bwd_attr.op != "get_attr":
-        raise an._fail(node, "bodies are not graph attributes")
-    fwd = getattr(an.gm, fwd_attr.target)
-    bwd = getattr(an.gm, bwd_attr.target)
+    fwd_target, bwd_target = _body_target(an, node, fwd_attr), _body_target(an, node, bwd_attr)
+    fwd = getattr(an.gm, fwd_target)
+    bwd = getattr(an.gm, bwd_target)
     arg_infos = [an.info(a) for a in args]
     fwd_an = _body_analysis(an, node, fwd, arg_infos)
     outs, saved = fwd_an.output_infos
@@ -1590,11 +1635,11 @@ def _rule_autograd_function(an: BatchAnalysis, node: fx.Node, name: str) -> Step
         if gn is None:
             continue
         if isinstance(ai, BatchDim) and g != ai:
-            raise an._fail(node, f"the gradient of {a.name} does not carry the batch like {a.name}")
+            raise an._fail(node, f"the gradient of {a} does not carry the batch like {a}")
         if ai is None and g is not PARTIAL:
             raise an._fail(
                 node,
-                f"the gradient of shared input {a.name} does not depend on the batch "
+                f"the gradient of shared input {a} does not depend on the batch "
                 "(it would be counted once per nanobatch)",
             )
 
@@ -1602,26 +1647,32 @@ def _rule_autograd_function(an: BatchAnalysis, node: fx.Node, name: str) -> Step
         return Call(
             node.op,
             node.target,
-            (Body(fwd_attr.target, fwd_an), Body(bwd_attr.target, bwd_an), *args),
+            (Body(fwd_target, fwd_an), Body(bwd_target, bwd_an), *args),
             dict(node.kwargs),
         )
 
     return Step(tuple(outs), True, call)
 
 
+def _body_target(an: BatchAnalysis, node: fx.Node, body: object) -> str:
+    """The attribute a higher-order op's body argument reads (it must be a ``get_attr`` node)."""
+    if not isinstance(body, fx.Node) or body.op != "get_attr" or not isinstance(body.target, str):
+        raise an._fail(node, f"body {body!r} is not a graph attribute")
+    return body.target
+
+
 def _rule_checkpoint(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     """``tag_activation_checkpoint(body, *args)``: a pure body, split per nanobatch; autograd
     recomputes each nanobatch's body in its own backward."""
     body_attr, *args = node.args
-    if body_attr.op != "get_attr":
-        raise an._fail(node, "body is not a graph attribute")
-    body_an = _body_analysis(an, node, getattr(an.gm, body_attr.target), [an.info(a) for a in args])
+    body_target = _body_target(an, node, body_attr)
+    body_an = _body_analysis(an, node, getattr(an.gm, body_target), [an.info(a) for a in args])
     outs = body_an.output_infos
     outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
     if not all(isinstance(o, BatchDim) for o in outs):
         raise an._fail(node, "an output of the checkpointed region does not carry the batch")
     return Step(
-        outs, True, lambda h: Call(node.op, node.target, (Body(body_attr.target, body_an), *args), dict(node.kwargs))
+        outs, True, lambda h: Call(node.op, node.target, (Body(body_target, body_an), *args), dict(node.kwargs))
     )
 
 
@@ -1632,7 +1683,7 @@ def _rule_dtensor(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     shards that dim, and a redistribution that keeps it unsharded is elementwise over the batch
     (``Partial -> Replicate`` is an all-reduce, ``Replicate -> Shard(d)`` a local chunk).
     """
-    x = node.args[0]
+    x = _node_arg(an, node, 0)
     i = an.info(x)
     if not isinstance(i, BatchDim):
         raise an._fail(node, "batch enters through a non-data argument")
@@ -1644,8 +1695,10 @@ def _rule_dtensor(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         placements = _arg(node, 2, "placements")
     else:  # to_local, full_tensor
         placements = None
+    if placements is not None and not isinstance(placements, (list, tuple)):
+        raise an._fail(node, f"placements {placements!r} are not a list")
     nd = len(an.shape(node))
-    sharded = list(placements or ())
+    sharded: list[object] = list(placements or ())
     for v in (an.vals.get(x), an.vals.get(node)):
         sharded += list(getattr(v, "placements", ()) or ())
     for p in sharded:

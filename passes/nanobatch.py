@@ -218,7 +218,7 @@ def _specialize_batch(node: fx.Node, value: torch.Tensor) -> None:
     The split needs the batch as a number: this guards on its current value through the graph's
     ShapeEnv, so Dynamo recompiles for another batch size while other dims stay symbolic."""
     size = value.shape[0]
-    if not is_symbolic(_size(size)):
+    if not isinstance(size, torch.SymInt) or not is_symbolic(_size(size)):
         return
     if size.node.hint is None:
         raise Unsupported(f"the batch dim of {node.name} is symbolic ({size}) with no value to specialize it to")
@@ -303,10 +303,10 @@ class _Emitter:
             return self.shared[a]
         if isinstance(a, sympy.Basic):
             return self._sym(a)
-        if isinstance(a, SliceOf):
-            return self._slice(a, h)
-        if isinstance(a, Body):
-            return self._body(a, h)
+        if isinstance(a, (SliceOf, Body)):
+            if h is None:
+                raise Unsupported(f"internal: {a!r} belongs to one nanobatch but is used in a shared call")
+            return self._slice(a, h) if isinstance(a, SliceOf) else self._body(a, h)
         return a
 
     def _map(self, args: Any, h: int | None) -> Any:
@@ -337,9 +337,9 @@ class _Emitter:
             node = source if isinstance(source, fx.Node) else self._new("call_method", "size", source, {}, None)
         elif expr.is_Add or expr.is_Mul:
             fold = operator.add if expr.is_Add else operator.mul
-            parts = [self._sym(a) for a in expr.args]
-            node = parts[0]
-            for part in parts[1:]:
+            parts = [self._sym(a) for a in expr.args]  # two or more: sympy flattens a sum or product
+            node = self._fn(fold, parts[0], parts[1])
+            for part in parts[2:]:
                 node = self._fn(fold, node, part)
         elif isinstance(expr, FloorDiv):
             node = self._fn(operator.floordiv, self._sym(expr.args[0]), self._sym(expr.args[1]))
@@ -387,13 +387,16 @@ class _Emitter:
         self.expected[new] = (self.an.vals.get(like), info, h)
         if h is not None and call.args and isinstance(call.args[0], Body):
             self.body_of[new] = tuple(
-                self.new_attrs[a.target] for a in new.args if isinstance(a, fx.Node) and a.op == "get_attr"
+                self.new_attrs[str(a.target)] for a in new.args if isinstance(a, fx.Node) and a.op == "get_attr"
             )
         return new
 
     def _emit_all(self) -> None:
         for node in self.an.graph.nodes:
-            step = self.an.steps.get(node)
+            if node.op == "output":
+                self._emit_output(node)
+                continue
+            step = self.an.steps[node]  # the analysis decided every node but the output
             if node.op == "placeholder":
                 new = self._new("placeholder", node.target, (), {}, None, like=node, name=node.name)
                 new.type = node.type
@@ -409,8 +412,6 @@ class _Emitter:
                 if isinstance(step.info, BatchDim):
                     for h in self._halves():
                         self.half[h][node] = self._slice(SliceOf(node, step.info), h)
-            elif node.op == "output":
-                self._emit_output(node)
             elif not step.split:
                 self.shared[node] = self._emit_node(node, step, None)
             else:
@@ -466,10 +467,13 @@ class _Emitter:
         else:  # ce_mean: (sum_A + sum_B) / (count_A + count_B), counts of non-ignored targets
             ignore = step.combine_args["ignore_index"]
             weight = step.combine_args["weight"]
+            per_token_call = step.call
+            if per_token_call is None:  # the cross-entropy rule sets it with its ce_mean combine
+                raise Unsupported(f"{node.name}: a ce_mean recombination without the per-token loss call")
             sums, counts = [], []
             for h, part in ((0, a), (1, b)):
                 sums.append(self._new("call_method", "sum", (up(part, h),), {}, h))
-                call = step.call(h)
+                call = per_token_call(h)
                 tgt = self._map(call.args[1] if len(call.args) > 1 else call.kwargs["target"], h)
                 valid = self._fn(operator.ne, tgt, ignore, h=h)
                 if weight is not None:  # mean over the class weights of the counted targets
@@ -492,7 +496,7 @@ class _Emitter:
                 return a
             step = self.an.steps[a]
             info = self.an.infos.get(a)
-            how = "shared" if step.combine is None else step.combine
+            how: str = "shared" if step.combine is None else step.combine
             if isinstance(info, BatchDim):
                 if a.op == "placeholder":
                     out = self.shared[a]
@@ -572,7 +576,7 @@ def _has_collective(n: fx.Node) -> bool:
     gm = n.graph.owning_module
     for a in n.args:
         if isinstance(a, fx.Node) and a.op == "get_attr":
-            body = _fetch(gm, a.target)
+            body = _fetch(gm, str(a.target))
             if isinstance(body, fx.GraphModule) and any(
                 op_name(m).startswith("c10d.") or _has_collective(m) for m in body.graph.nodes
             ):
@@ -583,7 +587,8 @@ def _has_collective(n: fx.Node) -> bool:
 def _interleave(graph: fx.Graph) -> None:
     """Reorder ``graph`` in place into the nanobatching issue order (module docstring)."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    segments, cur = [], []
+    segments: list[list[fx.Node]] = []
+    cur: list[fx.Node] = []
     for n in nodes:
         if is_barrier(n):
             segments += [cur, [n]]
@@ -620,8 +625,8 @@ def _schedule_segment(seg: list[fx.Node]) -> list[fx.Node]:
         if k == "collective":
             heapq.heappush(heaps["collective"], (index[n], n))
         elif k == "wait":
-            src = n.args[0] if isinstance(n.args[0], fx.Node) else None
-            heapq.heappush(heaps["wait"], (issued.get(src, -1), index[n], n))
+            src = n.args[0]
+            heapq.heappush(heaps["wait"], (issued.get(src, -1) if isinstance(src, fx.Node) else -1, index[n], n))
         else:
             heapq.heappush(heaps[label[n]], (index[n], n))
 
@@ -661,6 +666,7 @@ def _schedule_segment(seg: list[fx.Node]) -> list[fx.Node]:
             continue
         n = heapq.heappop(heaps["wait"])[-1]
         emit(n)
-        if label[n] is not None:
-            current = label[n]
+        h = label[n]
+        if h is not None:
+            current = h
     return order

@@ -87,7 +87,8 @@ class _TensorMeta:
     def of(t: torch.Tensor) -> _TensorMeta:
         if type(t) is not FakeTensor or t.layout is not torch.strided or t.constant is not None:
             raise _NoKey
-        if not all(type(s) is int for s in (*t.shape, *t.stride(), t.storage_offset())):
+        offset = t.storage_offset()
+        if type(offset) is not int or not all(type(s) is int for s in (*t.shape, *t.stride())):
             raise _NoKey  # symbolic sizes
         nbytes = t.untyped_storage().nbytes()
         if type(nbytes) is not int:
@@ -95,7 +96,7 @@ class _TensorMeta:
         return _TensorMeta(
             tuple(t.shape),
             t.stride(),
-            t.storage_offset(),
+            offset,
             nbytes,
             t.dtype,
             t.device,
@@ -164,7 +165,7 @@ def _no_modules(gm: fx.GraphModule) -> tuple:
 
 def _dispatch_state() -> tuple:
     """Global state that changes what an op's fake output looks like."""
-    autocast = ()
+    autocast: tuple[tuple[bool, torch.dtype], ...] = ()
     if torch._C._is_any_autocast_enabled():
         autocast = tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES)
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype(), autocast)
@@ -219,7 +220,8 @@ class _OutputMemo:
                     target = node.target if node.op != "placeholder" else None
                 else:
                     raise _NoKey
-                wiring = fx.node.map_arg((node.args, node.kwargs), lambda a: _NodeRef(index[a]))
+                # map_arg's stub wants the callback to return an fx Argument; it returns any value.
+                wiring = fx.node.map_arg((node.args, node.kwargs), lambda a: _NodeRef(index[a]))  # type: ignore[arg-type,return-value]
                 rows.append((node.op, target, _freeze_wiring(wiring, self.fingerprint), self.run.wanted(node)))
             self.fingerprints[gm] = tuple(rows)
         return self.fingerprints[gm]
@@ -274,9 +276,9 @@ class FakeRun(fx.Interpreter):
             memo = _OutputMemo(self)
         self.memo: _OutputMemo | None = memo
 
-    def run(self, *args):
+    def run(self, *args: Any, initial_env: dict[fx.Node, Any] | None = None, enable_io_processing: bool = True) -> Any:
         with self.mode, _restoring_global_state():
-            return super().run(*args)
+            return super().run(*args, initial_env=initial_env, enable_io_processing=enable_io_processing)
 
     def run_node(self, n):
         try:

@@ -44,7 +44,7 @@ import networkx as nx
 import torch.fx
 
 from kareus_fx.cost_models.hardware import GPUSpec
-from kareus_fx.passes.analysis import META_KEY, NodeCost, hinted, module_path
+from kareus_fx.passes.analysis import META_KEY, CollectiveInfo, NodeCost, hinted, module_path
 from kareus_fx.passes.kernel_groups import KERNEL_META
 from kareus_fx.workload import CollectiveSpec, GraphName, OpCost, PartitionType, SlotSpec
 
@@ -184,7 +184,7 @@ def _close(comm: Communication, comms: list[Communication], segments: list[list[
 
 
 def _fusable(first: torch.fx.Node, other: torch.fx.Node) -> bool:
-    a, b = _cost(first).collective, _cost(other).collective
+    a, b = _collective(first), _collective(other)
     return a.kind == b.kind and a.group_name == b.group_name
 
 
@@ -275,7 +275,7 @@ def _assign_types(
     labels: dict[str, str] = {}
     for sig, group in members.items():
         exemplar = group[0]
-        kind = _cost(exemplar.comm.collectives[0]).collective.kind
+        kind = _collective(exemplar.comm.collectives[0]).kind
         type_id = f"{graph}.{kind}.{hashlib.sha1(repr(sig).encode()).hexdigest()[:8]}"
         slot_specs = tuple(SlotSpec(ops=tuple(_op_cost(n) for n in slot)) for slot in exemplar.slots)
         collective = _collective_spec(exemplar.comm.collectives)
@@ -340,7 +340,7 @@ def _signature(partition: Partition) -> tuple:
 
 
 def _comm_signature(comm: Communication) -> tuple:
-    return tuple((c.kind, c.bytes, c.group_size) for c in (_cost(n).collective for n in comm.collectives))
+    return tuple((c.kind, c.bytes, c.group_size) for c in (_collective(n) for n in comm.collectives))
 
 
 def _node_signature(node: torch.fx.Node) -> tuple:
@@ -354,7 +354,7 @@ def _node_signature(node: torch.fx.Node) -> tuple:
 
 
 def _collective_spec(collectives: list[torch.fx.Node]) -> CollectiveSpec:
-    infos = [_cost(n).collective for n in collectives]
+    infos = [_collective(n) for n in collectives]
     return CollectiveSpec(
         kind=infos[0].kind,
         bytes=sum(i.bytes for i in infos),
@@ -385,7 +385,7 @@ def _describe(partition: Partition) -> str:
         if len(set(parts)) > 1:
             break
         common.append(parts[0])
-    kind = _cost(partition.comm.collectives[0]).collective.kind
+    kind = _collective(partition.comm.collectives[0]).kind
     fused = f" x{len(partition.comm.collectives)} fused" if len(partition.comm.collectives) > 1 else ""
     return f"{kind}{fused} over {'.'.join(common) or 'model'}"
 
@@ -421,3 +421,11 @@ def _networkx_graph(gm: torch.fx.GraphModule) -> nx.DiGraph:
 
 def _cost(node: torch.fx.Node) -> NodeCost:
     return node.meta.get(META_KEY, NodeCost(kind="other"))
+
+
+def _collective(node: torch.fx.Node) -> CollectiveInfo:
+    """The collective of ``node``, a partition's communication node (the analysis gave it one)."""
+    info = _cost(node).collective
+    if info is None:
+        raise ValueError(f"node {node.name} stands for a partition's collective but the analysis found none in it")
+    return info

@@ -30,11 +30,18 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, Protocol, TypeVar
 
 from kareus_fx.errors import KareusError
+
+if TYPE_CHECKING:  # zeus is imported where a real GPU is used, not at import time
+    from zeus.device.gpu.common import GPUs
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 ClockMode = Literal["real", "dry-run", "simulated"]
 CLOCK_MODES: tuple[ClockMode, ...] = ("real", "dry-run", "simulated")
@@ -50,6 +57,14 @@ class ClockPermissionError(ClockControlError, PermissionError):
 
 class ClockRequestError(KareusError, ValueError):
     """A requested clock that no backend may apply (not a positive integer, outside the range)."""
+
+
+def parse_clock_mode(name: str) -> ClockMode:
+    """``name`` as a :data:`ClockMode`; :class:`ClockRequestError` naming the valid ones otherwise."""
+    for mode in CLOCK_MODES:
+        if name == mode:
+            return mode
+    raise ClockRequestError(f"unknown clock mode {name!r}; use one of {', '.join(CLOCK_MODES)}")
 
 
 class ClockBackend(Protocol):
@@ -209,7 +224,7 @@ class ZeusClockBackend:
 
     mode: ClockMode = "real"
 
-    def __init__(self, gpu_index: int = 0, zeus_gpus: Any | None = None) -> None:
+    def __init__(self, gpu_index: int = 0, zeus_gpus: GPUs | None = None) -> None:
         self._own_zeus = zeus_gpus is None
         if zeus_gpus is None:
             zeus_gpus = _zeus_gpus()
@@ -220,7 +235,15 @@ class ZeusClockBackend:
             )
         self.gpu_index = gpu_index
         self._gpus = zeus_gpus
-        supported_mhz = self._call("read the supported clocks", zeus_gpus.get_supported_graphics_clocks, gpu_index)
+        # NVML lists the graphics clocks per memory clock (a memory clock is a required argument of
+        # nvmlDeviceGetSupportedGraphicsClocks; Zeus's default None fails in pynvml): those at the
+        # highest memory clock, the one the GPU runs at by default.
+        memory_mhz = self._call("read the supported memory clocks", zeus_gpus.get_supported_memory_clocks, gpu_index)
+        supported_mhz = (
+            self._call("read the supported clocks", zeus_gpus.get_supported_graphics_clocks, gpu_index, max(memory_mhz))
+            if memory_mhz
+            else []
+        )
         self.clock_range_mhz = (min(supported_mhz), max(supported_mhz)) if supported_mhz else None
         self.reset_clock()
 
@@ -248,22 +271,28 @@ class ZeusClockBackend:
     def gpu_key(self) -> str:
         return f"nvidia:{visible_device(self.gpu_index)}"
 
-    def _call(self, what: str, method: Any, *args: Any) -> Any:
-        from zeus.device.gpu import ZeusGPUNoPermissionError
+    def _call(self, what: str, method: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         from zeus.exception import ZeusBaseError
-        from zeus.utils.zeusd import ZeusdAuthError
 
         try:
-            return method(*args)
-        except (ZeusGPUNoPermissionError, ZeusdAuthError) as err:
-            raise ClockPermissionError(
-                f"GPU {self.gpu_index}: this process may not {what} ({type(err).__name__}: {err}). " + _PERMISSION_FIX
-            ) from err
+            return method(*args, **kwargs)
         except ZeusBaseError as err:
-            raise ClockControlError(
-                f"GPU {self.gpu_index}: could not {what} ({type(err).__name__}: {err}). If the "
-                "Zeus daemon is configured (ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT), check that it runs."
-            ) from err
+            raise _clock_error(f"GPU {self.gpu_index}", what, err) from err
+
+
+def _clock_error(gpu: str, what: str, err: Exception) -> ClockControlError:
+    """A Zeus error (Zeus maps each NVML error code to one) as ours: a permission error names the fix."""
+    from zeus.device.gpu.common import ZeusGPUNoPermissionError
+    from zeus.utils.zeusd import ZeusdAuthError
+
+    if isinstance(err, (ZeusGPUNoPermissionError, ZeusdAuthError)):
+        return ClockPermissionError(
+            f"{gpu}: this process may not {what} ({type(err).__name__}: {err}). " + _PERMISSION_FIX
+        )
+    return ClockControlError(
+        f"{gpu}: could not {what} ({type(err).__name__}: {err}). If the "
+        "Zeus daemon is configured (ZEUSD_SOCK_PATH / ZEUSD_HOST_PORT), check that it runs."
+    )
 
 
 def visible_device(gpu_index: int) -> str:
@@ -304,9 +333,10 @@ def reset_clock_from_spec(spec: ResetSpec) -> None:
 _ZEUS_RESET = "from zeus.device import get_gpus; get_gpus().reset_gpu_locked_clocks(0)"
 
 
-def _zeus_gpus() -> Any:
-    from zeus.device import get_gpus
-    from zeus.device.gpu import ZeusGPUInitError
+def _zeus_gpus() -> GPUs:
+    from zeus.device.gpu import get_gpus
+    from zeus.device.gpu.common import ZeusGPUInitError
+    from zeus.exception import ZeusBaseError
 
     try:
         return get_gpus()
@@ -314,6 +344,13 @@ def _zeus_gpus() -> Any:
         raise ClockControlError(
             f"no GPU management library could start ({err}). Real clock control needs an "
             "NVIDIA (NVML) or AMD (amdsmi) GPU driver; use mode='dry-run' or 'simulated' without one"
+        ) from err
+    except ZeusBaseError as err:  # NVML started but listing the GPUs failed
+        raise _clock_error("the GPUs", "open the GPUs' handles", err) from err
+    except ValueError as err:  # Zeus reads CUDA_VISIBLE_DEVICES as integers
+        raise ClockControlError(
+            f"Zeus cannot read CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r} ({err}): it "
+            "takes GPU indices only (no UUIDs); set CUDA_VISIBLE_DEVICES to indices for real clock control"
         ) from err
 
 
@@ -340,7 +377,7 @@ def open_clock_backend(
     state_path: str | Path | None = None,
     clock_range_mhz: tuple[int, int] | None = None,
     fallback: Literal["error", "dry-run"] = "error",
-    zeus_gpus: Any | None = None,
+    zeus_gpus: GPUs | None = None,
 ) -> ClockBackend:
     """The backend for ``mode``.
 

@@ -48,7 +48,7 @@ _PARENT_POLL_S = 0.1
 class ClockGuardian:
     """The controller's handle on a running guardian process."""
 
-    def __init__(self, process: subprocess.Popen) -> None:
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
 
     @property
@@ -57,9 +57,11 @@ class ClockGuardian:
 
     def disarm(self, timeout_s: float = 5.0) -> None:
         """Tell the guardian the clock is restored; it exits without touching the GPU."""
+        stdin = self.process.stdin
         try:
-            self.process.stdin.write(f"{DISARM}\n".encode())
-            self.process.stdin.close()
+            if stdin is not None:  # started with stdin=PIPE, so always a pipe
+                stdin.write(f"{DISARM}\n".encode())
+                stdin.close()
         except (BrokenPipeError, ValueError, OSError):
             pass  # it is gone already
         try:
@@ -86,9 +88,11 @@ def start_guardian(spec: ResetSpec, lock_file: Path | None, timeout_s: float = 6
     process = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True, close_fds=True
     )
-    ready, _, _ = select.select([process.stdout], [], [], timeout_s)
-    line = process.stdout.readline().decode().strip() if ready else ""
-    process.stdout.close()
+    stdout = process.stdout
+    assert stdout is not None, "started with stdout=PIPE"
+    ready, _, _ = select.select([stdout], [], [], timeout_s)
+    line = stdout.readline().decode().strip() if ready else ""
+    stdout.close()
     if line != READY:
         process.kill()
         process.wait()
@@ -135,7 +139,7 @@ def _reset_function(spec: ResetSpec) -> Callable[[], None]:
     if spec.get("kind") != "zeus":
         return lambda: reset_clock_from_spec(spec)
     os.environ["CUDA_VISIBLE_DEVICES"] = str(spec["device"])  # before Zeus reads it
-    from zeus.device import get_gpus
+    from zeus.device.gpu import get_gpus
 
     gpus = get_gpus()
     if len(gpus) != 1:

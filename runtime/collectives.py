@@ -98,7 +98,11 @@ class CollectiveBackends:
             raise CollectiveBackendError(
                 "torch.distributed is not initialised: call init_process_group() before creating CollectiveBackends"
             )
-        self.base_group = dist.group.WORLD if group is None else group
+        if group is None:
+            group = dist.group.WORLD
+            if group is None:  # only while init_process_group is half done
+                raise CollectiveBackendError("torch.distributed has no world group yet")
+        self.base_group = group
         self.ranks = tuple(dist.get_process_group_ranks(self.base_group))
         self.backend = str(dist.get_backend(self.base_group))
         self.enforces_sm_limit = "nccl" in self.backend
@@ -166,13 +170,13 @@ def backends_for(group: dist.ProcessGroup) -> CollectiveBackends:
 
 def create_comm_group(ranks: Sequence[int], backend: str, sm_count: int) -> dist.ProcessGroup | None:
     """A new communicator over ``ranks`` for ``sm_count`` SMs (module docstring); collective over
-    the world. None: use the base group (the fake backend); non-members get a non-member handle."""
+    the world. None: use the base group (the fake backend), or this rank is not in ``ranks``."""
     if backend == "fake":
         return None
     timeout = datetime.timedelta(seconds=_timeout_s)
     if "nccl" not in backend:
-        return dist.new_group(
-            ranks=list(ranks), backend=backend, timeout=timeout, group_desc=f"kareus_comm_sm{sm_count}"
+        return _member_group(
+            dist.new_group(ranks=list(ranks), backend=backend, timeout=timeout, group_desc=f"kareus_comm_sm{sm_count}")
         )
     device_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     if sm_count > device_sms:
@@ -180,13 +184,21 @@ def create_comm_group(ranks: Sequence[int], backend: str, sm_count: int) -> dist
             f"the plan gives a collective {sm_count} SMs but this GPU has {device_sms}: "
             "the plan was made for another GPU"
         )
-    return dist.new_group(
-        ranks=list(ranks),
-        backend="nccl",
-        pg_options=nccl_options_for(sm_count),
-        timeout=timeout,
-        group_desc=f"kareus_comm_sm{sm_count}",
+    return _member_group(
+        dist.new_group(
+            ranks=list(ranks),
+            backend="nccl",
+            pg_options=nccl_options_for(sm_count),
+            timeout=timeout,
+            group_desc=f"kareus_comm_sm{sm_count}",
+        )
     )
+
+
+def _member_group(handle: object) -> dist.ProcessGroup | None:
+    """What ``dist.new_group`` (unannotated) returned: the group, or None for a non-member
+    (torch returns ``GroupMember.NON_GROUP_MEMBER`` there)."""
+    return handle if isinstance(handle, dist.ProcessGroup) else None
 
 
 def prepare_comm_groups(

@@ -56,13 +56,14 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from kareus_fx.capture.node_arguments import decode_arguments
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.errors import KareusError
+from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.workload import (
     CollectiveSpec,
@@ -73,6 +74,9 @@ from kareus_fx.workload import (
     PartitionConfig,
     PartitionType,
 )
+
+if TYPE_CHECKING:  # zeus is imported when a GPU is measured, not at import time
+    from zeus.monitor.energy import ZeusMonitor
 
 logger = logging.getLogger(__name__)
 
@@ -253,11 +257,11 @@ def _proxy_kernel(op: OpCost, device: torch.device) -> Kernel:
 
         backward = op.target == _ATTENTION_BACKWARD
         heads, seq, head_dim = attention_proxy_shape(op.flops, op.bytes, backward)
-        q, k, v, grad = (_random((1, heads, seq, head_dim), torch.bfloat16, device) for _ in range(4))
+        query, key, value, grad = (_random((1, heads, seq, head_dim), torch.bfloat16, device) for _ in range(4))
         scale = head_dim**-0.5
         if backward:
-            return Kernel(op.name, op.target, "proxy", lambda: attention_backward(grad, q, k, v, scale))
-        return Kernel(op.name, op.target, "proxy", lambda: attention(q, k, v, scale))
+            return Kernel(op.name, op.target, "proxy", lambda: attention_backward(grad, query, key, value, scale))
+        return Kernel(op.name, op.target, "proxy", lambda: attention(query, key, value, scale))
     elements = max(1, round(op.bytes / (2 * _FP32_BYTES)))
     src = _random((elements,), torch.float32, device)
     dst = torch.empty_like(src)
@@ -268,7 +272,7 @@ def build_kernel(op: OpCost, device: torch.device | str, table: NodeTable | None
     """Replay ``op`` from its node record in ``table`` when possible, else its kernel proxy."""
     device = torch.device(device)
     record = _record(op, table)
-    if record is not None:
+    if record is not None and table is not None:
         try:
             return _replay_kernel(op, record, table, device)
         except (ValueError, RuntimeError, TypeError, IndexError, AttributeError) as err:
@@ -285,8 +289,10 @@ def _triton_reduce() -> Callable[[torch.Tensor, torch.Tensor, int], None] | None
     except ImportError:
         return None
 
-    @triton.jit
-    def _reduce(dst_ptr, src_ptr, n, BLOCK: tl.constexpr):
+    # A Triton kernel: its parameters are pointers and constexprs, typed by Triton, not Python (and
+    # Triton is not installed where mypy runs: no triton in CPU CI).
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _reduce(dst_ptr, src_ptr, n, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         start = tl.program_id(0) * BLOCK
         step = tl.num_programs(0) * BLOCK
         for offset in range(start, n, step):
@@ -391,7 +397,7 @@ class PartitionReplay:
     device: torch.device
     launch_log: list[str] | None = None
     """When a list, each issued kernel's label is appended (``slot{i}:{name}``, ``collective{j}``)."""
-    _side_stream: Any = None
+    _side_stream: torch.cuda.Stream | None = None
 
     @classmethod
     def build(
@@ -425,7 +431,7 @@ class PartitionReplay:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
 
-    def _issue_collectives(self, comm_sms: int) -> Any:
+    def _issue_collectives(self, comm_sms: int) -> torch.cuda.Event | None:
         if self._side_stream is None:
             for index, collective in enumerate(self.collectives):
                 self._log(f"collective{index}")
@@ -531,7 +537,7 @@ class DeviceProfiler:
         cooldown_tolerance_c: float = 3.0,
         cooldown_timeout_s: float = 120.0,
         idle_temperature_c: float | None = None,
-        zeus_monitor: Any | None = None,
+        zeus_monitor: ZeusMonitor | None = None,
         read_temperature_c: Callable[[], float] | None = None,
     ) -> None:
         spec = gpu_spec(gpu_name)
@@ -647,9 +653,11 @@ class DeviceProfiler:
         times_s = replay.time_s(launch_slot, comm_sms, warmup=self.warmup, repeats=self.repeats)
         time_s = statistics.median(times_s)
         window = f"kareus_profile_{id(replay)}"
-        zeus.begin_window(window)
+        with zeus_errors("read the energy counter at the measurement window's start"):
+            zeus.begin_window(window)
         runs = self._fill_window(replay, launch_slot, comm_sms, time_s)
-        result = zeus.end_window(window)  # synchronises CUDA before reading the counter
+        with zeus_errors("read the energy counter at the measurement window's end"):
+            result = zeus.end_window(window)  # synchronises CUDA before reading the counter
         self.last_window_s = float(result.time)
         energy_j = float(sum(result.gpu_energy.values())) / runs
         static_j = self.static_power_w * time_s
@@ -679,16 +687,20 @@ class DeviceProfiler:
         self.frequency.request(clock_mhz, instruction="device_profiler")
         self.frequency.flush(timeout_s=30.0)
 
-    def _energy_sources(self) -> tuple[Any, Callable[[], float]]:
+    def _energy_sources(self) -> tuple[ZeusMonitor, Callable[[], float]]:
         if self._zeus is None:
-            from zeus.monitor import ZeusMonitor
-
-            self._zeus = ZeusMonitor(gpu_indices=[self.gpu_index], cpu_indices=[])
+            self._zeus = open_zeus_monitor([self.gpu_index])
         if self._read_temperature_c is None:
-            from zeus.device import get_gpus
+            from zeus.device.gpu import get_gpus
 
-            gpus, index = get_gpus(), self.gpu_index
-            self._read_temperature_c = lambda: float(gpus.get_gpu_temperature(index))
+            with zeus_errors("open the GPU's temperature sensor"):
+                gpus, index = get_gpus(), self.gpu_index
+
+            def read_temperature_c() -> float:
+                with zeus_errors("read the GPU's temperature"):
+                    return float(gpus.get_gpu_temperature(index))
+
+            self._read_temperature_c = read_temperature_c
         if not getattr(self._zeus, "gpu_indices", [self.gpu_index]):
             raise DeviceProfilerError("ZeusMonitor sees no GPU: the on-device profiler needs NVML's energy counter")
         return self._zeus, self._read_temperature_c

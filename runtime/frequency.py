@@ -33,22 +33,30 @@ import signal
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kareus_fx.runtime.clock_backends import (
     ClockBackend,
     ClockControlError,
     ClockMode,
+    ResetSpec,
     check_clock_request,
     open_clock_backend,
 )
 from kareus_fx.runtime.clock_guardian import ClockGuardian, start_guardian
 from kareus_fx.runtime.clock_locks import default_lock_dir, lock_path, remove_lock, repair_stale_locks, write_lock
 
+if TYPE_CHECKING:
+    from zeus.device.gpu.common import GPUs
+
 logger = logging.getLogger(__name__)
+
+_SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+"""What ``signal.getsignal`` returns."""
 
 
 class StaleClockLockWarning(RuntimeWarning):
@@ -101,9 +109,9 @@ class FrequencyController:
         self._closing = False
         self._restored = False
         self._worker: threading.Thread | None = None
-        self._previous_sigterm: Any = None
+        self._previous_sigterm: _SignalHandler = None
         self._sigterm_installed = False
-        self._reset_spec = getattr(backend, "reset_spec", lambda: None)()
+        self._reset_spec: ResetSpec | None = getattr(backend, "reset_spec", lambda: None)()
         self._lock_file: Path | None = None
         self.guardian: ClockGuardian | None = None
         """The guardian process, when one runs."""
@@ -136,7 +144,7 @@ class FrequencyController:
         state_path: str | Path | None = None,
         clock_range_mhz: tuple[int, int] | None = None,
         fallback: Literal["error", "dry-run"] = "error",
-        zeus_gpus: Any | None = None,
+        zeus_gpus: GPUs | None = None,
         handle_sigterm: bool = True,
         guard: bool = True,
         lock_dir: str | Path | None = None,
@@ -242,13 +250,15 @@ class FrequencyController:
                 if self._closing:
                     return
                 clock_mhz, seq = self._pending_clock_mhz, self._requested_seq
+                if clock_mhz is None:  # unreachable: the wait returns on a request or on closing
+                    return
                 self._pending_clock_mhz = None
             with self._apply_lock:
                 if self._closing:
                     return
                 if self._worker_error is None and clock_mhz != self._applied_clock_mhz:
                     try:
-                        if self._lock_file is not None:  # recorded first: no locked clock without a record
+                        if self._lock_file is not None and self._reset_spec is not None:  # no lock without a record
                             write_lock(self._lock_file.parent, self.backend.gpu_key(), clock_mhz, self._reset_spec)
                         self.backend.set_clock(clock_mhz)
                         self._applied_clock_mhz = clock_mhz

@@ -34,7 +34,7 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,11 @@ import torch.distributed as dist
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.runtime.collectives import nccl_options_for
 from kareus_fx.runtime.device_profiler import NodeTable, build_kernels, timed_runs
+from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
+
+if TYPE_CHECKING:
+    from zeus.monitor.energy import ZeusMonitor
 
 _BF16_BYTES = 2
 TEST_DEVICE_POWER_W = 100.0
@@ -170,14 +174,17 @@ class RealCollective:
         ops, spec = torch.ops._c10d_functional, self.spec
         name = self.comms.group_for(spec, comm_sms).group_name
         g = spec.group_size
+        out: torch.Tensor  # torch.ops overloads are untyped
         if spec.kind == "all_reduce":
-            return ops.all_reduce(self.buffer, "sum", name)
-        if spec.kind == "all_gather":
-            return ops.all_gather_into_tensor(self.buffer, g, name)
-        if spec.kind == "reduce_scatter":
-            return ops.reduce_scatter_tensor(self.buffer, "sum", g, name)
-        split = [self.buffer.numel() // g] * g
-        return ops.all_to_all_single(self.buffer, split, split, name)
+            out = ops.all_reduce(self.buffer, "sum", name)
+        elif spec.kind == "all_gather":
+            out = ops.all_gather_into_tensor(self.buffer, g, name)
+        elif spec.kind == "reduce_scatter":
+            out = ops.reduce_scatter_tensor(self.buffer, "sum", g, name)
+        else:
+            split = [self.buffer.numel() // g] * g
+            out = ops.all_to_all_single(self.buffer, split, split, name)
+        return out
 
 
 class GroupReplay:
@@ -223,7 +230,7 @@ class EnergyModel:
         static_power_w: float,
         gpu_index: int | None = None,
         min_window_s: float = 5.0,
-        zeus_monitor: Any | None = None,
+        zeus_monitor: ZeusMonitor | None = None,
     ) -> None:
         self.static_power_w = static_power_w
         self.gpu_index = gpu_index
@@ -238,18 +245,18 @@ class EnergyModel:
         self, replay: GroupReplay, launch_slot: int | None, comm_sms: int, rank_time_s: float, group_time_s: float
     ) -> float:
         """This rank's energy of one execution (every rank of the group calls it together)."""
-        if self.test_device:
+        if self.gpu_index is None:  # the test device
             return TEST_DEVICE_POWER_W * rank_time_s
         if self._zeus is None:
-            from zeus.monitor import ZeusMonitor
-
-            self._zeus = ZeusMonitor(gpu_indices=[self.gpu_index], cpu_indices=[])
+            self._zeus = open_zeus_monitor([self.gpu_index])
         runs = max(1, math.ceil(self.min_window_s / group_time_s))  # the same on every rank
         window = f"kareus_group_{id(replay)}"
-        self._zeus.begin_window(window)
+        with zeus_errors("read the energy counter at the measurement window's start"):
+            self._zeus.begin_window(window)
         for _ in range(runs):
             replay.issue(launch_slot, comm_sms)
-        result = self._zeus.end_window(window)
+        with zeus_errors("read the energy counter at the measurement window's end"):
+            result = self._zeus.end_window(window)
         return float(sum(result.gpu_energy.values())) / runs
 
 

@@ -44,7 +44,7 @@ def _pipeline_node(stage: int, instruction: str, microbatch: int) -> PipelineNod
     for name, value in (("stage", stage), ("microbatch", microbatch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ClockScheduleError(f"{name} must be a non-negative integer, got {value!r}")
-    return PipelineNode(stage, instruction, microbatch)  # type: ignore[arg-type]
+    return PipelineNode(stage, instruction, microbatch)
 
 
 class ClockSchedule:

@@ -109,6 +109,7 @@ def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
         "nanobatching",
         "nanobatching+perseus",
         "kareus",
+        "megatron+power-limit",
     }
     with open(small_plan / "frontier.csv") as f:
         rows = list(csv.DictReader(f))

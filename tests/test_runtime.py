@@ -245,6 +245,9 @@ class FakeZeusGPUs:
     def __len__(self) -> int:
         return 1
 
+    def get_supported_memory_clocks(self, gpu_index):
+        return [1593]
+
     def get_supported_graphics_clocks(self, gpu_index, memory_clock_mhz=None):
         return [1980, 1410, 1005, 210]
 

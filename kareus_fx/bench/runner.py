@@ -289,6 +289,9 @@ def _tuner_quality(plan: Mapping[str, Any], dump_root: Path, clock_stride_mhz: i
 
 
 # ----- comparing --------------------------------------------------------------------------------
+ComparisonStatus = Literal["ok", "REGRESSED", "new", "missing"]
+
+
 @dataclass(frozen=True)
 class Comparison:
     """One metric of one case against the baseline."""
@@ -297,7 +300,7 @@ class Comparison:
     metric: str
     baseline: float | None
     value: float | None
-    status: Literal["ok", "REGRESSED", "new", "missing"]
+    status: ComparisonStatus
     tolerance: str
 
 
@@ -318,6 +321,7 @@ def compare(results: Mapping[str, Any], baseline: Mapping[str, Any]) -> list[Com
         for metric in sorted(set(result["metrics"]) | set(base_metrics)):
             rule = RULES.get(metric)
             value, base = result["metrics"].get(metric), base_metrics.get(metric)
+            status: ComparisonStatus
             if metric not in base_metrics:
                 status = "new"
             elif metric not in result["metrics"]:
@@ -443,7 +447,7 @@ def run_bench_command(
                 "its wall metrics are unreliable (rerun on a quieter machine)[/yellow]"
             )
 
-    if update:
+    if baseline is None:  # --update: record the results instead of comparing them
         write_baseline(baseline_path, results)
         if as_json:
             print(json.dumps({"suite": suite_name, "results": results, "updated": str(baseline_path)}))

@@ -43,6 +43,7 @@ from kareus_fx.passes.kernel_groups import group_kernels
 from kareus_fx.passes.nanobatch import NANOBATCH_META, NanobatchResult, graph_communicates, split_nanobatches
 from kareus_fx.passes.nanobatch_labels import label_nanobatches
 from kareus_fx.passes.partitions import GraphPartitioning, partition_graph
+from kareus_fx.workload import GraphName
 
 __all__ = ["compile_autograd", "compile_graph"]
 
@@ -62,8 +63,7 @@ def compile_graph(
     ``inductor``: Inductor generates the code, else the graphs run op by op)."""
     if split is None and nanobatch and graph_communicates(gm, example_inputs):
         split = split_nanobatches(gm, example_inputs)
-    split_made = split is not None and split.split
-    sequence = sequence_input(gm, split.batch_inputs) if split_made else None
+    sequence = sequence_input(gm, split.batch_inputs) if split is not None and split.split else None
     if (
         isinstance(deployment, Deployment)
         and deployment.sizes is None
@@ -114,7 +114,7 @@ def compile_autograd(
     forward_labels: dict[str, int | None] = {}
 
     def compile_aten(
-        name: str, inference: bool = False
+        name: GraphName, inference: bool = False
     ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
         def compiler(aten_gm: torch.fx.GraphModule, aten_inputs: list[Any]) -> Callable[..., Any]:
             with sizes_at(deployment.sizes if deployment is not None else None):
@@ -151,7 +151,7 @@ def compile_autograd(
 
 
 def _schedule_nanobatches(
-    aten_gm: torch.fx.GraphModule, name: str, forward_labels: dict[str, int | None], gpu: GPUSpec
+    aten_gm: torch.fx.GraphModule, name: GraphName, forward_labels: dict[str, int | None], gpu: GPUSpec
 ) -> GraphPartitioning:
     """Label nanobatches, group kernels, find partitions, and reorder the graph to the
     nanobatching issue order.

@@ -23,7 +23,17 @@ from typing import Any
 import torch
 import torch.fx
 
-__all__ = ["UnencodableArgument", "decode_arguments", "encode_arguments"]
+from kareus_fx.errors import UnsupportedGraphError
+
+__all__ = [
+    "NodeArgumentError",
+    "UnencodableArgument",
+    "decode_arguments",
+    "encode_arguments",
+    "int_arg",
+    "node_arg",
+    "tensor_value",
+]
 
 _ENUMS: dict[str, type] = {"layout": torch.layout, "memory_format": torch.memory_format}
 
@@ -101,3 +111,44 @@ def decode_arguments(
         [_decode(a, tensor_for, device) for a in args],
         {str(k): _decode(v, tensor_for, device) for k, v in kwargs.items()},
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Narrowing: fx types every argument as the union of all it can be; a pass that reads an
+# aten op's arguments knows the op's schema, and these check that the graph agrees.
+
+
+class NodeArgumentError(UnsupportedGraphError):
+    """A node's argument or value is not of the kind the op's schema gives it (a graph that a
+    pass does not understand)."""
+
+
+def node_arg(node: torch.fx.Node, pos: int) -> torch.fx.Node:
+    """Positional argument ``pos`` of ``node`` (negative counts from the end) as a graph node,
+    e.g. the tensor input of an aten op. NodeArgumentError when it is missing or a constant."""
+    value = node.args[pos] if -len(node.args) <= pos < len(node.args) else None
+    if not isinstance(value, torch.fx.Node):
+        raise NodeArgumentError(
+            f"{node.name} ({node.target}): argument {pos} is {value!r}, where the op takes a tensor"
+        )
+    return value
+
+
+def int_arg(node: torch.fx.Node, pos: int) -> int:
+    """Positional argument ``pos`` of ``node`` (negative counts from the end) as a Python int,
+    e.g. a collective's group size. NodeArgumentError when it is anything else."""
+    value = node.args[pos] if -len(node.args) <= pos < len(node.args) else None
+    if not isinstance(value, int):
+        raise NodeArgumentError(f"{node.name} ({node.target}): argument {pos} is {value!r}, where the op takes an int")
+    return value
+
+
+def tensor_value(node: torch.fx.Node) -> torch.Tensor:
+    """The (fake) tensor ``node`` produces, from ``node.meta["val"]`` (aten graphs from
+    AOTAutograd carry it). NodeArgumentError when the node has none."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise NodeArgumentError(
+            f"{node.name} ({node.target}): no tensor metadata (meta['val'] is {type(value).__name__})"
+        )
+    return value

@@ -197,8 +197,9 @@ def trace_both_splits(spec: TraceSpec, gpu: str, nanobatched_dir: Path, sequenti
             for stale in Path(out).glob("kareus_graph_*.json"):  # an earlier run's: its graph number may differ
                 stale.unlink()
             options = {"dump_dir": str(out), "gpu": gpu, "nanobatch": split, "inductor": False}
-            outputs = kareus(gm, example_inputs, options=options)(*example_inputs)
-            outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+            # torch types a looked-up backend as CompilerFn(gm, inputs); a registered backend may take more
+            returned = kareus(gm, example_inputs, options=options)(*example_inputs)  # type: ignore[call-arg]
+            outputs = [returned] if isinstance(returned, torch.Tensor) else list(returned)
             differentiable = [o for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad]
             torch.autograd.backward(differentiable, grad_tensors=[torch.empty_like(o) for o in differentiable])
             (path,) = Path(out).glob("kareus_graph_*.json")

@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, ValidationError
 
 __all__ = [
+    "MAX_COUNT",
     "MAX_MAGNITUDE",
+    "Count",
+    "Fail",
+    "Number",
+    "PositiveCount",
     "SchemaModel",
-    "count",
     "error_text",
-    "number",
+    "finite",
+    "int_range",
     "parse_json",
     "read_bounded_text",
 ]
@@ -39,7 +45,14 @@ class SchemaModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
-def _finite_number(low: float, high: float, low_inclusive: bool) -> PlainValidator:
+MAX_COUNT = 2**53
+"""The largest count any field accepts: the largest integer a JSON double holds exactly."""
+
+
+def finite(low: float = 0.0, high: float = MAX_MAGNITUDE, *, low_inclusive: bool = True) -> PlainValidator:
+    """Pydantic metadata for a finite int or float in [low, high] (``(low, high]`` when not
+    ``low_inclusive``), ``bool`` refused: ``Annotated[int | float, finite(...)]``."""
+
     def check(value: Any) -> int | float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"expected a number, got {type(value).__name__}")
@@ -54,17 +67,24 @@ def _finite_number(low: float, high: float, low_inclusive: bool) -> PlainValidat
     return PlainValidator(check)
 
 
-def number(low: float = 0.0, high: float = MAX_MAGNITUDE, *, low_inclusive: bool = True) -> Any:
-    """A finite int or float in [low, high] (``(low, high]`` when not ``low_inclusive``)."""
-    return Annotated[int | float, _finite_number(low, high, low_inclusive)]
+def int_range(low: int = 0, high: int = MAX_COUNT) -> Any:
+    """Pydantic metadata for an integer in [low, high]: ``Annotated[StrictInt, int_range(...)]``
+    (``StrictInt`` refuses ``bool``). ``Any`` because that is what pydantic's ``Field`` returns."""
+    return Field(ge=low, le=high)
 
 
-def count(low: int = 0, high: int = 2**53) -> Any:
-    """An integer (not a bool) in [low, high]."""
-    return Annotated[StrictInt, Field(ge=low, le=high)]
+# The field types used across schemas. They are type aliases (not calls in the annotation) so
+# that mypy checks the models' fields; a schema with other bounds writes its own
+# ``Annotated[StrictInt, int_range(low, high)]`` / ``Annotated[int | float, finite(...)]``.
+Count = Annotated[StrictInt, int_range(0)]
+"""An integer in [0, MAX_COUNT]."""
+PositiveCount = Annotated[StrictInt, int_range(1)]
+"""An integer in [1, MAX_COUNT]."""
+Number = Annotated[int | float, finite()]
+"""A finite number in [0, MAX_MAGNITUDE] (int or float, as the JSON had it)."""
 
 
-def read_bounded_text(path: str | Path, max_bytes: int, error: type[Exception], what: str) -> str:
+def read_bounded_text(path: str | os.PathLike[str], max_bytes: int, error: type[Exception], what: str) -> str:
     """The UTF-8 text of ``path``, refused (``error``) when it is missing, unreadable, not text or
     larger than ``max_bytes`` (checked on the file's size, before reading it)."""
     path = Path(path)
@@ -128,10 +148,17 @@ def error_text(err: ValidationError, source: str) -> str:
     return f"{source}: {where + ': ' if where else ''}{message}{more_text}"
 
 
+Fail = Callable[[str, str], NoReturn]
+"""``fail(field, what is wrong)``: raises the reader's error naming the file, the field and the fix."""
+
+
+Schema = TypeVar("Schema", bound=SchemaModel)
+
+
 def validated_document(
-    schema: type[SchemaModel],
+    schema: type[Schema],
     data: Any,
-    cross_check: Callable[[Any, Callable[[str, str], None]], None],
+    cross_check: Callable[[Schema, Fail], None],
     source: str,
     error: type[Exception],
     fix: str,
@@ -144,7 +171,7 @@ def validated_document(
     except ValidationError as err:
         raise error(f"{error_text(err, source)}; {fix}") from None
 
-    def fail(where: str, what: str) -> None:
+    def fail(where: str, what: str) -> NoReturn:
         raise error(f"{source}: {where}: {what}; {fix}")
 
     cross_check(document, fail)

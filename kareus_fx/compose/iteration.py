@@ -261,6 +261,11 @@ def _heap_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _finite_or_none(value: object) -> int | float | None:
+    """``value`` when it is a finite int or float, else None."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
 def _normalize_options(
     options: Mapping[tuple[int, Instruction], Sequence[OptionLike] | Any],
     unit_time_s: float,
@@ -280,8 +285,8 @@ def _normalize_options(
         if not items:
             raise CompositionError(f"stage {stage} {instruction} has no options")
         for option in items:
-            t, e = getattr(option, "time_s", None), getattr(option, "energy_j", None)
-            if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (t, e)):
+            t, e = _finite_or_none(getattr(option, "time_s", None)), _finite_or_none(getattr(option, "energy_j", None))
+            if t is None or e is None:
                 raise CompositionError(
                     f"stage {stage} {instruction}: option {option!r} needs a finite time_s and energy_j"
                 )
@@ -603,7 +608,7 @@ def _sprint_to_fastest(
     Each plan is a real plan (evaluated exactly by the caller); the walk ends when the critical
     path runs only fastest options, i.e. at the least possible iteration time.
     """
-    plans = []
+    plans: list[np.ndarray] = []
     current = start
     while True:
         _, path = _longest_path(preds, durations_s(current))

@@ -21,12 +21,13 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from kareus_fx.compose.iteration import IterationFrontier, compose_iteration
+from kareus_fx.compose.pipeline import Instruction
 
 __all__ = ["compose_iterations"]
 
 
 def compose_iterations(
-    options_by_name: Mapping[str, Mapping[tuple[int, str], Sequence[Any]]],
+    options_by_name: Mapping[str, Mapping[tuple[int, Instruction], Sequence[Any]]],
     num_microbatches: int,
     *,
     processes: int,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import sympy
 import torch
@@ -152,7 +152,7 @@ def _outside_message(plan: Plan, seqs: tuple[int, ...], length: int, fixed: bool
     )
 
 
-def _raise_no_sequence(plan: Plan) -> None:
+def _raise_no_sequence(plan: Plan) -> NoReturn:
     raise PlanMismatchError(
         f"the plan {plan.source} is bucketed by sequence length, but this graph has no batch input "
         f"laid out [batch, seq, ...] to read the length from (or the nanobatch split fell back); "

@@ -208,7 +208,7 @@ class MicrobatchCursor:
     def __init__(self, stage: int, microbatches: int) -> None:
         self.stage = stage
         self.microbatches = microbatches
-        self._calls = dict.fromkeys(INSTRUCTIONS, 0)
+        self._calls: dict[str, int] = dict.fromkeys(INSTRUCTIONS, 0)
 
     def next(self, instruction: str) -> PipelineNode:
         """The instruction that runs now; a counted one advances the count."""
@@ -219,8 +219,9 @@ class MicrobatchCursor:
 
     def peek(self, instruction: str) -> PipelineNode:
         """The instruction :meth:`next` would return, without counting it."""
-        if self._from_hook(instruction):
-            current = active_step_context().current  # type: ignore[union-attr]
+        context = active_step_context()
+        current = None if context is None else context.current
+        if current is not None and current.instruction == instruction:  # what _from_hook checks
             if current.stage != self.stage or current.microbatch >= self.microbatches:
                 raise PlanMismatchError(
                     f"the pipeline hook runs {current} but this graph was compiled for stage "
@@ -500,7 +501,7 @@ class Deployment:
         )
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
-            self._write_code(deployed)
+            self._write_code(deployed, self.dump_dir)
         return deployed, compiled
 
     def _dispatcher(
@@ -539,20 +540,21 @@ class Deployment:
         """The runtime's SM-limited communicator per (group, SM count); None without a process group."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        from torch.distributed.distributed_c10d import _resolve_process_group
+        from torch._C._distributed_c10d import _resolve_process_group
+        from torch.distributed.distributed_c10d import GroupName
 
         def group_for(group_name: str, comm_sms: int) -> str:
-            return backends_for(_resolve_process_group(group_name)).group_name_for(comm_sms)
+            return backends_for(_resolve_process_group(GroupName(group_name))).group_name_for(comm_sms)
 
         return group_for
 
-    def _write_code(self, deployed: DeployedGraph) -> None:
+    def _write_code(self, deployed: DeployedGraph, dump_dir: Path) -> None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         mbs = "_mb" + "-".join(map(str, deployed.microbatches))
         if self.switching is not None:  # one variant per set of (point, microbatch) runs
             mbs = "_" + "-".join(f"p{point}mb{mb}" for point, mb in deployed.runs)
         split = "" if deployed.nanobatched else "_unsplit"
-        path = self.dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}{mbs}_rank{rank}.py"
+        path = dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}{mbs}_rank{rank}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(deployed.gm.code)
         if deployed.output_code is not None:
@@ -605,12 +607,15 @@ def _tuned_plan(opts: KareusOptions) -> Path:
             "option 'tune' needs 'plan_out' (where to write the plan); with 'tune_request' the tuner plans "
             "that reference model at full size, without it the live graph"
         )
+    tune_request, profiler = opts.tune_request, opts.tune
+    if tune_request is None or profiler is None:  # the backend sends 'tune' alone to LiveTuning
+        raise OptionsError("option 'tune_request' plans a reference model and needs 'tune' (the profiler)")
     known = {f.name for f in dataclasses.fields(PlanRequest)} - {"gpu", "profiler"}
-    unknown = sorted(set(opts.tune_request) - known)
+    unknown = sorted(set(tune_request) - known)
     if unknown:
         raise OptionsError(f"option 'tune_request': unknown field(s) {unknown}; valid: {sorted(known)}")
     try:
-        request = PlanRequest(**opts.tune_request, gpu=opts.gpu, profiler=opts.tune)
+        request = PlanRequest(**tune_request, gpu=opts.gpu, profiler=profiler)
     except TypeError as err:
         raise OptionsError(f"option 'tune_request': {err}") from None
     validate_plan_request(request)

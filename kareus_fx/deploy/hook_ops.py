@@ -36,15 +36,17 @@ the backward may run on an autograd worker thread). One process drives one GPU.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch._library.effects import EffectType
 
 from kareus_fx.compose.pipeline import PipelineNode
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
-from kareus_fx.runtime.streams import CudaStreamTable, StreamTable, make_stream_table
+from kareus_fx.runtime.streams import CudaStreamTable, StreamName, StreamTable, make_stream_table
 
 SEQUENTIAL_LAUNCH_SLOT = -1
 """``launch_slot`` argument of ``comm_launch`` for a partition that runs sequentially."""
@@ -68,7 +70,7 @@ class HookRuntime:
     comm_regions: dict[str, contextlib.ExitStack] = field(default_factory=dict)
     collective: str | None = None
     """The tag of the partition whose collective was last launched or awaited (names a failure)."""
-    log: list[tuple] | None = None
+    log: list[tuple[object, ...]] | None = None
     """When a list (see :func:`recording_hooks`), every hook call appends (op name, args)."""
 
     def table_for(self, tensors: list[Tensor]) -> StreamTable:
@@ -90,7 +92,7 @@ def set_running(node: PipelineNode | None, clock: ClockBinding | None) -> None:
 
 
 @contextlib.contextmanager
-def recording_hooks():
+def recording_hooks() -> Iterator[list[tuple[object, ...]]]:
     """Record every hook call in the block; yields the list (for tests and debugging)."""
     previous, RUNTIME.log = RUNTIME.log, []
     try:
@@ -104,7 +106,7 @@ def _log(*entry: object) -> None:
         RUNTIME.log.append(entry)
 
 
-def _record_streams(table: StreamTable, tensors: list[Tensor], stream: str) -> None:
+def _record_streams(table: StreamTable, tensors: list[Tensor], stream: StreamName) -> None:
     """Keep ``tensors`` alive for ``stream``'s pending work (CUDA caching allocator)."""
     if isinstance(table, CudaStreamTable):
         for tensor in tensors:
@@ -161,7 +163,7 @@ def comm_wait(tag: str, outputs: list[Tensor]) -> None:
 
 for _op in (clock_hook, comm_launch, comm_issued, comm_wait):
     _op.register_fake(lambda *args: None)
-    torch.library._register_effectful_op(_op._qualname, torch.library.EffectType.ORDERED)
+    torch.library._register_effectful_op(_op._qualname, EffectType.ORDERED)
 
 CLOCK_HOOK = torch.ops.kareus.clock_hook.default
 COMM_LAUNCH = torch.ops.kareus.comm_launch.default

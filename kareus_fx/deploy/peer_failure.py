@@ -84,14 +84,15 @@ def _restore_clocks(clock: ClockBinding | None) -> bool:
 
 def _group_ranks(gm: torch.fx.GraphModule, collective_names: Sequence[str]) -> list[int] | None:
     """The global ranks of the first named collective's group, when it can be resolved."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch._C._distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName
 
     nodes = {n.name: n for n in gm.graph.nodes}
     for name in collective_names:
         node = nodes.get(name)
         if node is not None and node.args and isinstance(node.args[-1], str):
             try:
-                return dist.get_process_group_ranks(_resolve_process_group(node.args[-1]))
+                return dist.get_process_group_ranks(_resolve_process_group(GroupName(node.args[-1])))
             except (ValueError, RuntimeError, KeyError):
                 return None
     return None

@@ -200,7 +200,7 @@ class PointSwitcher:
             iteration=self.iteration,
             elapsed_s=time.monotonic() - self._started_s,
             current_index=self.current_index,
-            **signals,  # type: ignore[arg-type]
+            **signals,
         )
 
     # ----- switching ----------------------------------------------------------------------------

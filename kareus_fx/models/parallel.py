@@ -22,12 +22,16 @@ A group of size 1 (``name is None``) makes every function the identity, with no 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from kareus_fx.errors import ParallelConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,11 @@ class ParallelLayout:
         return self.tp * self.cp
 
     @property
-    def tp_group_name(self) -> str | None:
+    def tp_group_name(self) -> GroupName | None:
         return None if self.tp_group is None else self.tp_group.group_name
 
     @property
-    def cp_group_name(self) -> str | None:
+    def cp_group_name(self) -> GroupName | None:
         return None if self.cp_group is None else self.cp_group.group_name
 
     @classmethod
@@ -123,21 +127,21 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, group: GroupName) -> torch.Tensor:
     return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
 
 
-def _all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return _wait(funcol.all_gather_single(x.contiguous(), dim, group))
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
     return _wait(funcol.reduce_scatter_single(x.contiguous(), "sum", dim, group))
 
 
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: GroupName) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
@@ -148,7 +152,7 @@ class _CopyToTP(torch.autograd.Function):
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: GroupName) -> torch.Tensor:
         return _all_reduce(x, group)
 
     @staticmethod
@@ -158,7 +162,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: str, rank: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, group: GroupName, rank: int) -> torch.Tensor:
         ctx.rank = rank
         return _all_gather(x.unsqueeze(0), 0, group)
 
@@ -169,7 +173,7 @@ class _GatherFromTP(torch.autograd.Function):
 
 class _CPAllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dim: int, group: GroupName) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         return _all_gather(x, dim, group)
 
@@ -178,17 +182,17 @@ class _CPAllGather(torch.autograd.Function):
         return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
-def copy_to_tp(x: torch.Tensor, group: str | None) -> torch.Tensor:
+def copy_to_tp(x: torch.Tensor, group: GroupName | None) -> torch.Tensor:
     """Enter a column-parallel region: identity forward, all-reduce of the gradient backward."""
     return x if group is None else _CopyToTP.apply(x, group)
 
 
-def reduce_from_tp(x: torch.Tensor, group: str | None) -> torch.Tensor:
+def reduce_from_tp(x: torch.Tensor, group: GroupName | None) -> torch.Tensor:
     """Leave a row-parallel region: all-reduce (sum) forward, identity backward."""
     return x if group is None else _ReduceFromTP.apply(x, group)
 
 
-def gather_from_tp(x: torch.Tensor, group: str | None, rank: int) -> torch.Tensor:
+def gather_from_tp(x: torch.Tensor, group: GroupName | None, rank: int) -> torch.Tensor:
     """Stack every TP rank's ``x`` on a new dim 0 for a computation replicated across TP.
 
     Backward keeps only this rank's slice of the gradient: every TP rank computes the same
@@ -197,7 +201,7 @@ def gather_from_tp(x: torch.Tensor, group: str | None, rank: int) -> torch.Tenso
     return x.unsqueeze(0) if group is None else _GatherFromTP.apply(x, group, rank)
 
 
-def cp_all_gather(x: torch.Tensor, dim: int, group: str | None) -> torch.Tensor:
+def cp_all_gather(x: torch.Tensor, dim: int, group: GroupName | None) -> torch.Tensor:
     """Concatenate every CP rank's ``x`` along ``dim`` (in CP-rank order).
 
     Backward reduce-scatters: the gathered tensor feeds different computations on each rank

@@ -246,6 +246,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for this CP rank's positions ``cp_rank * seq + [0, seq)``."""
 
+    inv_freq: torch.Tensor  # a buffer (registered in __init__)
+
     def __init__(self, config: ModelConfig, layout: ParallelLayout) -> None:
         super().__init__()
         self.config = config
@@ -290,8 +292,8 @@ class Attention(nn.Module):
         if config.qk_norm:
             # Shared by all heads while each TP rank sees its own heads only: under TP their
             # gradients are partial sums (see Transformer.finalize_grads).
-            self.q_norm = RMSNorm(d, config.norm_eps, dtype)
-            self.k_norm = RMSNorm(d, config.norm_eps, dtype)
+            self.q_norm: RMSNorm | None = RMSNorm(d, config.norm_eps, dtype)
+            self.k_norm: RMSNorm | None = RMSNorm(d, config.norm_eps, dtype)
         else:
             self.q_norm = self.k_norm = None
         self.o_proj = RowParallelLinear(config.num_heads * d, config.hidden_size, layout, std, dtype)
@@ -301,7 +303,7 @@ class Attention(nn.Module):
         d, hq, hkv = self.head_dim, self.local_heads, self.local_kv_heads
         q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
         q, k, v = q.view(mbs, seq, hq, d), k.view(mbs, seq, hkv, d), v.view(mbs, seq, hkv, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q = q.transpose(1, 2)  # [mbs, heads, seq, d]
@@ -388,12 +390,19 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(config, layout)
         self.layers = nn.ModuleList(DecoderLayer(config, layout, dtype, attention) for _ in self.layer_range)
         if stage.is_last:
-            self.norm = RMSNorm(h, config.norm_eps, dtype)
-            self.lm_head = ColumnParallelLinear(h, (config.vocab_size,), layout, std, dtype)
+            self.norm: RMSNorm | None = RMSNorm(h, config.norm_eps, dtype)
+            self.lm_head: ColumnParallelLinear | None = ColumnParallelLinear(
+                h, (config.vocab_size,), layout, std, dtype
+            )
             self.tie_weights()
-            self.loss_fn = VocabParallelCrossEntropy(config.vocab_size, layout)
+            self.loss_fn: VocabParallelCrossEntropy | None = VocabParallelCrossEntropy(config.vocab_size, layout)
         else:
             self.norm = self.lm_head = self.loss_fn = None
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as the :class:`DecoderLayer` s they are (``nn.ModuleList`` yields ``nn.Module``)."""
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
     @property
     def ties_within(self) -> bool:
@@ -407,12 +416,13 @@ class Transformer(nn.Module):
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self._check_inputs(input_ids, labels, hidden)
-        h = self.embed_tokens(input_ids) if self.stage.is_first else hidden
+        h = hidden if self.embed_tokens is None else self.embed_tokens(input_ids)  # the first stage embeds
+        assert h is not None, "_check_inputs lets a stage after the first through only with hidden"
         cos, sin = self.rotary(h.shape[1], h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)
-        if not self.stage.is_last:
-            return h
+        if self.norm is None or self.lm_head is None or self.loss_fn is None:
+            return h  # a stage before the last hands its hidden state on
         return self.loss_fn(self.lm_head(self.norm(h)), labels)
 
     def _check_inputs(self, input_ids, labels, hidden) -> None:
@@ -438,7 +448,7 @@ class Transformer(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head if the config ties them and this stage has both."""
-        if self.ties_within:
+        if self.ties_within and self.lm_head is not None and self.embed_tokens is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def full_parameter_name(self, name: str) -> str:
@@ -507,9 +517,9 @@ class Transformer(nn.Module):
         """
         tp_group, cp_group = self.layout.tp_group, self.layout.cp_group
         if tp_group is not None and self.config.qk_norm:
-            for layer in self.layers:
+            for layer in self.decoder_layers:
                 for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                    if norm.weight.grad is not None:
+                    if norm is not None and norm.weight.grad is not None:
                         dist.all_reduce(norm.weight.grad, group=tp_group)
         if cp_group is not None:
             for p in self.parameters():
@@ -533,7 +543,7 @@ class Transformer(nn.Module):
             raise ParallelConfigError(f"seq={seq} is not divisible by cp={cp}")
         device = torch.device(device) if device is not None else torch.get_default_device()
         chunk = seq // cp
-        dtype = self.layers[0].input_layernorm.weight.dtype
+        dtype = self.decoder_layers[0].input_layernorm.weight.dtype
         hidden_shape = (mbs, chunk, self.config.hidden_size)
         if device.type == "meta":
             ids = torch.empty(mbs, chunk, dtype=torch.long, device=device)
@@ -546,7 +556,7 @@ class Transformer(nn.Module):
             ids = tokens[:, lo : lo + chunk].to(device)
             labels = tokens[:, lo + 1 : lo + chunk + 1].to(device)
             hidden = None if self.stage.is_first else torch.randn(hidden_shape, generator=gen).to(device, dtype)
-        batch = {"input_ids": ids} if self.stage.is_first else {"hidden": hidden.requires_grad_()}
+        batch = {"input_ids": ids} if hidden is None else {"hidden": hidden.requires_grad_()}
         if self.stage.is_last:
             batch["labels"] = labels
         return batch

@@ -118,8 +118,9 @@ def _sequential(graph: Mapping[str, Any], names: Iterable[str] | None = None) ->
     )
 
 
-def _graphs_by_name(dump: Mapping[str, Any], what: str) -> dict[str, Mapping[str, Any]]:
-    graphs = {g["name"]: g for g in dump["graphs"]}
+def _graphs_by_name(dump: Mapping[str, Any], what: str) -> dict[GraphName, Mapping[str, Any]]:
+    """The dump's graphs by name (a loaded dump: its schema holds graph names to ``GraphName``)."""
+    graphs: dict[GraphName, Mapping[str, Any]] = {g["name"]: g for g in dump["graphs"]}
     missing = {"forward", "backward"} - set(graphs)
     if missing:
         raise UnsupportedGraphError(

@@ -58,6 +58,9 @@ differ in the last bit.)"""
 
 _PRICED_KINDS = ("compute", "collective")
 _NODE_FIELDS = ("op", "kind", "shape", "dtype", "flops", "bytes", "bound", "nanobatch")
+NodeKey = tuple[str | bool | None, ...]
+"""A priced node's comparison key: its ``_NODE_FIELDS`` (repr), collective (repr, group name
+left out), partition type, slot (repr), and whether it is leftover work of a partitioned graph."""
 
 
 def slice_pays(num_layers: int) -> bool:
@@ -107,13 +110,11 @@ def added_layer(shorter: Sequence[Hashable], longer: Sequence[Hashable], what: s
     return positions[::-1]
 
 
-def _priced_nodes(
-    graph: Mapping[str, Any], dissolved: frozenset[str]
-) -> tuple[list[Mapping[str, Any]], list[Hashable]]:
+def _priced_nodes(graph: Mapping[str, Any], dissolved: frozenset[str]) -> tuple[list[Mapping[str, Any]], list[NodeKey]]:
     """The graph's computation and collective nodes and their comparison keys, with the
     partitions of the ``dissolved`` types counted as leftover work (as the partition pass's edge
     rule leaves them at full size)."""
-    partition_type = {}
+    partition_type: dict[str, str] = {}
     for partition in graph.get("partitions") or []:
         if partition["type"] in dissolved:
             continue
@@ -171,18 +172,17 @@ def _copies_with_kernels(
         for before, node in pairwise(block)
     ]
     inserted: list[dict[str, Any]] = []
-    previous_kernel = long_nodes[at - 1].get(
-        "kernel"
-    )  # at >= 1: inserted_block refuses 0, the other path follows a node
+    # at >= 1: inserted_block refuses 0, the other path follows a node
+    previous_kernel: str | None = long_nodes[at - 1].get("kernel")
     for copy in range(1, copies + 1):
-        renamed: dict[str, str] = {}
+        renamed: dict[str, str | None] = {}
         for node, joined in zip(block, joins):
             kernel = node.get("kernel")
             if kernel is not None:
                 if joined:
                     renamed[kernel] = previous_kernel
                 renamed.setdefault(kernel, f"{kernel}~{copy}")
-            previous_kernel = renamed.get(kernel)
+            previous_kernel = None if kernel is None else renamed[kernel]
             inserted.append(
                 {**node, "name": f"{node['name']}~{copy}", "inputs": [], "partition": None, "kernel": previous_kernel}
             )

@@ -84,7 +84,8 @@ class LiveTuning:
             sequence_input(gm, self.split.batch_inputs) if self.split is not None and self.split.split else None
         )
         self.tracing = TracingContext.try_get()  # Dynamo's, for a symbolic graph's deployment
-        shape_env = self.tracing.fake_mode.shape_env if self.tracing is not None else None
+        fake_mode = self.tracing.fake_mode if self.tracing is not None else None
+        shape_env = fake_mode.shape_env if fake_mode is not None else None
         self.hints = {sym: int(v) for sym, v in shape_env.var_to_val.items()} if shape_env is not None else {}
 
     def __call__(self, *args: Any) -> Any:
@@ -146,8 +147,8 @@ class LiveTuning:
     def _plan(self, plan_out: Path, work_dir: Path, buckets: tuple[int, ...] | None) -> None:
         from kareus_fx.plan.planner import plan_traced, stage_graphs_from_dumps
 
-        plans = {}
-        for seq in buckets or (None,):
+        def plan_at(seq: int | None) -> dict[str, Any]:
+            """The plan at sequence length ``seq`` (None: the example's)."""
             sizes = None if seq is None else {self.sequence.symbol: seq}  # type: ignore[union-attr]
             work = work_dir if seq is None else work_dir / f"seq{seq}"
             dumps = {split: self._trace(work / "dumps", split, sizes) for split in (True, False)}
@@ -155,8 +156,12 @@ class LiveTuning:
             request = live_plan_request(self.opts, stage, self.split, self.example_inputs, self.gm)
             if seq is not None:
                 request = dataclasses.replace(request, seq=seq)
-            plans[seq] = plan_traced(request, [stage], work, progress=False).data
-        write_plan(plan_out, plans[None] if buckets is None else bucketed_plan_data(plans))
+            return plan_traced(request, [stage], work, progress=False).data
+
+        if buckets is None:
+            write_plan(plan_out, plan_at(None))
+        else:
+            write_plan(plan_out, bucketed_plan_data({seq: plan_at(seq) for seq in buckets}))
 
     def _trace(self, dump_root: Path, split: bool, sizes: Mapping[Any, int] | None) -> Path:
         """Dump the aten forward and backward of the graph (step 1 of the module docstring), on
@@ -187,7 +192,7 @@ class LiveTuning:
         symbols (the others at their hints)."""
         if sizes is None:
             return [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in self.example_inputs]
-        fakes = []
+        fakes: list[Any] = []
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         for node, example in zip(placeholders, self.example_inputs):
             value = node.meta.get("example_value", example)

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kareus_fx.compose.iteration import InstructionOption
 from kareus_fx.compose.microbatch import MicrobatchFrontier, compose_microbatch
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType
+from kareus_fx.workload import Measurement, PartitionConfig, SequenceProfiler
 
 __all__ = [
     "BASELINES",
@@ -46,18 +45,6 @@ METHODS = ("megatron", "megatron+perseus", "nanobatching", "nanobatching+perseus
 BASELINES = METHODS[:-1]
 
 ConfigPoints = Sequence[tuple[PartitionConfig, Measurement]]
-
-
-class SequenceProfiler(Protocol):
-    """A profiler that also measures work run op after op (outside partitions, un-split graphs)."""
-
-    gpu_name: str
-
-    def measure(self, ptype: PartitionType, config: PartitionConfig) -> Measurement: ...
-
-    def measure_sequence(
-        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int
-    ) -> Measurement: ...
 
 
 def _prefetch(profiler: object, **batch: object) -> None:
@@ -94,7 +81,7 @@ def nanobatching_measurements(
     graph: PartitionedGraph,
     outside: Mapping[int, Measurement],
     default_comm_sms: int,
-) -> tuple[dict[int, Measurement], dict[str, ConfigPoints]]:
+) -> tuple[dict[int, Measurement], dict[str, list[tuple[PartitionConfig, Measurement]]]]:
     """Per clock of ``outside``, the nanobatched microbatch with collectives as soon as possible.
 
     Also returns, per partition type, the measured ``(config, measurement)`` points (Kareus reuses

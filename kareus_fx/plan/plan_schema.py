@@ -14,13 +14,21 @@ clock range, fewer SMs than it has), which is what the simulator and the runtime
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Literal
+from typing import Annotated, Literal, NoReturn
 
-from pydantic import StrictBool, StrictStr, field_validator
+from pydantic import StrictBool, StrictInt, StrictStr, field_validator
 
-from kareus_fx.capture.dump_schema import TypeCollective
-from kareus_fx.capture.validated_input import MAX_MAGNITUDE, SchemaModel, count, number
+from kareus_fx.capture.dump_schema import SmallCount, TypeCollective
+from kareus_fx.capture.validated_input import (
+    MAX_MAGNITUDE,
+    Count,
+    Fail,
+    Number,
+    PositiveCount,
+    SchemaModel,
+    finite,
+    int_range,
+)
 from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.errors import UnknownGPUError
 from kareus_fx.workload import GraphName
@@ -28,12 +36,13 @@ from kareus_fx.workload import GraphName
 __all__ = ["BUCKET_FIELDS", "INSTRUCTIONS", "Bucket", "PlanFile", "cross_check", "instruction_key"]
 
 INSTRUCTIONS: tuple[GraphName, ...] = ("forward", "backward")
-Clock = count(1, 100_000)
+Clock = Annotated[StrictInt, int_range(1, 100_000)]
 """MHz."""
-SMs = count(1, 100_000)
-Slot = count(0, 100_000)
-Seconds = number()
-Joules = number()
+SMs = Annotated[StrictInt, int_range(1, 100_000)]
+Slot = Annotated[StrictInt, int_range(0, 100_000)]
+Seconds = Number
+Joules = Number
+SignedNumber = Annotated[int | float, finite(-MAX_MAGNITUDE)]
 Bound = Literal["compute", "memory"]
 
 
@@ -44,17 +53,17 @@ def instruction_key(stage: int, instruction: str) -> str:
 
 class Workload(SchemaModel):
     model: StrictStr
-    tp: count(1)
-    cp: count(1)
-    pp: count(1, 100_000)
-    microbatches: count(1, 1_000_000)
-    mbs: count(1)
-    seq: count(1)
-    layers: count(1) | None
+    tp: PositiveCount
+    cp: PositiveCount
+    pp: Annotated[StrictInt, int_range(1, 100_000)]
+    microbatches: SmallCount
+    mbs: PositiveCount
+    seq: PositiveCount
+    layers: PositiveCount | None
     """None: a plan of a live graph (no reference model, layer count unknown)."""
-    stage_layers: list[count(1)] | None = None
+    stage_layers: list[PositiveCount] | None = None
     """Decoder layers of each pipeline stage (None: a live graph's plan, or a plan older than the field)."""
-    world_size: count(1)
+    world_size: PositiveCount
     preset: StrictStr | None = None
     dtype: StrictStr | None = None
 
@@ -72,14 +81,14 @@ class StageGraphs(SchemaModel):
 
 
 class Stage(SchemaModel):
-    stage: count(0)
+    stage: Count
     graphs: StageGraphs
 
 
 class TypeSlot(SchemaModel):
     ops: list[StrictStr]
-    flops: number()
-    bytes: number()
+    flops: Number
+    bytes: Number
     bound: Bound | None = None
 
 
@@ -89,7 +98,7 @@ class TypePoint(SchemaModel):
     clock_mhz: Clock
     comm_sms: SMs
     launch_slot: Slot | None
-    time_s: number(low_inclusive=False)
+    time_s: Annotated[int | float, finite(low_inclusive=False)]
     energy_j: Joules
     dynamic_energy_j: Joules | None = None
     static_energy_j: Joules | None = None
@@ -97,17 +106,17 @@ class TypePoint(SchemaModel):
 
 
 class Tuning(SchemaModel):
-    space_size: count(0)
-    measured: count(0)
-    fraction_measured: number(0.0, 1.0)
+    space_size: Count
+    measured: Count
+    fraction_measured: Annotated[int | float, finite(0.0, 1.0)]
     stop_reason: StrictStr
-    batches: count(0) | None = None
-    frontier_sources: dict[StrictStr, number()] | None = None
+    batches: Count | None = None
+    frontier_sources: dict[StrictStr, Number] | None = None
 
 
 class PartitionTypeRecord(SchemaModel):
     graph: GraphName
-    count: count(1, 1_000_000)
+    count: SmallCount
     fingerprint: StrictStr
     collective: TypeCollective
     slots: list[TypeSlot]
@@ -143,15 +152,19 @@ class MicrobatchOption(SchemaModel):
 class IterationPoint(SchemaModel):
     time_s: Seconds
     energy_j: Joules
-    choices: dict[StrictStr, list[count(0)]]
+    choices: dict[StrictStr, list[Count]]
     """``"<stage>/<instruction>"`` -> the option index each microbatch runs."""
 
 
 class Method(SchemaModel):
-    frontier: list[list[number()]]
+    frontier: list[list[Number]]
     """``[time_s, energy_j]`` points."""
-    metrics: dict[StrictStr, number(-MAX_MAGNITUDE) | None]
+    metrics: dict[StrictStr, SignedNumber | None]
     """Metric name -> a relative reduction (a fraction; negative: worse), None when undefined."""
+    chosen_power_limit_w: Number | None = None
+    """Megatron-LM + power limit only: the job-wide limit Zeus's selector picks (its frontier)."""
+    power_limits: list[list[Number]] | None = None
+    """Megatron-LM + power limit only: ``[power_limit_w, time_s, energy_j]`` at every limit tried."""
 
     @field_validator("frontier")
     @classmethod
@@ -168,7 +181,7 @@ class Bucket(SchemaModel):
     """One sequence-length bucket of a bucketed plan (``kareus plan --seq 2048,4096,8192``):
     the plan of ``seq`` tokens, for calls of at most ``seq`` tokens longer than the bucket below."""
 
-    seq: count(1)
+    seq: PositiveCount
     stages: list[Stage]
     partition_types: dict[StrictStr, PartitionTypeRecord]
     microbatch_options: dict[StrictStr, list[MicrobatchOption]]
@@ -183,16 +196,16 @@ BUCKET_FIELDS = ("stages", "partition_types", "microbatch_options", "iteration_f
 class Profiling(SchemaModel):
     """What the plan's measurements cost or would cost on the device (``plan/profiling_cost.py``)."""
 
-    measurements: count(0)
-    duplicates: count(0)
-    groups: count(1)
-    gpus_per_group: count(1) | None = None
-    window_s: number() | None = None
-    cooldown_s: number() | None = None
-    wall_s_on_device: number()
-    gpu_hours: number()
+    measurements: Count
+    duplicates: Count
+    groups: PositiveCount
+    gpus_per_group: PositiveCount | None = None
+    window_s: Number | None = None
+    cooldown_s: Number | None = None
+    wall_s_on_device: Number
+    gpu_hours: Number
     device: StrictStr | None = None
-    by_purpose: dict[StrictStr, count(0)] | None = None
+    by_purpose: dict[StrictStr, Count] | None = None
 
 
 class PlanFile(SchemaModel):
@@ -241,7 +254,7 @@ class PlanFile(SchemaModel):
         return points
 
 
-def cross_check(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
+def cross_check(plan: PlanFile, fail: Fail) -> None:
     """Call ``fail(field, what is wrong)`` (which raises) unless the plan's parts agree (each
     bucket of a bucketed plan as a plan of its own)."""
     _cross_check_one(plan, fail)
@@ -254,10 +267,19 @@ def cross_check(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
         fail("buckets", f"the largest bucket ({seqs[-1]}) must be workload.seq ({plan.workload.seq})")
     for i, bucket in enumerate(plan.buckets):
         view = plan.model_copy(update={name: getattr(bucket, name) for name in BUCKET_FIELDS})
-        _cross_check_one(view, lambda where, what, i=i: fail(f"buckets[{i}].{where}", what))
+        _cross_check_one(view, _within(f"buckets[{i}]", fail))
 
 
-def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
+def _within(prefix: str, fail: Fail) -> Fail:
+    """``fail`` with every field named below ``prefix``."""
+
+    def fail_within(where: str, what: str) -> NoReturn:
+        fail(f"{prefix}.{where}", what)
+
+    return fail_within
+
+
+def _cross_check_one(plan: PlanFile, fail: Fail) -> None:
     workload, types = plan.workload, plan.partition_types
     gpu = gpu_spec(plan.gpu)
 
@@ -340,8 +362,8 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
                         f"{where}.configs.{tid}.launch_slot",
                         f"slot {config.launch_slot} outside type {tid}'s {n_slots} slots",
                     )
-            stage, instruction = key.split("/")
-            graph_types = set(getattr(plan.stages[int(stage)].graphs, instruction).partition_types.values())
+            stage_index, instruction = key.split("/")
+            graph_types = set(getattr(plan.stages[int(stage_index)].graphs, instruction).partition_types.values())
             if option.configs is not None and set(option.configs) != graph_types:
                 fail(
                     f"{where}.configs",
@@ -349,11 +371,11 @@ def _cross_check_one(plan: PlanFile, fail: Callable[[str, str], None]) -> None:
                     f"{sorted(graph_types)}, got {sorted(option.configs)}",
                 )
 
-    for p, point in enumerate(plan.iteration_frontier):
+    for p, iteration_point in enumerate(plan.iteration_frontier):
         where = f"iteration_frontier[{p}].choices"
-        if sorted(point.choices) != sorted(keys):
-            fail(where, f"expected exactly the keys {keys}, got {sorted(point.choices)}")
-        for key, indices in point.choices.items():
+        if sorted(iteration_point.choices) != sorted(keys):
+            fail(where, f"expected exactly the keys {keys}, got {sorted(iteration_point.choices)}")
+        for key, indices in iteration_point.choices.items():
             if len(indices) != workload.microbatches:
                 fail(
                     f"{where}.{key}",

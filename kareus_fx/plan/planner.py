@@ -54,6 +54,7 @@ from kareus_fx.compose.iteration import (
     choose_unit_time_s,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
+from kareus_fx.compose.pipeline import INSTRUCTIONS
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
@@ -75,16 +76,18 @@ from kareus_fx.plan.methods import (
 )
 from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
+from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD, PowerLimitPoint, iteration_of, power_limit_curve, zeus_choice
 from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
+from kareus_fx.runtime.clock_backends import parse_clock_mode
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz
-from kareus_fx.workload import GraphName, PartitionType
+from kareus_fx.workload import GraphName, Measurement, PartitionType
 
 __all__ = [
     "LIVE_GRAPH_MODEL",
@@ -514,7 +517,8 @@ def _trace_stages(
         if stage not in sliced:
             continue
         try:
-            paths[stage] = _extend_slices(stage, group.num_layers, *role_slices[group.role], dump_root)
+            short, long = role_slices[group.role]
+            paths[stage] = _extend_slices(stage, group.num_layers, short, long, dump_root)
         except SliceNotRepresentativeError as err:
             warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
     retraced = _run_traces(
@@ -643,7 +647,7 @@ def _profiler_factory(
     tables = _replay_tables(traced)
     device = DeviceProfiler(
         gpu,
-        frequency=FrequencyController.open(req.clock_mode or "real"),
+        frequency=FrequencyController.open(parse_clock_mode(req.clock_mode or "real")),
         tables_by_ops=tables,
         min_window_s=req.device_window_s,
     )
@@ -663,9 +667,9 @@ def _replay_tables(traced: Sequence[StageGraphs]) -> dict[str, NodeTable]:
         by_dump = {kind: node_tables_from_dump(load_dump(path)) for kind, path in stage.dump_paths.items()}
         for name, graph in stage.sequential.items():
             tables[replay_key(graph.ops)] = by_dump["sequential"][name]
-        for name, graph in (stage.partitioned or {}).items():
-            tables[replay_key(graph.outside.ops)] = by_dump["nanobatched"][name]
-            for ptype in graph.ptypes:
+        for name, split in (stage.partitioned or {}).items():
+            tables[replay_key(split.outside.ops)] = by_dump["nanobatched"][name]
+            for ptype in split.ptypes:
                 tables[replay_key(op for slot in ptype.slots for op in slot.ops)] = by_dump["nanobatched"][name]
     return tables
 
@@ -706,6 +710,9 @@ class _Composed:
     iteration: dict[str, IterationFrontier]
     metrics: dict[str, dict[str, float | None]]
     energy_scale: float
+    power_limits: list[PowerLimitPoint]
+    """Megatron-LM under each job-wide power limit (the sixth method's curve); empty when the
+    profiler cannot price power limits."""
 
 
 def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress) -> _Composed:
@@ -722,7 +729,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     baseline_offsets: dict[tuple[int, GraphName], dict[str, int]] = {}
     microbatch: dict[tuple[int, GraphName], MicrobatchFrontier] = {}
     for g, stage in enumerate(traced):
-        for name in ("forward", "backward"):
+        for name in INSTRUCTIONS:
             sequential = sequential_measurements(profiler, stage.sequential[name], clocks)
             options: dict[str, Sequence[Any]] = {
                 "megatron": as_options("megatron", sequential, max_clock),
@@ -772,7 +779,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
                 per_group[(stage_group[s], name)][method], waits_s[(s, name)], spec.blocking_power_w
             )
             for s in range(req.pp)
-            for name in ("forward", "backward")
+            for name in INSTRUCTIONS
         }
         for method in METHODS
     }
@@ -801,22 +808,79 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
-    return _Composed(microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale)
+    curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
+    if curve:
+        chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp)
+        metrics[POWER_LIMIT_METHOD] = frontier_metrics(
+            [(chosen.time_s, chosen.energy_j)], megatron, fronts["megatron+perseus"]
+        )
+    return _Composed(
+        microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale, power_limits=curve
+    )
+
+
+def _power_limit_curve(
+    req: PlanRequest,
+    traced: Sequence[StageGraphs],
+    stage_group: Mapping[int, int],
+    waits_s: Mapping[tuple[int, GraphName], float],
+    spec: GPUSpec,
+    lowest_clock_mhz: int,
+    energy_scale: float,
+) -> list[PowerLimitPoint]:
+    """Megatron-LM's iteration under each job-wide power limit (``power_limit.py``); empty for
+    a profiler that cannot price a power limit (the on-device one never sets it)."""
+    if req.profiler != "simulated":
+        return []
+    gpu = canonical_gpu_name(req.gpu)
+
+    def measure_at(limit_w: int | None, clock_mhz: int = spec.clock_max_mhz) -> dict[tuple[int, str], Measurement]:
+        profiler = SimulatedProfiler(gpu, power_limit_w=limit_w)
+        nodes = {}
+        for s in range(req.pp):
+            for name in ("forward", "backward"):
+                m = profiler.measure_sequence(
+                    traced[stage_group[s]].sequential[name].ops,
+                    traced[stage_group[s]].sequential[name].collectives,
+                    clock_mhz,
+                )
+                wait_s = waits_s[(s, name)]
+                nodes[(s, name)] = Measurement(
+                    m.time_s + wait_s,
+                    m.energy_j + spec.blocking_power_w * wait_s,
+                    m.dynamic_energy_j,
+                    m.static_energy_j + spec.blocking_power_w * wait_s,
+                )
+        return nodes
+
+    floor_s, _ = iteration_of(
+        measure_at(None, lowest_clock_mhz), req.pp, req.microbatches, spec.blocking_power_w, energy_scale
+    )
+    return power_limit_curve(
+        measure_at,
+        tdp_w=spec.tdp_w,
+        floor_time_s=floor_s,
+        pp=req.pp,
+        microbatches=req.microbatches,
+        blocking_power_w=spec.blocking_power_w,
+        energy_scale=energy_scale,
+    )
 
 
 def _send_recv_s(
     req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int], spec: GPUSpec
-) -> dict[tuple[int, str], float]:
+) -> dict[tuple[int, GraphName], float]:
     """Per (stage, instruction), the blocking pipeline send it ends with (``stage_transfer.py``)."""
     if req.pp == 1:
         return {(0, "forward"): 0.0, (0, "backward"): 0.0}
-    missing = [g for g, stage in enumerate(traced) if stage.sent_bytes is None]
+    sent_bytes = {g: stage.sent_bytes for g, stage in enumerate(traced) if stage.sent_bytes is not None}
+    missing = [g for g in range(len(traced)) if g not in sent_bytes]
     if missing:
         raise OptionsError(
             f"a {req.pp}-stage pipeline needs the activation each stage sends on, but the traced "
             f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)"
         )
-    return stage_transfer_s([traced[stage_group[s]].sent_bytes for s in range(req.pp)], req.tp, req.cp, spec)
+    return stage_transfer_s([sent_bytes[stage_group[s]] for s in range(req.pp)], req.tp, req.cp, spec)
 
 
 def _with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> list[Any]:
@@ -979,7 +1043,7 @@ def _plan_data(
     for s in range(req.pp):
         g = stage_group[s]
         graphs = {}
-        for name in ("forward", "backward"):
+        for name in INSTRUCTIONS:
             partitioned = traced[g].partitioned
             graphs[name] = {
                 "fingerprint": (
@@ -998,7 +1062,7 @@ def _plan_data(
     options = {
         instruction_key(s, name): [_option_record(p) for p in kareus.options[(s, name)]]
         for s in range(req.pp)
-        for name in ("forward", "backward")
+        for name in INSTRUCTIONS
     }
     frontier = []
     for point in kareus.points:
@@ -1010,13 +1074,21 @@ def _plan_data(
         frontier.append(
             {"time_s": point.time_s, "energy_j": point.energy_j * composed.energy_scale, "choices": choices}
         )
-    methods = {
+    methods: dict[str, dict[str, Any]] = {
         m: {
             "frontier": [[p.time_s, p.energy_j * composed.energy_scale] for p in composed.iteration[m].points],
             "metrics": composed.metrics[m],
         }
         for m in METHODS
     }
+    if composed.power_limits:
+        chosen = zeus_choice(composed.power_limits, gpus=req.tp * req.cp * req.pp)
+        methods[POWER_LIMIT_METHOD] = {
+            "frontier": [[chosen.time_s, chosen.energy_j]],
+            "metrics": composed.metrics[POWER_LIMIT_METHOD],
+            "chosen_power_limit_w": chosen.power_limit_w,
+            "power_limits": [[p.power_limit_w, p.time_s, p.energy_j] for p in composed.power_limits],
+        }
     live = req.model == LIVE_GRAPH_MODEL
     layers = req.layers if live else _model_layers(req)
     stage_layers = (

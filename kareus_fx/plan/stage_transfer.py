@@ -60,9 +60,14 @@ def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec)
     """Seconds from stage ``sender``'s send to the activation being whole on the next stage."""
     group = tp * cp
     across_nodes = _node_of(sender * group, spec) != _node_of((sender + 1) * group, spec)
-    per_gpu_bytes_per_s = (
-        spec.node_network_bytes_per_s / spec.gpus_per_node if across_nodes else spec.nvlink_bandwidth_bytes_per_s
-    )
+    per_gpu_bytes_per_s = spec.nvlink_bandwidth_bytes_per_s
+    if across_nodes:
+        if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
+            raise OptionsError(
+                f"no node network bandwidth is known for the {spec.name} (node_network_bytes_per_s): a pipeline "
+                f"across nodes cannot price its send/recv; plan for a GPU with a node entry in gpu_specs"
+            )
+        per_gpu_bytes_per_s = spec.node_network_bytes_per_s / spec.gpus_per_node
     send_s = sent_bytes / tp / per_gpu_bytes_per_s
     gather_s = sent_bytes * (tp - 1) / tp / spec.nvlink_bandwidth_bytes_per_s
     return send_s + gather_s
@@ -75,7 +80,8 @@ def stage_transfer_s(
     to the next stage, a backward the activation's gradient to the previous one (``sent_bytes[s]``:
     the boundary tensor stage ``s`` sends on; the last stage's is unused). Zero where nothing is sent."""
     stages = len(sent_bytes)
-    waits = {(s, "forward"): 0.0 for s in range(stages)} | {(s, "backward"): 0.0 for s in range(stages)}
+    waits: dict[tuple[int, Instruction], float] = {(s, "forward"): 0.0 for s in range(stages)}
+    waits |= {(s, "backward"): 0.0 for s in range(stages)}
     for s in range(stages - 1):
         wait_s = link_wait_s(sent_bytes[s], tp, cp, s, spec)
         waits[(s, "forward")] = wait_s

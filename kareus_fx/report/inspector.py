@@ -90,12 +90,23 @@ def print_dump(dump: dict[str, Any], console: Console, title: str) -> None:
 
 # ----- plans or dumps ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Inspected:
-    """A file ``kareus inspect`` read: a plan (``plan`` set) or a graph dump (``dump`` set)."""
+class InspectedPlan:
+    """A plan ``kareus inspect`` read."""
 
     path: Path
-    plan: Plan | None = None
-    dump: dict[str, Any] | None = None
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class InspectedDump:
+    """A graph dump ``kareus inspect`` read (validated, as plain data)."""
+
+    path: Path
+    dump: dict[str, Any]
+
+
+Inspected = InspectedPlan | InspectedDump
+"""A file ``kareus inspect`` read: a plan or a graph dump."""
 
 
 def load_inspectable(path: str | Path) -> Inspected:
@@ -109,14 +120,14 @@ def load_inspectable(path: str | Path) -> Inspected:
     text = read_bounded_text(path, max(MAX_PLAN_BYTES, MAX_DUMP_BYTES), InspectError, "kareus plan or graph dump")
     if _FORMAT_KEY.search(text):
         data = parse_json(text, str(path), PlanFormatError, "kareus plan", "regenerate the plan with `kareus plan`")
-        return Inspected(path, plan=Plan(data=validate_plan(data, str(path)), source=str(path)))
+        return InspectedPlan(path, Plan(data=validate_plan(data, str(path)), source=str(path)))
     data = parse_json(text, str(path), DumpFormatError, "kareus graph dump", "regenerate the dump")
-    return Inspected(path, dump=validate_dump(data, str(path)))
+    return InspectedDump(path, validate_dump(data, str(path)))
 
 
 def print_inspected(item: Inspected, console: Console) -> None:
     """The text summary of a plan or a dump."""
-    if item.plan is not None:
+    if isinstance(item, InspectedPlan):
         print_plan(item.plan, console, title=str(item.path))
     else:
         print_dump(item.dump, console, title=str(item.path))
@@ -124,7 +135,7 @@ def print_inspected(item: Inspected, console: Console) -> None:
 
 def inspected_html(item: Inspected) -> str:
     """A self-contained HTML page: the plan report, or the dump summary and partition types."""
-    if item.plan is not None:
+    if isinstance(item, InspectedPlan):
         return plan_report_html(item.plan)
     console = Console(record=True, width=160, file=io.StringIO())
     print_dump(item.dump, console, title=str(item.path))

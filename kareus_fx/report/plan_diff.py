@@ -148,6 +148,7 @@ def diff_plans(a: Plan, b: Plan) -> list[Change]:
     chosen_a, chosen_b = _chosen(a), _chosen(b)
     per_microbatch: dict[str, dict[int, tuple[tuple[str, str], ...]]] = {}
     for where in sorted(chosen_a.keys() | chosen_b.keys()):
+        found: tuple[tuple[str, str], ...]
         if where not in chosen_a or where not in chosen_b:
             found = (("", "only in " + ("A" if where in chosen_a else "B")),)
         else:

@@ -37,6 +37,7 @@ _METHOD_STYLE = {
     "nanobatching": ("Nanobatching", "tab:gray", "D"),
     "nanobatching+perseus": ("Nanobatching + Perseus", "tab:orange", "^"),
     "kareus": ("Kareus", "tab:green", "v"),
+    "megatron+power-limit": ("Megatron-LM + power limit (Zeus)", "tab:red", "x"),
 }
 
 

@@ -41,10 +41,10 @@ def comm_intervals_s(segments: Sequence[Segment]) -> list[tuple[float, float]]:
     return spans
 
 
-def _compute_bars(segments: Sequence[Segment]) -> list[tuple[float, float, str | None]]:
+def _compute_bars(segments: Sequence[Segment]) -> list[tuple[float, float, str]]:
     """(start, end, kernel name or "gap") of the compute stream, consecutive pieces of one
     kernel merged (the simulator splits a kernel where the collective starts or ends)."""
-    bars: list[tuple[float, float, str | None]] = []
+    bars: list[tuple[float, float, str]] = []
     for seg in segments:
         if seg.compute is None:
             continue

@@ -24,11 +24,15 @@ import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult, exhaustive_search, tune_partition
-from kareus_fx.workload import PartitionType, Profiler
+from kareus_fx.workload import PartitionType, Profiler, SequenceProfiler
+
+if TYPE_CHECKING:
+    from kareus_fx.cost_models.profile_db import CachedProfiler
 
 ProfilerFactory = Callable[[], Profiler]
 
@@ -45,12 +49,12 @@ class CachedProfilerFactory:
     """
 
     db_path: str
-    inner: ProfilerFactory
+    inner: Callable[[], SequenceProfiler]
     kind: str | None = None
     log_path: str | None = None
     run: str = ""
 
-    def __call__(self) -> Profiler:
+    def __call__(self) -> CachedProfiler:
         from kareus_fx.cost_models.profile_db import CachedProfiler, ProfileDB
         from kareus_fx.cost_models.profile_queue import ProfileQueue
 

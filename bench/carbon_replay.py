@@ -1,0 +1,211 @@
+"""Replay a plan's frontier against an hourly grid carbon-intensity trace (issue 31).
+
+The job does a fixed amount of work: as many iterations as Kareus's fastest point runs in
+``--days`` days. Each policy decides every hour which frontier point to run:
+
+- ``always-max-throughput``: Kareus's fastest point, every hour (the reference);
+- ``kareus+carbon``: Kareus's frontier under the carbon signal-budget policy (Chase's idea on
+  Kareus's frontier: ``kareus_fx.policies.signal_budget``), at most ``--slo`` slower;
+- ``perseus-static``: Megatron-LM + Perseus's fastest point, every hour (Perseus's static choice);
+- ``megatron``: Megatron-LM at full power, every hour (what runs without any energy tool);
+- ``chase-power-limit``: Megatron-LM under job-wide power limits (the plan's sixth method's
+  curve), moved by the same signal-budget policy at the same ``--slo``: a Chase-style policy that
+  only scales the power limit.
+
+A knob's own reference is its un-throttled run: Kareus's policy is compared with always-max-
+throughput, the power-limit policy with Megatron-LM at full power; both are also given against
+Megatron-LM. Every time and energy is the plan's: with the simulated profiler, predictions of a
+cost model, not measurements. Carbon is energy x the trace's intensity in the hour it is used.
+
+    python bench/carbon_replay.py --plan plans/qwen/plan.json --trace CISO --slo 0.03 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kareus_fx.plan.plan_format import load_plan
+from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD
+from kareus_fx.policies.base import FrontierPoint
+from kareus_fx.policies.replay import FixedPoint, ReplayResult, replay
+from kareus_fx.policies.signal_budget import SignalBudgetPolicy
+from kareus_fx.policies.signals import HourlyTrace, SignalWarning, load_hourly_trace
+
+TRACES_DIR = Path(__file__).parent / "traces" / "carbon_intensity_eia_2022"
+SHIPPED_TRACES = ("CISO", "ERCO", "PJM")
+
+
+def _points(pairs: Sequence[Sequence[float]]) -> list[FrontierPoint]:
+    return [FrontierPoint(index=i, time_s=float(t), energy_j=float(e)) for i, (t, e) in enumerate(pairs)]
+
+
+def _fastest(points: Sequence[FrontierPoint]) -> FrontierPoint:
+    return min(points, key=lambda p: (p.time_s, p.energy_j))
+
+
+def _trace(name: str) -> HourlyTrace:
+    path = TRACES_DIR / f"{name}.csv" if name in SHIPPED_TRACES else Path(name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SignalWarning)
+        trace = load_hourly_trace(path)
+    for warning in caught:
+        print(f"note: {warning.message}", file=sys.stderr)
+    return trace
+
+
+def _summary(result: ReplayResult, reference: ReplayResult) -> dict[str, float]:
+    return {
+        "time_h": result.time_s / 3600.0,
+        "energy_kwh": result.energy_j / 3.6e6,
+        "carbon_kg": result.carbon_g / 1e3,
+        "time_increase": result.time_s / reference.time_s - 1.0,
+        "energy_reduction": 1.0 - result.energy_j / reference.energy_j,
+        "carbon_reduction": 1.0 - result.carbon_g / reference.carbon_g,
+    }
+
+
+def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetime) -> dict[str, Any]:
+    """Every policy's replay (see the module docstring), as a JSON-ready dict."""
+    plan = load_plan(plan_path)
+    methods: Mapping[str, Any] = plan.data["methods"]
+    if POWER_LIMIT_METHOD not in methods:
+        raise SystemExit(
+            f"{plan_path} has no {POWER_LIMIT_METHOD!r} method (plans made before it, or measured on a GPU): "
+            f"re-run `kareus plan` with the simulated profiler"
+        )
+    kareus = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(plan.frontier)]
+    perseus = _points(methods["megatron+perseus"]["frontier"])
+    megatron = _points(methods["megatron"]["frontier"])
+    limits = methods[POWER_LIMIT_METHOD]["power_limits"]
+    power_limited = _points([(t, e) for _, t, e in limits])
+    trace = _trace(trace_name)
+    work = days * 86400.0 / _fastest(kareus).time_s
+
+    def go(points: Sequence[FrontierPoint], policy: Any) -> ReplayResult:
+        return replay(points, policy, trace, start, work)
+
+    results = {
+        "always-max-throughput": go(kareus, FixedPoint(_fastest(kareus).index)),
+        "kareus+carbon": go(kareus, SignalBudgetPolicy("carbon", slo)),
+        "perseus-static": go(perseus, FixedPoint(_fastest(perseus).index)),
+        "megatron": go(megatron, FixedPoint(_fastest(megatron).index)),
+        "chase-power-limit": go(power_limited, SignalBudgetPolicy("carbon", slo)),
+    }
+    reference, megatron_run = results["always-max-throughput"], results["megatron"]
+    kareus_gain = _summary(results["kareus+carbon"], reference)
+    chase_gain = _summary(results["chase-power-limit"], megatron_run)
+    return {
+        "plan": str(plan_path),
+        "simulated": bool(plan.data.get("simulated")),
+        "trace": trace.name,
+        "trace_replaced_hours": trace.replaced_hours,
+        "start_utc": start.isoformat(),
+        "days_at_max_throughput": days,
+        "slo": slo,
+        "vs_always_max_throughput": {name: _summary(r, reference) for name, r in results.items()},
+        "vs_megatron": {name: _summary(r, megatron_run) for name, r in results.items()},
+        "power_limits_w": [int(limit) for limit, _, _ in limits],
+        "kareus_carbon_beats_chase": (
+            kareus_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
+            and kareus_gain["time_increase"] <= slo + 1e-9
+            and chase_gain["time_increase"] <= slo + 1e-9
+        ),
+        "hourly": {
+            "carbon_g_per_kwh": trace.window(start, len(results["kareus+carbon"].hourly_index)),
+            "kareus+carbon_time_ratio": _time_ratios(results["kareus+carbon"], kareus),
+            "chase-power-limit_w": [int(limits[i][0]) for i in results["chase-power-limit"].hourly_index],
+            "cumulative_carbon_kg": {n: [c / 1e3 for c in r.cumulative_carbon_g] for n, r in results.items()},
+        },
+    }
+
+
+def _time_ratios(result: ReplayResult, points: Sequence[FrontierPoint]) -> list[float]:
+    fastest = _fastest(points).time_s
+    by_index = {p.index: p for p in points}
+    return [by_index[i].time_s / fastest for i in result.hourly_index]
+
+
+def plot(report: Mapping[str, Any], path: Path) -> Path:
+    """Carbon intensity, the chosen points and cumulative carbon over the replay, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hourly = report["hourly"]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), dpi=110, sharex=True)
+    try:
+        axes[0].plot(hourly["carbon_g_per_kwh"], color="tab:brown", linewidth=0.8)
+        axes[0].set_ylabel("gCO2/kWh")
+        axes[0].set_title(
+            f"{report['trace']} from {report['start_utc'][:10]}, slo {100 * report['slo']:.0f}% "
+            f"({'simulated GPU' if report['simulated'] else 'measured plan'})"
+        )
+        axes[1].plot(hourly["kareus+carbon_time_ratio"], color="tab:green", linewidth=0.8, label="Kareus + carbon")
+        axes[1].set_ylabel("time / fastest")
+        twin = axes[1].twinx()
+        twin.plot(hourly["chase-power-limit_w"], color="tab:red", linewidth=0.8, alpha=0.6, label="power limit")
+        twin.set_ylabel("power limit (W)")
+        axes[1].legend(loc="upper left")
+        twin.legend(loc="upper right")
+        for name, series in hourly["cumulative_carbon_kg"].items():
+            axes[2].plot(series, linewidth=1.0, label=name)
+        axes[2].set_ylabel("cumulative kgCO2")
+        axes[2].set_xlabel("hour")
+        axes[2].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def _table(report: Mapping[str, Any]) -> str:
+    lines = [
+        f"{report['trace']}: {report['days_at_max_throughput']:g} days of work at max throughput, slo "
+        f"{100 * report['slo']:.1f}% ({'simulated' if report['simulated'] else 'measured'} plan)",
+        f"{'policy':24} {'time +%':>8} {'energy -%':>10} {'carbon -%':>10}   (vs always-max-throughput)",
+    ]
+    for name, s in report["vs_always_max_throughput"].items():
+        lines.append(
+            f"{name:24} {100 * s['time_increase']:8.2f} {100 * s['energy_reduction']:10.2f} "
+            f"{100 * s['carbon_reduction']:10.2f}"
+        )
+    chase = report["vs_megatron"]["chase-power-limit"]
+    lines.append(
+        f"chase-power-limit vs Megatron-LM at full power: time +{100 * chase['time_increase']:.2f}%, carbon "
+        f"-{100 * chase['carbon_reduction']:.2f}%; Kareus + carbon beats it: {report['kareus_carbon_beats_chase']}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plan", required=True, help="plan.json made by `kareus plan` (simulated profiler)")
+    parser.add_argument("--trace", default="CISO", help=f"{', '.join(SHIPPED_TRACES)} or a CSV path")
+    parser.add_argument("--slo", type=float, default=0.03, help="allowed slowdown, a fraction (default 0.03)")
+    parser.add_argument("--days", type=float, default=30.0, help="work: days at max throughput (default 30)")
+    parser.add_argument("--start", default="2022-01-01", help="UTC date the job starts (default 2022-01-01)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plot", type=Path, help="write the carbon / point / cumulative plot here (PNG)")
+    args = parser.parse_args(argv)
+    start = datetime.fromisoformat(args.start).replace(tzinfo=timezone.utc)
+    report = run(args.plan, args.trace, args.slo, args.days, start)
+    if args.plot:
+        plot(report, args.plot)
+    if args.json:
+        print(json.dumps({k: v for k, v in report.items() if k != "hourly"}, indent=2))
+    else:
+        print(_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

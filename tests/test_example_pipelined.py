@@ -1,0 +1,75 @@
+"""examples/train_pipelined.py run as the README says: `kareus plan ...`, then torchrun with 4 CPU ranks.
+
+Slow (a minute of planning and a compile per stage on 2 cores); its fast sibling is
+tests/test_torch_pipelining.py, which runs the same path (kareus_stage, follow_plan, Schedule1F1B
+over TP2 x PP2) in-process. What can fail: the plan command or the script; each iteration must
+print the plan's clock of every instruction of each stage in 1F1B order, a finite loss, and the
+plan's prediction beside the monitor's measurement; the summary must close the run.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kareus_fx.compose.pipeline import one_f_one_b_order
+from kareus_fx.deploy.deployment import clock_schedule
+from kareus_fx.plan.plan_format import load_plan
+from kareus_fx.runtime.pipeline_hook import PipelineNode
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN_ARGS = (
+    "--model tiny-llama --tp 2 --pp 2 --microbatches 3 --mbs 2 --seq 256 --layers 2 --dtype float32 --clock-stride 120"
+)
+ITERATIONS = 3
+
+
+@pytest.mark.slow
+def test_example_trains_through_torch_pipelining_on_the_plan(tmp_path):
+    kareus = Path(sys.executable).with_name("kareus")
+    subprocess.run([str(kareus), "plan", *PLAN_ARGS.split(), "--out", str(tmp_path)], check=True, timeout=900)
+    plan_path = tmp_path / "plan.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "4",
+            str(ROOT / "examples" / "train_pipelined.py"),
+            "--plan",
+            str(plan_path),
+            "--iterations",
+            str(ITERATIONS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    plan = load_plan(plan_path)
+    point = plan.point_index("max-throughput")
+    schedule = clock_schedule(plan, point)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("iter ")]
+    assert len(lines) == ITERATIONS, run.stdout
+    for line in lines:
+        for stage in range(2):
+            clocks = ast.literal_eval(re.search(rf"stage {stage} clocks (\[[^\]]*\])", line).group(1))
+            assert clocks == [
+                schedule.clock_mhz(PipelineNode(stage, i, mb)) for i, mb in one_f_one_b_order(2, 3, stage)
+            ]
+        assert math.isfinite(float(re.search(r"loss (\S+)", line).group(1)))
+        predicted = plan.frontier[point]
+        assert (
+            f"plan {predicted['time_s'] * 1e3:.2f} ms {predicted['energy_j']:.2f} J, measured energy n/a (no GPU)"
+            in line
+        )
+    assert re.search(rf"summary over iterations 1-{ITERATIONS - 1} .* mean \S+ ms per iteration", run.stdout)
