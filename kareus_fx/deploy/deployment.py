@@ -445,7 +445,7 @@ class Deployment:
         option: Mapping[str, Any],
         partitioning: GraphPartitioning | None,
         plan_types: Mapping[str, str],
-        point: int,
+        point: int | None = None,
     ) -> dict[str, CommSchedule]:
         """Per local partition type: the option's schedule (every type sequential if it is)."""
         if partitioning is None:
@@ -460,7 +460,7 @@ class Deployment:
             if config is None:
                 raise PlanMismatchError(
                     f"the plan {self.plan.source} gives {name} type {plan_types[local]} no schedule at "
-                    f"point {point}; regenerate the plan with `kareus plan`"
+                    f"point {self.point_index if point is None else point}; regenerate the plan with `kareus plan`"
                 )
             result[local] = CommSchedule(comm_sms=config["comm_sms"], launch_slot=config["launch_slot"])
         return result
