@@ -7,6 +7,7 @@ does not call backends eagerly). An unknown key, a wrong type or an unknown GPU 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -16,6 +17,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
 
 if TYPE_CHECKING:
+    from kareus_fx.deploy.switching import PointSwitcher
     from kareus_fx.runtime.frequency import FrequencyController
 
 _OPTION_HELP: dict[str, str] = {
@@ -24,7 +26,8 @@ _OPTION_HELP: dict[str, str] = {
     "nanobatch": "split each microbatch into two nanobatches (bool, default True)",
     "inductor": "Inductor generates the code of the scheduled graphs (bool, default True); False runs them op by op",
     "plan": "plan.json to deploy (str or Path; see kareus_fx/deploy/deployment.py)",
-    "target": "frontier point: 'max-throughput' (default), {'deadline_s': X} or {'energy_budget_j': Y}",
+    "target": "frontier point: 'max-throughput' (default), {'deadline_s': X}, {'energy_budget_j': Y}, "
+    "{'zeus_cost': eta in [0, 1]} or {'max_slowdown': factor >= 1}",
     "stage": "pipeline stage this rank compiles (int, default 0)",
     "tune": "tune at compile time: 'simulated' or 'cuda' (needs plan_out): the live graph, or tune_request's",
     "plan_out": "where 'tune' writes the plan (str or Path)",
@@ -34,8 +37,15 @@ _OPTION_HELP: dict[str, str] = {
     "(list of ints; default: the lengths it has seen)",
     "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
     "power_limit": "deploy the plan as one GPU power limit instead of clocks: 'real' (through Zeus) or 'dry-run'",
+    "switching": "a kareus_fx.deploy.switching.PointSwitcher (it names the plan and target): switch frontier "
+    "points between iterations",
 }
-_TARGET_KEYS = ("deadline_s", "energy_budget_j")
+_TARGET_VALUE_OK = {
+    "deadline_s": lambda v: v > 0,
+    "energy_budget_j": lambda v: v > 0,
+    "zeus_cost": lambda v: 0 <= v <= 1,  # eta_knob
+    "max_slowdown": lambda v: v >= 1,  # factor
+}
 _TUNE_PROFILERS = ("simulated", "cuda")
 
 
@@ -57,6 +67,7 @@ class KareusOptions:
     tune_seq: tuple[int, ...] | None = None
     clock_controller: FrequencyController | None = None
     power_limit: Literal["real", "dry-run"] | None = None
+    switching: PointSwitcher | None = None
 
     @classmethod
     def from_user(cls, options: Any) -> KareusOptions:
@@ -156,19 +167,47 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
         if options.get("plan") is None:
             raise OptionsError("option 'power_limit' deploys a plan's power-limit curve: give option 'plan' too")
         values["power_limit"] = options["power_limit"]
+    if options.get("switching") is not None:
+        values.update(_switching_options(options, values))
     return values
+
+
+def _switching_options(options: Mapping[str, Any], values: Mapping[str, Any]) -> dict[str, Any]:
+    """The PointSwitcher names the plan and the target; option 'target', if given, must agree
+    (option 'plan' is checked against the switcher's plan when the deployment loads it)."""
+    from kareus_fx.deploy.switching import PointSwitcher
+
+    switcher = options["switching"]
+    if not isinstance(switcher, PointSwitcher):
+        raise OptionsError(
+            "option 'switching' must be a kareus_fx.deploy.switching.PointSwitcher "
+            f"(e.g. PointSwitcher('plan.json', candidates=5)), got {type(switcher).__name__}"
+        )
+    for other in ("tune", "power_limit"):
+        if other in values:
+            raise OptionsError(
+                f"option 'switching' deploys the switcher's plan's clocks; it cannot be combined with {other!r}"
+            )
+    if "target" in values and values["target"] != switcher.target:
+        raise OptionsError(
+            f"option 'target' {values['target']!r} differs from the PointSwitcher's target {switcher.target!r}; "
+            "give the target to the PointSwitcher only"
+        )
+    return {"switching": switcher, "target": switcher.target}
 
 
 def _target(target: Any) -> str | dict[str, float]:
     if target == "max-throughput":
         return target
-    if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in _TARGET_KEYS:
+    if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in _TARGET_VALUE_OK:
         ((key, value),) = target.items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if numeric and _TARGET_VALUE_OK[key](value):
             return {key: float(value)}
     raise OptionsError(
         f"option 'target' must be 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}} "
-        f"with a positive number, got {target!r}"
+        f"with a positive number, {{'zeus_cost': eta}} with 0 <= eta <= 1 or {{'max_slowdown': factor}} "
+        f"with factor >= 1, got {target!r}"
     )
 
 

@@ -55,3 +55,26 @@ def small_real_plan(tmp_path_factory):
     )
     outcome = make_plan(request, root / "work", progress=False)
     return write_plan(root / "plan.json", outcome.data), root / "work"
+
+
+TINY_TP2_WORKLOAD = {
+    "model": "tiny-llama",
+    "tp": 2,
+    "cp": 1,
+    "pp": 1,
+    "microbatches": 2,
+    "mbs": 2,
+    "seq": 256,
+    "layers": 1,
+}
+"""The workload of :func:`tiny_tp2_plan_data`."""
+
+
+@pytest.fixture(scope="session")
+def tiny_tp2_plan_data(tmp_path_factory):
+    """The data of a real fp32 plan of :data:`TINY_TP2_WORKLOAD` (simulated GPU), planned once per
+    session (about 15 s): the run-time switching tests give it frontiers of their own."""
+    from kareus_fx.plan.planner import PlanRequest, make_plan
+
+    request = PlanRequest(**TINY_TP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
+    return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data

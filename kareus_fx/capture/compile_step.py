@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch._functorch.config
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -137,14 +138,18 @@ def compile_autograd(
 
         return compiler
 
-    return aot_autograd(
-        fw_compiler=compile_aten("forward"),
-        bw_compiler=compile_aten("backward"),
-        inference_compiler=compile_aten("forward", inference=True),
-        decompositions=select_decomp_table(),
-        partition_fn=min_cut_rematerialization_partition,
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    # A switching deployment compiles every candidate's variants now: aot_autograd would compile
+    # the backward at its first call, i.e. during training at the first switch to a new graph.
+    compile_backward_now = deployment is not None and deployment.switching is not None
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=compile_backward_now):
+        return aot_autograd(
+            fw_compiler=compile_aten("forward"),
+            bw_compiler=compile_aten("backward"),
+            inference_compiler=compile_aten("forward", inference=True),
+            decompositions=select_decomp_table(),
+            partition_fn=min_cut_rematerialization_partition,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
 
 
 def _schedule_nanobatches(

@@ -46,6 +46,14 @@
    the collective, after restoring this rank's clock. Un-split graphs communicate over the
    model's own groups, whose timeout is the one given to ``init_process_group`` / ``new_group``.
 
+7. Point switching: with ``options["switching"]`` (a
+   :class:`~kareus_fx.deploy.switching.PointSwitcher`, which names the plan, the target and the
+   candidate points) step 3 compiles the variants of every candidate point once (a variant two
+   points share is compiled once), and every call dispatches to the variant, clock and split of
+   the switcher's current point; the switcher changes the point at iteration boundaries, on all
+   ranks of the pipeline at once. With the switcher's ``group`` (one data-parallel replica's
+   ranks), step 1 checks the plan's world size against that group.
+
 Known limitations: the forward and backward of one microbatch come from the same graph (split
 or not), but the plan chooses their options independently; where they disagree the backward
 follows its forward (an un-split forward's backward runs un-split at its planned clock; a split
@@ -71,7 +79,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -100,6 +108,9 @@ from kareus_fx.plan.plan_format import Plan, Target, load_plan, write_plan
 from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
+
+if TYPE_CHECKING:
+    from kareus_fx.deploy.switching import PointSwitcher
 
 Codegen = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 """Compiles one aten graph into a boxed callable (Inductor's inner compile or op by op)."""
@@ -138,6 +149,8 @@ class DeployedGraph:
     """False: the un-split graph of the microbatches whose option is sequential."""
     output_code: str | None = None
     """Inductor's generated source of ``gm`` (None with ``options={"inductor": False}``)."""
+    runs: tuple[tuple[int, int], ...] = ()
+    """The (frontier point, microbatch) pairs that run this variant."""
 
 
 _DEPLOYED: list[DeployedGraph] = []
@@ -229,6 +242,10 @@ class MicrobatchCursor:
         microbatch = self._calls[instruction] % self.microbatches
         return PipelineNode(self.stage, instruction, microbatch)  # type: ignore[arg-type]
 
+    def at_iteration_boundary(self) -> bool:
+        """True when every counted instruction has run a whole number of iterations."""
+        return all(count % self.microbatches == 0 for count in self._calls.values())
+
     @staticmethod
     def _from_hook(instruction: str) -> bool:
         context = active_step_context()
@@ -247,41 +264,73 @@ class Deployment:
     sizes: Mapping[Any, int] | None = None
     """Shape symbol -> value at which a symbolic graph is analysed and checked (a bucket's
     sequence length, ``deploy/buckets.py``); None: at the hints of the compiled call."""
+    switching: PointSwitcher | None = None
+    """Run-time point switching (``deploy/switching.py``): variants are compiled for each of its
+    candidate points and every call runs its current point; None: ``point_index`` only."""
     cursor: MicrobatchCursor = field(init=False)
     unsplit: frozenset[int] = field(init=False)
-    """Microbatches whose forward option is sequential: they run the un-split graph."""
+    """Microbatches whose forward option is sequential at some point compiled: the un-split graph
+    is compiled for them."""
+    unsplit_at: Mapping[int, frozenset[int]] = field(init=False)
+    """Per compiled point: the microbatches that run the un-split graph there."""
+    clocks: Mapping[int, ClockBinding | None] = field(init=False)
+    """Per compiled point: what its clock hooks request from (``clock``'s controller)."""
 
     def __post_init__(self) -> None:
         microbatches = self.plan.workload["microbatches"]
         self.cursor = MicrobatchCursor(self.stage, microbatches)
-        self.unsplit = frozenset(mb for mb in range(microbatches) if self._option("forward", mb)["sequential"])
-        disagree = [
-            mb for mb in range(microbatches) if self._option("backward", mb)["sequential"] != (mb in self.unsplit)
-        ]
-        if disagree:
-            warnings.warn(
-                f"the plan {self.plan.source} runs the forward and backward of microbatch(es) {disagree} "
-                f"of stage {self.stage} one split and one un-split at point {self.point_index}; a backward "
-                f"comes from its forward's graph, so each runs at its planned clock, un-split after an "
-                f"un-split forward and nanobatched with every partition sequential otherwise, not as priced",
-                PlanDeviationWarning,
-                stacklevel=2,
-            )
+        points = (self.point_index,) if self.switching is None else self.switching.candidate_indices
+        controller = None if self.clock is None else self.clock.controller
+        self.clocks = {p: clock_binding(self.plan, p, controller) for p in points}
+        self.unsplit_at = {
+            p: frozenset(mb for mb in range(microbatches) if self._option("forward", mb, p)["sequential"])
+            for p in points
+        }
+        self.unsplit = frozenset().union(*self.unsplit_at.values())
+        for point, unsplit in self.unsplit_at.items():
+            disagree = [
+                mb for mb in range(microbatches) if self._option("backward", mb, point)["sequential"] != (mb in unsplit)
+            ]
+            if disagree:
+                warnings.warn(
+                    f"the plan {self.plan.source} runs the forward and backward of microbatch(es) {disagree} "
+                    f"of stage {self.stage} one split and one un-split at point {point}; a backward "
+                    f"comes from its forward's graph, so each runs at its planned clock, un-split after an "
+                    f"un-split forward and nanobatched with every partition sequential otherwise, not as priced",
+                    PlanDeviationWarning,
+                    stacklevel=2,
+                )
+        if self.switching is not None:
+            self.switching.attach(self)
 
-    def _option(self, name: str, microbatch: int) -> Mapping[str, Any]:
-        return self.plan.option(self.point_index, self.stage, name, microbatch)
+    def running_point(self) -> int:
+        """The frontier point the running iteration follows."""
+        return self.point_index if self.switching is None else self.switching.current_index
+
+    def _option(self, name: str, microbatch: int, point: int | None = None) -> Mapping[str, Any]:
+        return self.plan.option(self.point_index if point is None else point, self.stage, name, microbatch)
 
     @classmethod
     def from_options(cls, opts: KareusOptions) -> Deployment | None:
         """The deployment ``opts`` ask for (tuning first when asked), or None without a plan."""
         path = _tuned_plan(opts) if opts.tune is not None else opts.plan
-        if path is None:
+        if opts.switching is not None:
+            plan = opts.switching.plan_for(path)
+        elif path is None:
             return None
-        plan = load_plan(path)
+        else:
+            plan = load_plan(path)
         _check_plan_fits(plan, opts)
         point = plan.point_index(opts.target)
         clock = clock_binding(plan, point, opts.clock_controller)
-        return cls(plan=plan, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir)
+        return cls(
+            plan=plan,
+            point_index=point,
+            stage=opts.stage,
+            clock=clock,
+            dump_dir=opts.dump_dir,
+            switching=opts.switching,
+        )
 
     def compile(
         self,
@@ -303,26 +352,30 @@ class Deployment:
         stage_graph = self.plan.data["stages"][self.stage]["graphs"][name]
         self._check_layout(name, gm)
         self._check_fingerprint(name, gm, partitioning, stage_graph, unsplit=bool(unsplit))
-        runs_here = [mb for mb in range(self.cursor.microbatches) if unsplit is None or (mb in self.unsplit) == unsplit]
-        variant_of: dict[int, str] = {}
+        variant_of: dict[tuple[int, int], str] = {}  # (point, microbatch) -> its variant's key
         schedules: dict[str, dict[str, CommSchedule]] = {}
-        for mb in runs_here:
-            per_type = self._schedules(name, self._option(name, mb), partitioning, stage_graph["partition_types"])
-            key = json.dumps({t: dataclasses.astuple(s) for t, s in sorted(per_type.items())})
-            schedules.setdefault(key, per_type)
-            variant_of[mb] = key
+        for point, point_unsplit in self.unsplit_at.items():
+            for mb in range(self.cursor.microbatches):
+                if unsplit is not None and (mb in point_unsplit) != unsplit:
+                    continue
+                option = self._option(name, mb, point)
+                per_type = self._schedules(name, option, partitioning, stage_graph["partition_types"], point)
+                key = json.dumps({t: dataclasses.astuple(s) for t, s in sorted(per_type.items())})
+                schedules.setdefault(key, per_type)
+                variant_of[(point, mb)] = key
         variants = {}
         for key, per_type in schedules.items():
-            microbatches = tuple(mb for mb, k in variant_of.items() if k == key)
+            runs = tuple(sorted(run for run, k in variant_of.items() if k == key))
             variants[key] = self._compile_variant(
                 name,
                 gm,
                 partitioning,
                 per_type,
-                microbatches,
+                tuple(sorted({mb for _, mb in runs})),
                 example_inputs,
                 codegen,
                 nanobatched=partitioning is not None,
+                runs=runs,
             )
         return self._dispatcher(name, variants, variant_of)
 
@@ -330,10 +383,10 @@ class Deployment:
         """The Dynamo-level callable: per call, the un-split graph for the microbatches whose
         forward runs un-split, the nanobatched graph otherwise (and under ``torch.no_grad``).
         Both take the graph's inputs as positional arguments (what aot_autograd returns)."""
-        cursor, runs_unsplit = self.cursor, self.unsplit
+        cursor, unsplit_at = self.cursor, self.unsplit_at
 
         def run(*args: Any) -> Any:
-            if torch.is_grad_enabled() and cursor.peek("forward").microbatch in runs_unsplit:
+            if torch.is_grad_enabled() and cursor.peek("forward").microbatch in unsplit_at[self.running_point()]:
                 return unsplit(*args)
             return nanobatched(*args)
 
@@ -402,6 +455,7 @@ class Deployment:
         option: Mapping[str, Any],
         partitioning: GraphPartitioning | None,
         plan_types: Mapping[str, str],
+        point: int | None = None,
     ) -> dict[str, CommSchedule]:
         """Per local partition type: the option's schedule (every type sequential if it is)."""
         if partitioning is None:
@@ -416,7 +470,7 @@ class Deployment:
             if config is None:
                 raise PlanMismatchError(
                     f"the plan {self.plan.source} gives {name} type {plan_types[local]} no schedule at "
-                    f"point {self.point_index}; regenerate the plan with `kareus plan`"
+                    f"point {self.point_index if point is None else point}; regenerate the plan with `kareus plan`"
                 )
             result[local] = CommSchedule(comm_sms=config["comm_sms"], launch_slot=config["launch_slot"])
         return result
@@ -433,6 +487,7 @@ class Deployment:
         codegen: Codegen,
         *,
         nanobatched: bool,
+        runs: tuple[tuple[int, int], ...],
     ) -> tuple[DeployedGraph, Callable[..., Any]]:
         if partitioning is None:
             variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
@@ -452,6 +507,7 @@ class Deployment:
             partitions=tuple(summary),
             nanobatched=nanobatched,
             output_code=getattr(compiled, "source_code", None),
+            runs=runs,
         )
         _DEPLOYED.append(deployed)
         if self.dump_dir is not None:
@@ -459,13 +515,17 @@ class Deployment:
         return deployed, compiled
 
     def _dispatcher(
-        self, name: str, variants: Mapping[str, tuple[DeployedGraph, Callable[..., Any]]], variant_of: Mapping[int, str]
+        self,
+        name: str,
+        variants: Mapping[str, tuple[DeployedGraph, Callable[..., Any]]],
+        variant_of: Mapping[tuple[int, int], str],
     ) -> Callable[..., Any]:
-        cursor, clock = self.cursor, self.clock
+        cursor, clocks = self.cursor, self.clocks
 
         def run(args: list[Any]) -> Any:
             node = cursor.next(name)
-            key = variant_of.get(node.microbatch)
+            point = self.running_point()
+            key = variant_of.get((point, node.microbatch))
             if key is None:
                 raise PlanMismatchError(
                     f"{node} ran a graph the plan does not give that microbatch (split vs un-split): "
@@ -473,6 +533,7 @@ class Deployment:
                     f"counts calls and expects each microbatch's forward then its backward in order; "
                     f"drive other orders with StepContext and next_instruction()"
                 )
+            clock = clocks[point]
             set_running(node, clock)
             deployed, compiled = variants[key]
             try:
@@ -499,9 +560,11 @@ class Deployment:
 
     def _write_code(self, deployed: DeployedGraph, dump_dir: Path) -> None:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        mbs = "-".join(map(str, deployed.microbatches))
+        mbs = "_mb" + "-".join(map(str, deployed.microbatches))
+        if self.switching is not None:  # one variant per set of (point, microbatch) runs
+            mbs = "_" + "-".join(f"p{point}mb{mb}" for point, mb in deployed.runs)
         split = "" if deployed.nanobatched else "_unsplit"
-        path = dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}_mb{mbs}_rank{rank}.py"
+        path = dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}{mbs}_rank{rank}.py"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(deployed.gm.code)
         if deployed.output_code is not None:
@@ -550,10 +613,13 @@ def _check_plan_fits(plan: Plan, opts: KareusOptions) -> None:
             f"GPU, or re-plan with `kareus plan --gpu {opts.gpu}`"
         )
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    job = "this job runs"
+    if opts.switching is not None and opts.switching.group is not None:  # one replica of several
+        world, job = dist.get_world_size(opts.switching.group), "this pipeline (the PointSwitcher's group) has"
     if world != workload["world_size"]:
         raise PlanMismatchError(
             f"world size differs: the plan {plan.source} was made for {workload['world_size']} processes "
-            f"(tp={workload['tp']} x cp={workload['cp']} x pp={workload['pp']}) but this job runs {world}; "
+            f"(tp={workload['tp']} x cp={workload['cp']} x pp={workload['pp']}) but {job} {world}; "
             f"launch {workload['world_size']} processes or re-plan with `kareus plan` for {world}"
         )
     num_stages = plan_num_stages(workload)

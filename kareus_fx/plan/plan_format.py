@@ -76,7 +76,9 @@ class PlanFormatError(KareusError, ValueError):
 
 
 Target = str | Mapping[str, float]
-"""``"max-throughput"``, ``{"deadline_s": X}`` or ``{"energy_budget_j": Y}``."""
+"""``"max-throughput"``, ``{"deadline_s": X}``, ``{"energy_budget_j": Y}``, ``{"zeus_cost": eta}``
+(Zeus's time-energy cost, ``eta_knob`` in [0, 1]) or ``{"max_slowdown": factor}`` (the least
+energy at most ``factor`` x slower than the fastest point): :mod:`kareus_fx.policies.objectives`."""
 
 
 @dataclass(frozen=True)
@@ -129,11 +131,15 @@ class Plan:
         """The frontier point ``target`` selects (see :data:`Target`).
 
         A deadline picks the least-energy point finishing by it; a budget the fastest point
-        within it. Raises :class:`PlanFormatError` when no point meets the target.
+        within it; ``zeus_cost`` and ``max_slowdown`` as Zeus's selectors of the same names (the
+        cost's maximum power is the GPU's TDP x the plan's world size). Raises
+        :class:`PlanFormatError` when no point meets the target or its value is out of range.
         """
         points = self.frontier
         if target == "max-throughput":
             return min(range(len(points)), key=lambda i: (points[i]["time_s"], points[i]["energy_j"]))
+        if isinstance(target, Mapping) and len(target) == 1 and next(iter(target)) in ("zeus_cost", "max_slowdown"):
+            return self._objective_point(target)
         # (limited field, optimised field, what the limit is, its unit)
         rules = {
             "deadline_s": ("time_s", "energy_j", "meets the deadline", "s"),
@@ -151,8 +157,25 @@ class Plan:
                 )
             return min(ok, key=lambda i: (points[i][optimised], points[i][limited]))
         raise PlanFormatError(
-            f"target must be 'max-throughput', {{'deadline_s': X}} or {{'energy_budget_j': Y}}, got {target!r}"
+            f"target must be 'max-throughput', {{'deadline_s': X}}, {{'energy_budget_j': Y}}, "
+            f"{{'zeus_cost': eta}} or {{'max_slowdown': factor}}, got {target!r}"
         )
+
+    def _objective_point(self, target: Mapping[str, float]) -> int:
+        """``{"zeus_cost": eta}`` or ``{"max_slowdown": factor}`` (see :data:`Target`)."""
+        from kareus_fx.cost_models.hardware import gpu_spec
+        from kareus_fx.policies.base import FrontierPoint
+        from kareus_fx.policies.objectives import ObjectiveError, max_slowdown_point, zeus_cost_point
+
+        points = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(self.frontier)]
+        ((key, value),) = target.items()
+        try:
+            if key == "zeus_cost":
+                max_power_w = gpu_spec(self.gpu).tdp_w * self.workload["world_size"]
+                return zeus_cost_point(points, value, max_power_w).index
+            return max_slowdown_point(points, value).index
+        except ObjectiveError as err:
+            raise PlanFormatError(f"target {dict(target)!r}: {err}") from None
 
     def option(self, point_index: int, stage: int, instruction: str, microbatch: int) -> Mapping[str, Any]:
         """The microbatch option (clock, per-type configs) a node runs at a frontier point."""

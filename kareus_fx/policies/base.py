@@ -45,9 +45,15 @@ class Observation:
     current_index: int
     """The frontier index the iteration that just ended ran."""
     slowest_replica_time_s: float | None = None
+    """The slowest data-parallel replica's iteration time (as :mod:`~kareus_fx.policies.straggler`
+    reports it: normalised to the straggler policy's base point)."""
     carbon_intensity_g_per_kwh: float | None = None
     price_per_kwh: float | None = None
     power_budget_w: float | None = None
+    fastest_replica_time_s: float | None = None
+    """The fastest replica's iteration time, normalised as ``slowest_replica_time_s``."""
+    replica_time_s: float | None = None
+    """This replica's iteration time, normalised as ``slowest_replica_time_s``."""
 
 
 class Policy(Protocol):
