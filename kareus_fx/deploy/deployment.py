@@ -91,6 +91,7 @@ from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.deploy.hook_ops import ClockBinding, set_running
 from kareus_fx.deploy.peer_failure import is_collective_failure, peer_failure
+from kareus_fx.deploy.plan_clocks import clock_schedule, plan_num_stages
 from kareus_fx.errors import KareusError, OptionsError
 from kareus_fx.models.recompute import checkpoint_regions
 from kareus_fx.passes.analysis import META_KEY
@@ -107,7 +108,7 @@ from kareus_fx.plan.graph_workload import graph_fingerprint
 from kareus_fx.plan.plan_format import Plan, Target, load_plan, write_plan
 from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
 from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
+from kareus_fx.runtime.pipeline_hook import active_step_context
 
 if TYPE_CHECKING:
     from kareus_fx.deploy.switching import PointSwitcher
@@ -180,29 +181,6 @@ def prepare_collectives(
     sm_counts = plan.comm_sm_counts(plan.point_index(target))
     prepare_comm_groups(sm_counts, groups, timeout_s)
     return sm_counts
-
-
-def plan_num_stages(workload: Mapping[str, Any]) -> int:
-    """Global pipeline stages of a plan's workload: ``pp x virtual_stages`` (a plan older than
-    ``virtual_stages`` has one chunk per GPU). Stage-indexed plan fields use the global index
-    (``torch.distributed.pipelining``'s ``stage_index``; GPU ``r`` holds ``r, r + pp, ...``)."""
-    return int(workload["pp"]) * int(workload.get("virtual_stages", 1))
-
-
-def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
-    """The plan's clock of every (stage, instruction, microbatch) at frontier point ``point_index``.
-
-    A plan that locks no clock (``--max-clock-only``) gives a schedule that requests none."""
-    workload = plan.workload
-    return ClockSchedule.from_entries(
-        (
-            (stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
-            for stage in range(plan_num_stages(workload))
-            for name in INSTRUCTIONS
-            for mb in range(workload["microbatches"])
-        ),
-        requests_clocks=plan.locks_clocks,
-    )
 
 
 def clock_binding(plan: Plan, point_index: int, controller: FrequencyController | None) -> ClockBinding | None:

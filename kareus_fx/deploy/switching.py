@@ -38,19 +38,17 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from kareus_fx.deploy.plan_clocks import clock_schedule
 from kareus_fx.errors import KareusError, OptionsError
 from kareus_fx.plan.plan_format import Plan, Target, load_plan
 from kareus_fx.policies.base import FrontierPoint, Observation, Policy
 from kareus_fx.runtime.collectives import prepare_comm_groups
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
-
-if TYPE_CHECKING:
-    from kareus_fx.deploy.deployment import Deployment
 
 __all__ = ["DEFAULT_CANDIDATES", "PointSwitchError", "PointSwitcher", "Switch", "spread_candidates"]
 
@@ -59,6 +57,24 @@ _FAILED = -1
 
 DEFAULT_CANDIDATES = 5
 """Candidate points compiled when the user names no number: a handful spread over the frontier."""
+
+
+class _Cursor(Protocol):
+    @property
+    def microbatches(self) -> int: ...
+
+    def at_iteration_boundary(self) -> bool: ...
+
+
+class _Attached(Protocol):
+    """What the switcher reads of a Deployment (``deploy/deployment.py`` imports this module, so
+    the switcher names only these two attributes instead of importing it back)."""
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def cursor(self) -> _Cursor: ...
 
 
 class PointSwitchError(KareusError, ValueError):
@@ -132,7 +148,7 @@ class PointSwitcher:
         self.iteration = 0
         """Iterations ended so far (one per :meth:`switch_to` / :meth:`step` call)."""
         self.switches: list[Switch] = []
-        self._deployments: list[Deployment] = []
+        self._deployments: list[_Attached] = []
         self._started_s = time.monotonic()
 
     def _checked_indices(self, indices: Sequence[int]) -> tuple[int, ...]:
@@ -168,7 +184,6 @@ class PointSwitcher:
 
     def clock_schedule(self, index: int | None = None) -> ClockSchedule:
         """The clock schedule of candidate ``index`` (default: the current point), e.g. for a StepContext."""
-        from kareus_fx.deploy.deployment import clock_schedule
 
         return clock_schedule(self.plan, self.point(self.current_index if index is None else index).index)
 
@@ -181,7 +196,7 @@ class PointSwitcher:
             )
         return self.plan
 
-    def attach(self, deployment: Deployment) -> None:
+    def attach(self, deployment: _Attached) -> None:
         """Called by each Deployment built with this switcher (for the iteration-boundary check)."""
         self._deployments.append(deployment)
 
