@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kareus_fx import cli
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import ParallelConfigError
+from kareus_fx.models import get_config
 from kareus_fx.plan.layer_slice import SLICE_LAYERS
 from kareus_fx.plan.planner import PlanRequest, _trace_stages, plan_request_from_preset, trace_plan_stages
 from kareus_fx.plan.presets import PRESETS
@@ -67,7 +68,13 @@ def test_costs_come_from_two_slices_and_a_free_layer_is_refused():
 
 
 def test_every_preset_is_balanced_and_an_explicit_split_is_checked():
-    assert {p.stage_layers for p in PRESETS.values()} == {"balanced"}
+    # The paper's workloads balance their stages; the Llama 3.1 405B ones give the paper's own split
+    # (first and last stages one layer short), which must cover the model's layers once.
+    assert {p.stage_layers for p in PRESETS.values() if p.in_paper} == {"balanced"}
+    for preset in PRESETS.values():
+        if isinstance(preset.stage_layers, tuple):
+            assert sum(preset.stage_layers) == get_config(preset.model).num_layers, preset.name
+            assert len(preset.stage_layers) == preset.pp * preset.virtual_stages, preset.name
     assert plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k").stage_layers == "balanced"
     with pytest.raises(ParallelConfigError, match=r"add up to the model's 28 layers; e.g. \[14, 14\]"):
         trace_plan_stages(plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k", stage_layers=(15, 12)), None)
