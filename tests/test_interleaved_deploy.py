@@ -129,6 +129,7 @@ def _worker(rank, world_size, plan_path):
     }
 
 
+@pytest.mark.slow  # about 40 s with its plan on 2 cores; tests/test_interleaved.py is its fast sibling (schedule order)
 def test_interleaved_run_follows_the_plan_and_matches_eager(plan_path):
     from kareus_fx.plan.plan_format import load_plan
 

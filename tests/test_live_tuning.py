@@ -66,6 +66,9 @@ def test_tuning_the_live_graph_writes_and_deploys_a_plan(tmp_path):
         "world_size": 2,
         "preset": None,
         "dtype": "float32",
+        "dp": 1,
+        "recompute": "none",
+        "virtual_stages": 1,
     }
     assert plan.data["simulated"] and plan.data["partition_types"]
     point = plan.point_index("max-throughput")
