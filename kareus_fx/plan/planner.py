@@ -743,6 +743,8 @@ class _Composed:
     power_limits: list[PowerLimitPoint]
     """Megatron-LM under each job-wide power limit (the sixth method's curve); empty when the
     profiler cannot price power limits."""
+    power_limit_choice: PowerLimitPoint | None
+    """The limit Zeus's selector picks on that curve (None without a curve)."""
 
 
 def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress) -> _Composed:
@@ -842,13 +844,18 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
     curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
-    if curve:
-        chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp * req.dp)
+    chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp * req.dp) if curve else None
+    if chosen is not None:
         metrics[POWER_LIMIT_METHOD] = frontier_metrics(
             [(chosen.time_s, chosen.energy_j)], megatron, fronts["megatron+perseus"]
         )
     return _Composed(
-        microbatch=microbatch, iteration=iteration, metrics=metrics, energy_scale=scale, power_limits=curve
+        microbatch=microbatch,
+        iteration=iteration,
+        metrics=metrics,
+        energy_scale=scale,
+        power_limits=curve,
+        power_limit_choice=chosen,
     )
 
 
@@ -1124,8 +1131,8 @@ def _plan_data(
         }
         for m in METHODS
     }
-    if composed.power_limits:
-        chosen = zeus_choice(composed.power_limits, gpus=req.tp * req.cp * req.pp * req.dp)
+    chosen = composed.power_limit_choice
+    if chosen is not None:
         methods[POWER_LIMIT_METHOD] = {
             "frontier": [[chosen.time_s, chosen.energy_j]],
             "metrics": composed.metrics[POWER_LIMIT_METHOD],
