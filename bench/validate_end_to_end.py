@@ -388,27 +388,35 @@ def _plan_corners_job(job: tuple[str, list[str], list[tuple[str, str]]]) -> tupl
 
 
 def corner_summary(plans: dict, calibration_rows: list, validation_rows: list, ablation_rows: list) -> dict:
-    """One corner's validation targets (module docstring, ``--ablation``)."""
+    """One corner's validation targets (module docstring, ``--ablation``), over the rows planned
+    in it (``rows_planned``)."""
     from absolute_scale import TABLE1, TABLE1_PRESET  # imports this module: not at the top
 
-    out: dict = {}
+    planned = {
+        "calibration": sum(r["preset"] in plans for r in calibration_rows),
+        "validation": sum(r["preset"] in plans for r in validation_rows),
+    }
+    out: dict = {"rows_planned": planned}
+    calibration_rows = [r for r in calibration_rows if r["preset"] in plans]
+    validation_rows = [r for r in validation_rows if r["preset"] in plans]
+    if not all(key in plans for key, _ in ABLATION_METHODS.values()):
+        ablation_rows = []
     if calibration_rows:
         _, cal = compare_rows(calibration_rows, plans)
         out["calibration"] = {k: cal[k] for k in ("within_target", "compared", "mean_abs_err_pp", "kareus_not_below")}
     if validation_rows:
         _, val = compare_rows(validation_rows, plans)
         out["validation"] = {k: val[k] for k in ("within_target", "compared", "mean_abs_err_pp", "kareus_not_below")}
+    if ablation_rows:
         cells, ablation = compare_ablation(ablation_rows, plans)
         out["table8"] = {
             f"{c['variant']} {c['metric']}": [c["paper"], None if c["ours"] is None else round(c["ours"], 2)]
             for c in cells
         }
         out["table8_within_target"] = ablation["within_target"]
-        fastest = plans[TABLE1_PRESET].get("fastest")
-        if fastest is not None:
-            out["table1_time_paper_over_ours"] = {
-                m: round(row[0] / fastest[m]["time_s"], 3) for m, row in TABLE1.items()
-            }
+    fastest = plans.get(TABLE1_PRESET, {}).get("fastest")
+    if fastest is not None:
+        out["table1_time_paper_over_ours"] = {m: round(row[0] / fastest[m]["time_s"], 3) for m, row in TABLE1.items()}
     return out
 
 
@@ -417,14 +425,24 @@ def run_ablation(args: argparse.Namespace, calibration_rows: list, validation_ro
     corners = [(r, s) for r in RECOMPUTES for s in SWINGS]
     files = {c: corner_results(*c) for c in corners}
     stored = {c: json.loads(f.read_text()) if f.exists() else {} for c, f in files.items()}
+    if args.rerun:  # no corner mixes plans of two runs
+        for c in corners:
+            stored[c]["plans"] = {}
     # Table 8's and Table 1's presets first, then the validation rows, then the calibration rows.
     presets = [ABLATION_PRESET, "qwen3-1.7b-cp2tp4-mbs16-seq4k"] if ablation_rows else []
     presets += [r["preset"] for r in validation_rows + calibration_rows]
+    # One job per (preset, recompute), both swings on one trace: the presets' own recompute
+    # first (table 8's and table 1's presets before the rest), so a partial run has whole corners.
     jobs = []
-    for preset, keys in _ablation_keys(presets).items():
-        todo = [c for c in corners if args.rerun or any(k not in stored[c].get("plans", {}) for k in keys)]
-        if todo:
-            jobs.append((preset, keys, todo))
+    for recompute in sorted(RECOMPUTES, key=lambda r: r != PRESET_CORNER[0]):
+        for preset, keys in _ablation_keys(presets).items():
+            todo = [
+                c
+                for c in corners
+                if c[0] == recompute and (args.rerun or any(k not in stored[c].get("plans", {}) for k in keys))
+            ]
+            if todo:
+                jobs.append((preset, keys, todo))
     by_name = {corner_name(*c): c for c in corners}
 
     def keep(preset: str, planned: dict) -> None:
@@ -445,7 +463,7 @@ def run_ablation(args: argparse.Namespace, calibration_rows: list, validation_ro
         for job in jobs:
             keep(*_plan_corners_job(job))
     return {
-        corner_name(*c): corner_summary(stored[c]["plans"], calibration_rows, validation_rows, ablation_rows)
+        corner_name(*c): corner_summary(stored[c].get("plans", {}), calibration_rows, validation_rows, ablation_rows)
         for c in corners
     }
 
