@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 
 from kareus_fx.config_sources import resolve_options
 from kareus_fx.errors import OptionsError
@@ -53,8 +55,32 @@ def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None) -
         )
     resolve_options(options)
     for block in layers.children():
-        block.compile(backend="kareus", options=None if options is None else dict(options), fullgraph=True)
+        compiled = torch.compile(
+            block._call_impl, backend="kareus", options=None if options is None else dict(options), fullgraph=True
+        )
+        block._compiled_call_impl = _settling(compiled)  # what nn.Module.compile sets, with settled inputs
     return len(layers)
+
+
+def _settling(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` called with its DTensor inputs' pending collectives waited for first.
+
+    A block's input is the previous block's output, a DTensor whose local tensor is still an
+    ``AsyncCollectiveTensor`` (the pending reduce-scatter or all-reduce that ends a block), while
+    the first block's input (the embedding's) holds a plain tensor. Dynamo guards on the local
+    tensor's type, so without this the first block and the others compile as two Dynamo graphs
+    (and compile-time tuning runs twice); their aten graphs also differ (the first one's backward
+    saves other tensors). Waiting here costs nothing: the block's first op waits for it anyway.
+    The local tensor is swapped in place for the waited one (the same values and storage; the
+    DTensor's autograd history is on the DTensor, not on its local tensor)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, DTensor) and isinstance(value._local_tensor, AsyncCollectiveTensor):
+                value._local_tensor = value._local_tensor.trigger_wait()
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def kareus_parallelize(
