@@ -13,7 +13,6 @@ atol 1e-6 (nanobatched sums in another order).
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 
@@ -48,10 +47,9 @@ def _train_on_blocks(rank: int, world_size: int, plan_path: str) -> dict:
     plan = load_plan(plan_path)
     point = plan.point_index("max-throughput")
     layout = ParallelLayout.from_default_group(tp=world_size) if world_size > 1 else ParallelLayout()
-    torch.manual_seed(0)
-    model = build_model("tiny-llama", layout, num_layers=LAYERS, dtype=torch.float32)
-    model.init_weights(seed=0)
-    reference = copy.deepcopy(model)
+    model, reference = (build_model("tiny-llama", layout, num_layers=LAYERS, dtype=torch.float32) for _ in range(2))
+    for m in (model, reference):
+        m.init_weights(seed=0)  # the same weights (and shards) in both
     controller = FrequencyController.open("dry-run")
     compile_blocks(model, {"plan": plan_path, "clock_controller": controller, "inductor": False})
     batches = [model.example_batch(mbs=MBS, seq=SEQ, seed=mb) for mb in range(MICROBATCHES)]
@@ -69,7 +67,11 @@ def _train_on_blocks(rank: int, world_size: int, plan_path: str) -> dict:
         torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=0)
     for (name, p), want in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, want.grad, rtol=1e-4, atol=1e-6, msg=name)
-    return {"clocks": [r.clock_mhz for r in controller.requests]}
+    clocks = [r.clock_mhz for r in controller.requests]
+    # outside a step the blocks cannot tell the microbatch (each runs once per layer): refused
+    with pytest.raises(PlanMismatchError, match=r"per-block plan .* outside a pipeline step.*StepContext"):
+        model(**batches[0])
+    return {"clocks": clocks}
 
 
 def _check(plan_path: str, results: list[dict]) -> None:
