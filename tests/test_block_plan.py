@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -31,14 +32,20 @@ PLAN_ARGS = (
 )
 
 
-def _plan(tmp_path, tp: int) -> str:
-    out = tmp_path / f"block-plan-tp{tp}"
-    assert cli.main(["plan", *PLAN_ARGS.split(), "--tp", str(tp), "--out", str(out)]) == 0
+def _plan(tmp_path, tp: int, dp: int) -> str:
+    out = tmp_path / f"block-plan-tp{tp}-dp{dp}"
+    assert cli.main(["plan", *PLAN_ARGS.split(), "--tp", str(tp), "--dp", str(dp), "--out", str(out)]) == 0
     return str(out / "plan.json")
 
 
 def _train_on_blocks(rank: int, world_size: int, plan_path: str) -> dict:
-    """Every microbatch's forward and backward on blocks compiled with the plan, against eager."""
+    """Every microbatch's forward and backward on blocks compiled with the plan, against eager.
+
+    The default group spans the plan's ``dp`` replicas of ``tp`` ranks: a (dp, tp) DeviceMesh
+    gives this rank's TP group, and each replica trains on its own microbatches."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from kareus_fx.deploy.deployment import prepare_collectives
     from kareus_fx.integrations.torchtitan import compile_blocks
     from kareus_fx.models import ParallelLayout, build_model
     from kareus_fx.runtime.frequency import FrequencyController
@@ -46,13 +53,22 @@ def _train_on_blocks(rank: int, world_size: int, plan_path: str) -> dict:
 
     plan = load_plan(plan_path)
     point = plan.point_index("max-throughput")
-    layout = ParallelLayout.from_default_group(tp=world_size) if world_size > 1 else ParallelLayout()
+    tp, dp = plan.workload["tp"], plan.workload["dp"]
+    assert world_size in (tp, tp * dp)
+    layout, replica = ParallelLayout(), 0
+    if world_size > 1:
+        mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        replica = mesh["dp"].get_local_rank()
+        if tp > 1:
+            tp_mesh = mesh["tp"]
+            layout = ParallelLayout(tp=tp, tp_rank=tp_mesh.get_local_rank(), tp_group=tp_mesh.get_group())
+            prepare_collectives(plan, "max-throughput", [layout.tp_group])  # one TP group per replica
     model, reference = (build_model("tiny-llama", layout, num_layers=LAYERS, dtype=torch.float32) for _ in range(2))
     for m in (model, reference):
         m.init_weights(seed=0)  # the same weights (and shards) in both
     controller = FrequencyController.open("dry-run")
     compile_blocks(model, {"plan": plan_path, "clock_controller": controller, "inductor": False})
-    batches = [model.example_batch(mbs=MBS, seq=SEQ, seed=mb) for mb in range(MICROBATCHES)]
+    batches = [model.example_batch(mbs=MBS, seq=SEQ, seed=replica * MICROBATCHES + mb) for mb in range(MICROBATCHES)]
     losses = []
     with StepContext(clock_schedule(plan, point), controller, stage=0) as steps:
         for mb, batch in enumerate(batches):
@@ -91,23 +107,51 @@ def _check(plan_path: str, results: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def block_plan(tmp_path_factory) -> str:
-    """The CLI's block plan at tp=1 (one process)."""
-    return _plan(tmp_path_factory.mktemp("block-plan"), tp=1)
+    """The CLI's block plan at tp=1 for 2 data-parallel replicas."""
+    return _plan(tmp_path_factory.mktemp("block-plan"), tp=1, dp=2)
 
 
 def test_block_plan_from_the_cli_deploys_on_compiled_blocks(block_plan):
-    """One process (tp=1): the CLI's block plan on the blocks, clocks and parity."""
+    """One process (one replica's group, TP 1): the blocks follow the plan (clocks in order,
+    parity with eager)."""
     plan = json.loads(open(block_plan).read())
     assert plan["workload"]["stage_layers"] == [LAYERS]  # a stage priced as its LAYERS blocks
     _check(block_plan, [_train_on_blocks(0, 1, block_plan)])
 
 
-@pytest.mark.slow  # planning TP2 (partition types to tune) and 2 gloo ranks: about a minute
-def test_tp2_block_plan_deploys_nanobatched_on_compiled_blocks(tmp_path):
-    plan_path = _plan(tmp_path, tp=2)
+@pytest.mark.slow  # 2 gloo ranks compiling on 2 cores: about 30 s; fast sibling above
+def test_block_plan_deploys_on_a_group_spanning_its_replicas(block_plan):
+    """2 gloo ranks = the plan's 2 replicas x TP 1 in one default group: each replica's blocks
+    follow the same schedule on its own data."""
+    _check(block_plan, run_distributed(_train_on_blocks, 2, block_plan, timeout_s=600))
+
+
+@pytest.mark.slow  # planning TP2 (partition types to tune) and 4 gloo ranks on 2 cores: minutes
+def test_dp2_tp2_block_plan_deploys_nanobatched_on_compiled_blocks(tmp_path):
+    """4 gloo ranks, a (2 DP x 2 TP) mesh spanning the plan's replicas, TP groups from the mesh."""
+    plan_path = _plan(tmp_path, tp=2, dp=2)
     plan = load_plan(plan_path)
     assert plan.data["partition_types"]  # the block graph splits and partitions at TP2
-    _check(plan_path, run_distributed(_train_on_blocks, 2, plan_path, timeout_s=600))
+    _check(plan_path, run_distributed(_train_on_blocks, 4, plan_path, timeout_s=900))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_a_dp_plan_fits_one_replica_or_all_and_nothing_else(block_plan, world):
+    """A --dp 2 plan of 1-process pipelines fits 1 process (one replica's group) or 2 (a group
+    spanning the replicas); 3 is refused naming both counts and the --dp that would fit."""
+    from kareus_fx.config import KareusOptions
+    from kareus_fx.deploy.deployment import _check_plan_fits
+
+    plan = load_plan(block_plan)
+    with (
+        patch.object(torch.distributed, "is_initialized", return_value=True),
+        patch.object(torch.distributed, "get_world_size", return_value=world),
+    ):
+        if world == 3:
+            with pytest.raises(PlanMismatchError, match=r"replicas of it: 2\) but this job runs 3.*--dp 3"):
+                _check_plan_fits(plan, KareusOptions())
+        else:
+            _check_plan_fits(plan, KareusOptions())
 
 
 @pytest.mark.parametrize(

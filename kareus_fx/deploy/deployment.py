@@ -6,8 +6,10 @@
    raises :class:`~kareus_fx.plan.plan_format.PlanFormatError` as is), pick the frontier point of
    ``target``, and refuse (:class:`PlanMismatchError`, saying what differs) a plan made for
    another GPU (``options["gpu"]`` against the plan's), another world size (the initialised
-   process group against ``workload.world_size`` = tp x cp x pp; data parallelism is not
-   supported), or a stage the pipeline does not have.
+   process group against ``workload.world_size`` = tp x cp x pp, one pipeline, or ``workload.dp``
+   times that: a job whose default group spans the plan's data-parallel replicas, each of which
+   follows the same schedule over its own TP and CP groups, e.g. from a DeviceMesh's ``tp``
+   dimension given to :func:`prepare_collectives`), or a stage the pipeline does not have.
    At the Dynamo graph: refuse a model checkpointed otherwise than the plan's ``workload.recompute``
    (:func:`check_plan_recompute`: checkpointed regions in the graph against ``none`` or not).
 2. Per aten graph (forward, backward): refuse another rank layout (the group sizes of the
@@ -613,13 +615,23 @@ def _check_plan_fits(plan: Plan, opts: KareusOptions) -> None:
         )
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     job = "this job runs"
+    pipeline, dp = workload["world_size"], workload.get("dp", 1)
+    fits = {pipeline, pipeline * dp}  # one replica's group, or a group spanning the plan's replicas
     if opts.switching is not None and opts.switching.group is not None:  # one replica of several
         world, job = dist.get_world_size(opts.switching.group), "this pipeline (the PointSwitcher's group) has"
-    if world != workload["world_size"]:
+        fits = {pipeline}
+    if world not in fits:
+        replicas = (
+            f"launch {pipeline * dp} processes ({dp} data-parallel replicas x {pipeline}) or {pipeline} (one replica)"
+            if dp > 1
+            else f"launch {pipeline} processes"
+        )
+        refit = f"`kareus plan --dp {world // pipeline}`" if world % pipeline == 0 else "`kareus plan` for this layout"
+        spanning = f" ({dp} data-parallel replicas of it: {pipeline * dp})" if dp > 1 else ""
         raise PlanMismatchError(
-            f"world size differs: the plan {plan.source} was made for {workload['world_size']} processes "
-            f"(tp={workload['tp']} x cp={workload['cp']} x pp={workload['pp']}) but {job} {world}; "
-            f"launch {workload['world_size']} processes or re-plan with `kareus plan` for {world}"
+            f"world size differs: the plan {plan.source} was made for {pipeline} processes (tp={workload['tp']} "
+            f"x cp={workload['cp']} x pp={workload['pp']}){spanning} but {job} {world}; {replicas}, or re-plan "
+            f"with {refit}"
         )
     num_stages = plan_num_stages(workload)
     if opts.stage >= num_stages:
