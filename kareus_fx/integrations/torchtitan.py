@@ -11,12 +11,16 @@ Use it in a model spec::
     spec = llama3.model_registry("debugmodel")
     spec = dataclasses.replace(spec, parallelize_fn=kareus_parallelize(spec.parallelize_fn))
 
-Per-block graphs. Each block is one Dynamo graph (the blocks share their code, so Dynamo compiles
-it once per distinct guard set and reuses it); the nanobatch split, compile-time tuning
-(``tune`` + ``plan_out``) and a deployed plan all act on that graph: a plan made by ``tune`` on a
-block graph is a per-block plan (one stage whose partitions are the block's), and a plan made by
-``kareus plan`` for a whole stage is not a block's plan (the backend refuses a plan whose graph
-fingerprint differs from the graph it compiles).
+Per-block graphs. The blocks share their code, so Dynamo compiles it once per distinct guard set
+and reuses it; :func:`compile_blocks` waits for a block input's pending collective before the
+compiled block, so the first block (whose input holds a plain tensor) and the others (an
+``AsyncCollectiveTensor``) share one graph. The nanobatch split, compile-time tuning (``tune`` +
+``plan_out``, once per distinct graph) and a deployed plan all act on that graph. A plan made by
+``tune`` on a block graph is a per-block plan (one stage whose partitions are the block's); a plan
+made by ``kareus plan --compile-unit block`` holds the block's graphs and prices each stage as its
+blocks, so it deploys here (with a ``StepContext`` or a pipelining schedule naming the microbatch
+when there are several); a ``--compile-unit stage`` plan (the default) is for a whole stage graph
+and the backend refuses it on a block graph, naming the flag.
 
 Assumptions: ``model.layers`` is an ``nn.ModuleDict`` or ``nn.ModuleList`` of the blocks
 (torchtitan's ``Decoder``); the wrapped function accepts torchtitan's keyword arguments
