@@ -173,3 +173,18 @@ def test_a_graph_that_is_not_the_plans_is_refused_naming_the_compile_unit(block_
         compiled(torch.randn(2, 8, requires_grad=True))
     assert isinstance(failed.value.inner_exception, PlanMismatchError)
     assert re.search(message, str(failed.value.inner_exception)), failed.value.inner_exception
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("--recompute full", "does not support --recompute full"),
+        ("--pp 2 --stage-layers balanced", "does not support --stage-layers balanced"),
+        ("--profiler cpu-replay", "does not support --profiler cpu-replay"),
+    ],
+)
+def test_block_unit_refuses_what_it_cannot_price_before_tracing(no_tracing, tmp_path, capsys, extra, message):
+    argv = ["plan", *PLAN_ARGS.split(), *extra.split(), "--out", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--compile-unit stage" in err and "Traceback" not in err, err
