@@ -188,3 +188,47 @@ def test_block_unit_refuses_what_it_cannot_price_before_tracing(no_tracing, tmp_
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "--compile-unit stage" in err and "Traceback" not in err, err
+
+
+def _pipelined_blocks(rank: int, world_size: int, plan_path: str) -> dict:
+    """The block plan under Schedule1F1B (one stage): the engine's shape inference runs the blocks
+    eagerly (no instruction), the stage announces each microbatch; parity with an eager
+    PipelineStage running the same schedule."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from kareus_fx.deploy.pipelining import KareusPipelineStage, follow_plan, stage_loss
+    from kareus_fx.integrations.torchtitan import compile_blocks
+    from kareus_fx.models import build_model
+    from kareus_fx.models.stage_module import StageModule
+    from kareus_fx.runtime.frequency import FrequencyController
+
+    cpu = torch.device("cpu")
+    models = [build_model("tiny-llama", num_layers=LAYERS, dtype=torch.float32) for _ in range(2)]
+    for m in models:
+        m.init_weights(seed=0)
+    parts = [models[0].example_batch(mbs=MBS, seq=SEQ, seed=mb) for mb in range(MICROBATCHES)]
+    batch = {k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "labels")}
+    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    compile_blocks(models[1], {"plan": plan_path, "clock_controller": controller, "inductor": False})
+    runs = []
+    for model, stage_cls in zip(models, (PipelineStage, KareusPipelineStage)):
+        schedule = Schedule1F1B(stage_cls(StageModule(model), 0, 1, cpu), MICROBATCHES, loss_fn=stage_loss)
+        losses: list[torch.Tensor] = []
+        inputs = {"labels": batch["labels"], "target": batch["labels"], "losses": losses, "return_outputs": False}
+        if stage_cls is KareusPipelineStage:
+            with follow_plan(schedule, plan_path, "max-throughput", controller):
+                schedule.step(batch["input_ids"], **inputs)
+        else:
+            schedule.step(batch["input_ids"], **inputs)
+        runs.append((losses, {n: p.grad for n, p in model.named_parameters()}))
+    (eager_losses, eager_grads), (losses, grads) = runs
+    for loss, want in zip(losses, eager_losses, strict=True):
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    return {"clocks": [r.clock_mhz for r in controller.requests]}
+
+
+@pytest.mark.slow  # a gloo rank and a compile: about 20 s; the StepContext sibling runs by default
+def test_block_plan_under_a_pipelining_schedule(block_plan):
+    _check(block_plan, run_distributed(_pipelined_blocks, 1, block_plan, timeout_s=600))
