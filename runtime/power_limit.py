@@ -185,8 +185,8 @@ class PowerLimitController:
             if state_path is None:
                 raise PowerLimitError("mode 'simulated' needs state_path (the simulated GPU's limit file)")
             gpus = SimulatedPowerLimitGPUs(state_path, default_limit_w)
-            spec = {"kind": SIMULATED_SPEC_KIND, "state_path": str(Path(state_path).resolve())}
-            return cls(mode, gpus, 0, restore_spec=spec, guard=guard)
+            simulated = {"kind": SIMULATED_SPEC_KIND, "state_path": str(Path(state_path).resolve())}
+            return cls(mode, gpus, 0, restore_spec=simulated, guard=guard)
         if mode != "real":
             raise PowerLimitError(f"power-limit mode must be one of {', '.join(POWER_LIMIT_MODES)}, got {mode!r}")
         spec: ResetSpec | None = None
