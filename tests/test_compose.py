@@ -634,7 +634,7 @@ def test_adaptive_frontier_close_to_fine_frontier():
     [
         ({"max_solver_steps": 0}, "max_solver_steps"),
         ({"max_solver_steps": 2.5}, "max_solver_steps"),
-        ({"max_solver_steps": 1}, "allow more steps"),
+        ({"max_solver_steps": 1}, "pass a larger max_solver_steps"),
         ({"solver_loop": "rust"}, "solver_loop"),
         ({"min_cut": "rust"}, "min_cut"),
     ],

@@ -385,8 +385,8 @@ def choose_unit_time_s(
     raise CompositionError(
         f"max_solver_steps={max_steps} is too few for {num_stages} stages x "
         f"{num_microbatches} microbatches: the time quantum would exceed the shortest "
-        f"option time ({shortest_s:.4g} s); allow more steps (at least "
-        f"{math.ceil(fine_steps * min_unit_time_s / shortest_s) + 1})"
+        f"option time ({shortest_s:.4g} s); pass a larger max_solver_steps (a quantum of half the "
+        f"shortest option time takes {_quantized_span(pipeline, normalized, shortest_s / 2)} steps)"
     )
 
 
