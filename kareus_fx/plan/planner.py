@@ -824,7 +824,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     floor_s = min(DEFAULT_UNIT_TIME_S, shortest_s / 4)
     # One time quantum for every method, so their frontiers differ by their options, not by rounding.
 
-    def unit_for(max_steps: int) -> float:
+    def unit_for(max_steps: int, floor_s: float) -> float:
         return max(
             choose_unit_time_s(
                 options, req.microbatches, max_steps, min_unit_time_s=floor_s, virtual_stages=req.virtual_stages
@@ -834,10 +834,11 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
 
     try:
         max_steps = MAX_SOLVER_STEPS
-        unit_s = unit_for(max_steps)
+        unit_s = unit_for(max_steps, floor_s)
     except CompositionError:  # a pipeline too long for 500 steps at any quantum below its shortest instruction
+        # A quantum of half the shortest instruction, and the steps it takes.
         max_steps = solver_steps(by_method, req.microbatches, req.virtual_stages)
-        unit_s = unit_for(max_steps)
+        unit_s = unit_for(max_steps, shortest_s / 2)
     nodes = 2 * req.num_stages * req.microbatches
     processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
     iteration = compose_iterations(
