@@ -146,7 +146,8 @@ class _AOASchedule:
             start = latest[v] - durations[e]
             if start < latest[u]:
                 latest[u] = start
-        return [e for e, ((u, v), d) in enumerate(zip(ends, durations)) if earliest[u] + d == latest[v]], total
+        zero_float = np.array(earliest)[self.tails] + np.array(durations) == np.array(latest)[self.heads]
+        return np.flatnonzero(zero_float).tolist(), total
 
     def flow_bounds(self, critical: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(lower, upper) flow bound of each critical edge (``annotate_capacities``'s rule and
