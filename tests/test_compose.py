@@ -585,6 +585,17 @@ def test_dinic_min_cut_frontier_matches_lowtimes(case):
     assert [p.solver_time_s for p in dinic.trace] == [p.solver_time_s for p in exact.trace]
 
 
+@pytest.mark.slow
+def test_dinic_min_cut_frontier_matches_lowtimes_on_a_longer_pipeline():
+    # 8 stages x 24 microbatches at 1 ms: about 2300 steps (lowtime's min-cut about a minute).
+    options = _clock_sweep_options(8)
+    dinic, exact = (compose_iteration(options, 24, blocking_power_w=80.0, min_cut=cut) for cut in ("dinic", "lowtime"))
+    assert len(exact.trace) > 1000
+    assert _epsilon(dinic, exact) <= 0.005
+    assert _epsilon(exact, dinic) <= 0.005
+    assert dinic.points[0].time_s == pytest.approx(exact.points[0].time_s, rel=0.005)
+
+
 @pytest.mark.parametrize("max_steps", [20, 60, 150])
 def test_adaptive_quantum_bounds_solver_steps(max_steps):
     options = _clock_sweep_options(2)
