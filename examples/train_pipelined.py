@@ -15,8 +15,12 @@ the plan which (stage, instruction, microbatch) runs, so every instruction gets 
 kernel schedule with no ``next_instruction`` call here. Rank 0 prints per iteration the wall time
 (slowest rank), the loss, the clocks each stage requested and the plan's predicted iteration time and
 energy beside what the energy monitor measured. On a GPU (``--clock-mode real``, NCCL) the monitor is
-Zeus; on CPU it measures time only and energy is reported as n/a (never an estimate). CPU wall times
-are not GPU times: the comparison is meaningful on the plan's GPU only.
+Zeus. On CPU no counter measures GPU energy: the energy column is the simulated GPU's estimate of
+what ran, labelled "simulated" (``kareus_fx.deploy.simulated_energy``: every instruction each stage
+ran, at the clock its controller received, priced as the plan's option and composed over the
+order the schedule ran), so it equals the plan's prediction exactly when the run followed the plan
+and differs when it did not (another schedule, clock or instruction count). CPU wall times are not
+GPU times: the time comparison is meaningful on the plan's GPU only.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ from torch.distributed.pipelining import Schedule1F1B
 
 from kareus_fx.deploy.deployment import prepare_collectives
 from kareus_fx.deploy.pipelining import follow_plan, kareus_stage, pipeline_group, stage_loss
+from kareus_fx.deploy.simulated_energy import simulated_iteration
 from kareus_fx.models import ParallelLayout, PipelineStage, build_model
 from kareus_fx.models.stage_module import StageModule
-from kareus_fx.plan.plan_format import load_plan
+from kareus_fx.plan.plan_format import Plan, load_plan
 from kareus_fx.runtime.clock_backends import open_clock_backend
 from kareus_fx.runtime.energy import IterationEnergyMonitor, compare_with_plan
 from kareus_fx.runtime.frequency import FrequencyController
@@ -73,7 +78,8 @@ def main() -> None:
     plan = load_plan(args.plan)
     work = plan.workload
     target = {"deadline_s": args.deadline_s} if args.deadline_s else "max-throughput"
-    point = plan.frontier[plan.point_index(target)]
+    point_index = plan.point_index(target)
+    point = plan.frontier[point_index]
     layout = ParallelLayout.from_default_group(tp=work["tp"], cp=work["cp"], pp=work["pp"])
     group = pipeline_group(layout)
     stage_index = layout.pp_rank
@@ -107,6 +113,7 @@ def main() -> None:
     schedule = Schedule1F1B(stage, work["microbatches"], loss_fn=stage_loss)
     optimizer = torch.optim.SGD(module.parameters(), lr=args.lr)
     monitor = IterationEnergyMonitor()
+    simulated_j: list[float | None] = []  # rank 0: the simulated GPU's estimate per iteration (CPU)
     if rank == 0:
         print(
             f"plan {args.plan}: {work['model']} tp={work['tp']} pp={work['pp']} {work['microbatches']} microbatches "
@@ -135,13 +142,14 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
                 report = {
                     "stage": stage_index,
+                    "priced": layout.tp_rank == 0 and layout.cp_rank == 0,  # one rank per stage
                     "time_s": monitor.measurements[-1].time_s,
                     "energy_j": monitor.measurements[-1].energy_j,
-                    "clocks_mhz": [r.clock_mhz for r in controller.requests[seen:]],
+                    "requests": controller.requests[seen:],
                     "loss": float(torch.stack(losses).mean()) if losses else None,
                 }
-                _print_iteration(iteration, report, point)
-        _print_summary(monitor, point, args.iterations)
+                simulated_j.append(_print_iteration(iteration, report, plan, point_index))
+        _print_summary(monitor, point, args.iterations, simulated_j[1:])
     finally:
         controller.close()
         dist.destroy_process_group()
@@ -153,24 +161,43 @@ def _gather(report: dict) -> list[dict] | None:
     return reports
 
 
-def _print_iteration(iteration: int, report: dict, point: Mapping[str, Any]) -> None:
+def _print_iteration(iteration: int, report: dict, plan: Plan, point_index: int) -> float | None:
+    """Rank 0 prints the iteration; returns the simulated energy it printed (None: measured or n/a)."""
     reports = _gather(report)
     if reports is None:
-        return
+        return None
+    point = plan.frontier[point_index]
     time_s = max(r["time_s"] for r in reports)
     (loss,) = {r["loss"] for r in reports if r["loss"] is not None}
-    clocks = {r["stage"]: r["clocks_mhz"] for r in reports}
+    clocks = {r["stage"]: [q.clock_mhz for q in r["requests"]] for r in reports}
     energies = [r["energy_j"] for r in reports]
-    measured = "n/a (no GPU)" if None in energies else f"{sum(energies):.2f} J"
+    simulated = None
+    if None not in energies:
+        measured = f"{sum(energies):.2f} J"
+    else:
+        simulated = _simulated_energy_j(reports, plan, point_index)
+        measured = "n/a (no GPU, no clock requests)" if simulated is None else f"{simulated:.2f} J (simulated)"
     print(
         f"iter {iteration}: {time_s * 1e3:8.1f} ms  loss {loss:.4f}  "
         + "  ".join(f"stage {s} clocks {c} MHz" for s, c in sorted(clocks.items()))
         + f"  | plan {point['time_s'] * 1e3:.2f} ms {point['energy_j']:.2f} J, measured energy {measured}",
         flush=True,
     )
+    return simulated
 
 
-def _print_summary(monitor: IterationEnergyMonitor, point: Mapping[str, Any], iterations: int) -> None:
+def _simulated_energy_j(reports: list[dict], plan: Plan, point_index: int) -> float | None:
+    """The simulated GPU's estimate of what the stages ran (module docstring); None when no
+    clock was requested (a --max-clock-only plan requests none)."""
+    by_stage = {r["stage"]: r["requests"] for r in reports if r["priced"]}
+    if not any(by_stage.values()):
+        return None
+    return simulated_iteration(plan, point_index, [by_stage[s] for s in sorted(by_stage)]).energy_j
+
+
+def _print_summary(
+    monitor: IterationEnergyMonitor, point: Mapping[str, Any], iterations: int, simulated_j: list[float | None]
+) -> None:
     steady = monitor.measurements[1:]  # the first iteration compiles
     comparison = compare_with_plan(steady, point["time_s"], point["energy_j"])
     reports = _gather({"time_s": comparison.measured_time_s, "energy_j": comparison.measured_energy_j})
@@ -178,7 +205,13 @@ def _print_summary(monitor: IterationEnergyMonitor, point: Mapping[str, Any], it
         return
     time_s = max(r["time_s"] for r in reports)
     energies = [r["energy_j"] for r in reports]
-    energy = "n/a (no GPU: Zeus measures energy on a GPU)" if None in energies else f"{sum(energies):.2f} J"
+    if None not in energies:
+        energy = f"{sum(energies):.2f} J"
+    elif simulated_j and None not in simulated_j:
+        mean_j = sum(e for e in simulated_j if e is not None) / len(simulated_j)
+        energy = f"{mean_j:.2f} J simulated (no GPU: the simulated GPU's price of what ran)"
+    else:
+        energy = "n/a (no GPU and no clock requests to price)"
     print(
         f"summary over iterations 1-{iterations - 1} (iteration 0 compiles): mean {time_s * 1e3:.1f} ms per "
         f"iteration (plan {point['time_s'] * 1e3:.2f} ms, x{time_s / point['time_s']:.0f}), energy {energy} "

@@ -207,6 +207,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "(core attention only); the plan deploys only on a model checkpointed the same way",
     )
     plan.add_argument(
+        "--compile-unit",
+        choices=("stage", "block"),
+        default="stage",
+        help="what your job compiles as one graph: the whole pipeline stage (torch.compile(stage)), or "
+        "each transformer block (torchtitan; kareus_fx.integrations.torchtitan.compile_blocks): the plan "
+        "then holds one block's graphs and prices a stage as its blocks",
+    )
+    plan.add_argument(
         "--full-trace",
         action="store_true",
         help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
@@ -271,6 +279,7 @@ def _plan_request(args: argparse.Namespace):
         "full_trace": args.full_trace,
         "max_clock_only": args.max_clock_only,
         "exact_min_cut": args.exact_min_cut,
+        "compile_unit": args.compile_unit,
     }
     if args.gpu is not None:
         common["gpu"] = args.gpu

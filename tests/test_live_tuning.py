@@ -69,6 +69,7 @@ def test_tuning_the_live_graph_writes_and_deploys_a_plan(tmp_path):
         "dp": 1,
         "recompute": "none",
         "virtual_stages": 1,
+        "compile_unit": "stage",
     }
     assert plan.data["simulated"] and plan.data["partition_types"]
     point = plan.point_index("max-throughput")

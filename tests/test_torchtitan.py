@@ -133,8 +133,9 @@ def test_torchtitan_llama_tp_sp_blocks_split_tune_and_match_eager(tmp_path):
     options = {"inductor": False, "tune": "simulated", "plan_out": str(plan_out)}
     results = run_distributed(_llama_parity, 2, options, timeout_s=600)
     for result in results:
-        # one Dynamo graph per block signature, each split in two nanobatches (no fallback warning)
-        assert result["splits"] and all(result["splits"]), result
+        # one Dynamo graph for both blocks (compile_blocks settles their inputs), split in two
+        # nanobatches (no fallback warning), tuned once
+        assert result["splits"] == [True], result
     plan = json.loads(plan_out.read_text())  # tuned at compile time on the block graph: a per-block plan
     assert plan["workload"]["model"] == "live-graph" and plan["workload"]["tp"] == 2
     assert len(plan["stages"]) == 1 and plan["partition_types"], plan["stages"]
@@ -185,3 +186,46 @@ def test_kareus_parallelize_turns_torchtitan_compile_off_and_compiles_blocks(mon
     monkeypatch.setenv("KAREUS_OPTIONS", json.dumps({"nanobatch": 1}))  # fails before training, naming both
     with pytest.raises(OptionsError, match=r"KAREUS_OPTIONS.*'nanobatch'"):
         kareus_parallelize(parallelize_fn)(model, parallel_dims="dims", compile_config=CompileConfig(enable=True))
+
+
+class _NumberedBlock(_Block):
+    """A block whose forward reads its ``layer_id``: Dynamo guards on the number, so each block
+    compiles into its own Dynamo graph, all of one structure (as torchtitan's blocks did before
+    ``compile_blocks`` settled their inputs: see ``test_blocks_of_one_structure_tune_once``)."""
+
+    def __init__(self, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * (1.0 if self.layer_id >= 0 else 2.0)
+
+
+def test_blocks_of_one_structure_tune_once(tmp_path, monkeypatch):
+    """Compile-time tuning runs once per distinct graph: two Dynamo graphs with the same
+    fingerprints (one per block) share one tuning run and one plan; eager parity."""
+    import kareus_fx.plan.live_tuning as live_tuning
+    import kareus_fx.plan.planner as planner
+    from kareus_fx.integrations.torchtitan import compile_blocks
+
+    runs, graphs = [], []
+    plan_traced = planner.plan_traced
+    monkeypatch.setattr(planner, "plan_traced", lambda *a, **k: runs.append(1) or plan_traced(*a, **k))
+    monkeypatch.setattr(live_tuning, "_TUNED_GRAPHS", {})
+    init = live_tuning.LiveTuning.__init__
+    monkeypatch.setattr(live_tuning.LiveTuning, "__init__", lambda self, *a: graphs.append(1) or init(self, *a))
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(_NumberedBlock(i) for i in range(3))
+    x = torch.randn(4, 8, requires_grad=True)
+    want = x
+    for block in model.layers:
+        want = block(want)
+    plan_out = tmp_path / "block_plan.json"
+    compile_blocks(model, {"tune": "simulated", "plan_out": str(plan_out), "inductor": False})
+    got = x
+    for block in model.layers:
+        got = block(got)
+    torch.testing.assert_close(got, want)
+    assert len(graphs) == 3 and len(runs) == 1  # three Dynamo graphs, one tuning run
+    assert json.loads(plan_out.read_text())["workload"]["model"] == "live-graph"

@@ -36,6 +36,9 @@ from kareus_fx.models.pipeline import (
 )
 from kareus_fx.models.recompute import check_recompute
 
+COMPILE_UNITS = ("stage", "block")
+"""What one Dynamo graph covers (:attr:`TraceSpec.compile_unit`)."""
+
 
 @dataclass(frozen=True)
 class TraceSpec:
@@ -57,6 +60,10 @@ class TraceSpec:
     stage_layers: tuple[int, ...] | None = None
     recompute: str = "none"
     """Activation checkpointing of the traced model (``kareus_fx.models.recompute``)."""
+    compile_unit: str = "stage"
+    """What is compiled as one graph: the whole stage (``"stage"``), or one decoder layer
+    (``"block"``: torchtitan's per-block compile, ``integrations.torchtitan.compile_blocks``),
+    the stage's last, with the rest of the stage running un-compiled around it."""
 
     @property
     def world_size(self) -> int:
@@ -112,6 +119,11 @@ def validate_trace_spec(spec: TraceSpec) -> None:
     if spec.stage_layers is not None:
         PipelineStage(0, spec.pp, spec.stage_layers)
         check_layer_counts(spec.layers or config.num_layers, spec.stage_layers)
+    if spec.compile_unit not in COMPILE_UNITS:
+        raise ParallelConfigError(
+            f"--compile-unit must be one of {', '.join(COMPILE_UNITS)} (what torch.compile compiles as one graph: "
+            f"the whole stage, or each transformer block as torchtitan does), got {spec.compile_unit!r}"
+        )
     if not 0 <= spec.stage < spec.pp:
         raise ParallelConfigError(
             f"--stage {spec.stage} is not a stage of a pp={spec.pp} pipeline; choose a stage in 0..{spec.pp - 1}"
@@ -180,7 +192,9 @@ def trace_both_splits(spec: TraceSpec, gpu: str, nanobatched_dir: Path, sequenti
     Dynamo's graph does not depend on the backend, so each dump is the one its own trace would
     write (``tests/test_tracing.py`` compares them). The model must compile as one graph
     (``fullgraph=True``). Each directory holds this trace's dump alone: an earlier one there (a
-    rerun into the same directory, whose graph number, a per-process count, may differ) goes."""
+    rerun into the same directory, whose graph number, a per-process count, may differ) goes.
+    ``spec.compile_unit == "block"``: the graph is the stage's last decoder layer's, compiled on
+    its own while the rest of the stage runs un-compiled (per-block compile)."""
     captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
 
     def capture(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -190,13 +204,23 @@ def trace_both_splits(spec: TraceSpec, gpu: str, nanobatched_dir: Path, sequenti
     kareus = torch._dynamo.lookup_backend("kareus")  # by name, as torch.compile finds it
     paths = []
     with _stage_model(spec) as (model, batch):
-        torch.compile(model, backend=capture, fullgraph=True)(**batch)
+        if spec.compile_unit == "block":  # the stage's last layer alone; the rest runs as it is
+            model.layers[-1].compile(backend=capture, fullgraph=True)
+            model(**batch)
+        else:
+            torch.compile(model, backend=capture, fullgraph=True)(**batch)
         if len(captured) != 1:
             raise UnsupportedGraphError(
                 f"stage {spec.stage} of {spec.model} traced into {len(captured)} graphs; the planner needs one "
-                "graph per stage (a model that compiles with fullgraph=True)"
+                f"graph per {spec.compile_unit} (a model that compiles with fullgraph=True)"
             )
         gm, example_inputs = captured[0]
+        # a block's input comes out of the un-compiled layers before it: a leaf of its own, so
+        # each split's backward stops at the block (the earlier layers' graph is not kept for two)
+        example_inputs = [
+            x.detach().requires_grad_(True) if isinstance(x, torch.Tensor) and x.grad_fn is not None else x
+            for x in example_inputs
+        ]
         for split, out in ((True, nanobatched_dir), (False, sequential_dir)):
             for stale in Path(out).glob("kareus_graph_*.json"):  # an earlier run's: its graph number may differ
                 stale.unlink()

@@ -6,8 +6,10 @@
    raises :class:`~kareus_fx.plan.plan_format.PlanFormatError` as is), pick the frontier point of
    ``target``, and refuse (:class:`PlanMismatchError`, saying what differs) a plan made for
    another GPU (``options["gpu"]`` against the plan's), another world size (the initialised
-   process group against ``workload.world_size`` = tp x cp x pp; data parallelism is not
-   supported), or a stage the pipeline does not have.
+   process group against ``workload.world_size`` = tp x cp x pp, one pipeline, or ``workload.dp``
+   times that: a job whose default group spans the plan's data-parallel replicas, each of which
+   follows the same schedule over its own TP and CP groups, e.g. from a DeviceMesh's ``tp``
+   dimension given to :func:`prepare_collectives`), or a stage the pipeline does not have.
    At the Dynamo graph: refuse a model checkpointed otherwise than the plan's ``workload.recompute``
    (:func:`check_plan_recompute`: checkpointed regions in the graph against ``none`` or not).
 2. Per aten graph (forward, backward): refuse another rank layout (the group sizes of the
@@ -193,9 +195,12 @@ def clock_binding(plan: Plan, point_index: int, controller: FrequencyController 
 class MicrobatchCursor:
     """Which microbatch of this stage runs an instruction (see the module docstring, step 3)."""
 
-    def __init__(self, stage: int, microbatches: int) -> None:
+    def __init__(self, stage: int, microbatches: int, *, per_block: bool = False) -> None:
         self.stage = stage
         self.microbatches = microbatches
+        self.per_block = per_block
+        """The graph is one block of the stage (a ``--compile-unit block`` plan): it runs once per
+        layer in every instruction, so counting its calls does not give the microbatch."""
         self._calls: dict[str, int] = dict.fromkeys(INSTRUCTIONS, 0)
 
     def next(self, instruction: str) -> PipelineNode:
@@ -217,6 +222,13 @@ class MicrobatchCursor:
                     f"options={{'stage': {current.stage}}} or re-plan for this pipeline"
                 )
             return current
+        if self.per_block and self.microbatches > 1:
+            raise PlanMismatchError(
+                f"a per-block plan (--compile-unit block) of {self.microbatches} microbatches ran a block's "
+                f"{instruction} outside a pipeline step: each block runs once per layer, so the deployment cannot "
+                f"count microbatches; run the step under a StepContext (steps.step('{instruction}', mb)) or a "
+                f"torch.distributed.pipelining schedule (follow_plan), or plan --microbatches 1"
+            )
         microbatch = self._calls[instruction] % self.microbatches
         return PipelineNode(self.stage, instruction, microbatch)  # type: ignore[arg-type]
 
@@ -256,7 +268,7 @@ class Deployment:
 
     def __post_init__(self) -> None:
         microbatches = self.plan.workload["microbatches"]
-        self.cursor = MicrobatchCursor(self.stage, microbatches)
+        self.cursor = MicrobatchCursor(self.stage, microbatches, per_block=self.plan.compile_unit == "block")
         points = (self.point_index,) if self.switching is None else self.switching.candidate_indices
         controller = None if self.clock is None else self.clock.controller
         self.clocks = {p: clock_binding(self.plan, p, controller) for p in points}
@@ -419,12 +431,23 @@ class Deployment:
             if live_types == planned_types
             else f"partition types {live_types or 'none'} (the plan has {planned_types or 'none'})"
         )
+        if self.plan.compile_unit == "block":
+            unit = (
+                "one transformer block compiled on its own (--compile-unit block); a whole stage compiled "
+                "as one graph needs a plan made with --compile-unit stage"
+            )
+        else:
+            unit = (
+                "the whole stage compiled as one graph; a job that compiles each transformer block on its "
+                "own (torchtitan, kareus_fx.integrations.torchtitan.compile_blocks) needs a plan made with "
+                "`kareus plan --compile-unit block`"
+            )
         raise PlanMismatchError(
             f"the {name} graph of stage {self.stage} is not the graph the plan {self.plan.source} was "
             f"made for (fingerprint {live} vs the plan's {planned}): it has {len(ops) - collectives} "
             f"compute ops, {collectives} collectives and {types_note}. The plan is for {what} with "
-            f"the reference model's dtype; another model, microbatch size, sequence length, layer "
-            f"count or dtype gives another graph: re-plan with `kareus plan` for this workload"
+            f"the reference model's dtype, its graph {unit}; another model, microbatch size, sequence "
+            f"length, layer count or dtype gives another graph: re-plan with `kareus plan` for this workload"
         )
 
     def _schedules(
@@ -592,13 +615,23 @@ def _check_plan_fits(plan: Plan, opts: KareusOptions) -> None:
         )
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     job = "this job runs"
+    pipeline, dp = workload["world_size"], workload.get("dp", 1)
+    fits = {pipeline, pipeline * dp}  # one replica's group, or a group spanning the plan's replicas
     if opts.switching is not None and opts.switching.group is not None:  # one replica of several
         world, job = dist.get_world_size(opts.switching.group), "this pipeline (the PointSwitcher's group) has"
-    if world != workload["world_size"]:
+        fits = {pipeline}
+    if world not in fits:
+        replicas = (
+            f"launch {pipeline * dp} processes ({dp} data-parallel replicas x {pipeline}) or {pipeline} (one replica)"
+            if dp > 1
+            else f"launch {pipeline} processes"
+        )
+        refit = f"`kareus plan --dp {world // pipeline}`" if world % pipeline == 0 else "`kareus plan` for this layout"
+        spanning = f" ({dp} data-parallel replicas of it: {pipeline * dp})" if dp > 1 else ""
         raise PlanMismatchError(
-            f"world size differs: the plan {plan.source} was made for {workload['world_size']} processes "
-            f"(tp={workload['tp']} x cp={workload['cp']} x pp={workload['pp']}) but {job} {world}; "
-            f"launch {workload['world_size']} processes or re-plan with `kareus plan` for {world}"
+            f"world size differs: the plan {plan.source} was made for {pipeline} processes (tp={workload['tp']} "
+            f"x cp={workload['cp']} x pp={workload['pp']}){spanning} but {job} {world}; {replicas}, or re-plan "
+            f"with {refit}"
         )
     num_stages = plan_num_stages(workload)
     if opts.stage >= num_stages:

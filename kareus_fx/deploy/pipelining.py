@@ -30,7 +30,8 @@ Assumptions and limits:
   runs each instruction's planned clock and variant, but the plan's predicted iteration time and
   energy do not hold for it: :func:`follow_plan` warns once (:class:`PlanDeviationWarning`).
 - The engine's shape inference (``PipelineStage`` without ``input_args``: one forward and backward
-  at the first ``step``) runs the un-compiled module, so it is not an instruction of the plan.
+  at the first ``step``) runs the un-compiled module (blocks compiled on their own run eagerly), so
+  it is not an instruction of the plan.
 """
 
 from __future__ import annotations
@@ -113,8 +114,11 @@ class KareusPipelineStage(PipelineStage):
             super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def _compute_outputs(self, *args: torch.Tensor, module: torch.nn.Module, **kwargs: Any) -> Any:
-        """The engine's shape inference: run the un-compiled module (see the module docstring)."""
-        return super()._compute_outputs(*args, module=getattr(module, "_orig_mod", module), **kwargs)
+        """The engine's shape inference: run the un-compiled module (see the module docstring):
+        a stage compiled whole runs its original module, and parts compiled on their own inside it
+        (blocks compiled per layer, ``integrations.torchtitan.compile_blocks``) run eagerly."""
+        with torch.compiler.set_stance("force_eager"):
+            return super()._compute_outputs(*args, module=getattr(module, "_orig_mod", module), **kwargs)
 
     @contextmanager
     def _running(self, instruction: Instruction, microbatch: int) -> Iterator[None]:

@@ -11,12 +11,16 @@ Use it in a model spec::
     spec = llama3.model_registry("debugmodel")
     spec = dataclasses.replace(spec, parallelize_fn=kareus_parallelize(spec.parallelize_fn))
 
-Per-block graphs. Each block is one Dynamo graph (the blocks share their code, so Dynamo compiles
-it once per distinct guard set and reuses it); the nanobatch split, compile-time tuning
-(``tune`` + ``plan_out``) and a deployed plan all act on that graph: a plan made by ``tune`` on a
-block graph is a per-block plan (one stage whose partitions are the block's), and a plan made by
-``kareus plan`` for a whole stage is not a block's plan (the backend refuses a plan whose graph
-fingerprint differs from the graph it compiles).
+Per-block graphs. The blocks share their code, so Dynamo compiles it once per distinct guard set
+and reuses it; :func:`compile_blocks` waits for a block input's pending collective before the
+compiled block, so the first block (whose input holds a plain tensor) and the others (an
+``AsyncCollectiveTensor``) share one graph. The nanobatch split, compile-time tuning (``tune`` +
+``plan_out``, once per distinct graph) and a deployed plan all act on that graph. A plan made by
+``tune`` on a block graph is a per-block plan (one stage whose partitions are the block's); a plan
+made by ``kareus plan --compile-unit block`` holds the block's graphs and prices each stage as its
+blocks, so it deploys here (with a ``StepContext`` or a pipelining schedule naming the microbatch
+when there are several); a ``--compile-unit stage`` plan (the default) is for a whole stage graph
+and the backend refuses it on a block graph, naming the flag.
 
 Assumptions: ``model.layers`` is an ``nn.ModuleDict`` or ``nn.ModuleList`` of the blocks
 (torchtitan's ``Decoder``); the wrapped function accepts torchtitan's keyword arguments
@@ -32,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor
 
 from kareus_fx.config_sources import resolve_options
 from kareus_fx.errors import OptionsError
@@ -53,8 +59,32 @@ def compile_blocks(model: nn.Module, options: Mapping[str, Any] | None = None) -
         )
     resolve_options(options)
     for block in layers.children():
-        block.compile(backend="kareus", options=None if options is None else dict(options), fullgraph=True)
+        compiled = torch.compile(
+            block._call_impl, backend="kareus", options=None if options is None else dict(options), fullgraph=True
+        )
+        block._compiled_call_impl = _settling(compiled)  # what nn.Module.compile sets, with settled inputs
     return len(layers)
+
+
+def _settling(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled`` called with its DTensor inputs' pending collectives waited for first.
+
+    A block's input is the previous block's output, a DTensor whose local tensor is still an
+    ``AsyncCollectiveTensor`` (the pending reduce-scatter or all-reduce that ends a block), while
+    the first block's input (the embedding's) holds a plain tensor. Dynamo guards on the local
+    tensor's type, so without this the first block and the others compile as two Dynamo graphs
+    (and compile-time tuning runs twice); their aten graphs also differ (the first one's backward
+    saves other tensors). Waiting here costs nothing: the block's first op waits for it anyway.
+    The local tensor is swapped in place for the waited one (the same values and storage; the
+    DTensor's autograd history is on the DTensor, not on its local tensor)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, DTensor) and isinstance(value._local_tensor, AsyncCollectiveTensor):
+                value._local_tensor = value._local_tensor.trigger_wait()
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def kareus_parallelize(

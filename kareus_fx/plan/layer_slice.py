@@ -48,7 +48,15 @@ from typing import Any
 
 from kareus_fx.errors import UnsupportedGraphError
 
-__all__ = ["SLICE_LAYERS", "SliceNotRepresentativeError", "added_layer", "extend_dump", "inserted_block", "slice_pays"]
+__all__ = [
+    "SLICE_LAYERS",
+    "SliceNotRepresentativeError",
+    "added_layer",
+    "block_dump",
+    "extend_dump",
+    "inserted_block",
+    "slice_pays",
+]
 
 SLICE_LAYERS = (2, 3)
 """Layer counts of the two slice traces, the same for both splits (each trace dumps both,
@@ -254,3 +262,15 @@ def extend_dump(
             _extend_graph(short_graphs[graph["name"]], graph, layers - long_layers, f"{what} {graph['name']}")
         )
     return {**long, "graphs": graphs, "extended_from_layers": [long_layers - 1, long_layers], "layers": layers}
+
+
+def block_dump(block: Mapping[str, Any], layers: int, what: str) -> dict[str, Any]:
+    """The summary dump of ``layers`` repeats of one compiled block (per-block compile, where each
+    decoder layer is its own graph, run once per layer): :func:`extend_dump` from no layer to the
+    ``block`` dump. Every op, collective, leftover node and partition count is ``layers`` times
+    the block's; the edge rule does not change (every type's count scales alike)."""
+    empty = [
+        {"name": g["name"], "nodes": [], **({} if g.get("partition_types") is None else {"partition_types": []})}
+        for g in block["graphs"]
+    ]
+    return extend_dump({**block, "graphs": empty}, block, 1, layers, what)

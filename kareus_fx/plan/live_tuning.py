@@ -157,7 +157,10 @@ class LiveTuning:
             request = live_plan_request(self.opts, stage, self.split, self.example_inputs, self.gm)
             if seq is not None:
                 request = dataclasses.replace(request, seq=seq)
-            return plan_traced(request, [stage], work, progress=False).data
+            key = (str(plan_out), repr(request), _stage_fingerprints(stage))
+            if key not in _TUNED_GRAPHS:
+                _TUNED_GRAPHS[key] = plan_traced(request, [stage], work, progress=False).data
+            return _TUNED_GRAPHS[key]
 
         if buckets is None:
             write_plan(plan_out, plan_at(None))
@@ -213,6 +216,23 @@ class LiveTuning:
             else:
                 fakes.append(example)
         return fakes
+
+
+_TUNED_GRAPHS: dict[tuple[str, str, tuple[str, ...]], dict[str, Any]] = {}
+"""Plans tuned in this process, by (``plan_out``, plan request, the traced graphs' fingerprints):
+Dynamo compiles the same code into several graphs when a guard fails (per-block compile: each
+block is a call of one code object), and a graph with the fingerprints of one already tuned is
+the same work, so it gets that plan, not a second tuning run."""
+
+
+def _stage_fingerprints(stage: StageGraphs) -> tuple[str, ...]:
+    """The fingerprints of a traced stage's graphs, nanobatched (when split) and un-split."""
+    partitioned = stage.partitioned or {}
+    return tuple(
+        fp
+        for name in sorted(stage.sequential)
+        for fp in (partitioned[name].fingerprint if name in partitioned else "", stage.sequential[name].fingerprint)
+    )
 
 
 def _evaluate(expr: Any, sizes: Mapping[Any, int], hints: Mapping[Any, int]) -> int:

@@ -98,6 +98,12 @@ class Plan:
         return self.data["gpu"]
 
     @property
+    def compile_unit(self) -> str:
+        """What the plan's graphs are: a whole stage (``"stage"``; plans older than the field) or
+        one transformer block compiled on its own (``"block"``, ``kareus plan --compile-unit block``)."""
+        return str(self.workload.get("compile_unit", "stage"))
+
+    @property
     def locks_clocks(self) -> bool:
         """False for a plan made with ``--max-clock-only``: every option runs at the maximum clock
         and deployment requests no clock (a user who may not lock clocks deploys the schedule)."""

@@ -76,6 +76,10 @@ class Workload(SchemaModel):
     recompute: Literal["none", "full", "selective", "checkpointed"] | None = None
     """Activation checkpointing the plan was traced with (``kareus_fx.models.recompute``); None: a
     plan older than the field; "checkpointed": a live graph's plan whose graph has checkpointed regions."""
+    compile_unit: Literal["stage", "block"] = "stage"
+    """What the job compiles as one graph: the whole stage, or each decoder layer (``kareus plan
+    --compile-unit block``: the stage graphs' fingerprints are one block's); plans older than the
+    field read as "stage"."""
 
 
 class StageGraph(SchemaModel):

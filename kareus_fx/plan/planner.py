@@ -64,8 +64,14 @@ from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
 from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
-from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph, partitioned_graphs, sequential_graphs
-from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, extend_dump, slice_pays
+from kareus_fx.plan.graph_workload import (
+    PartitionedGraph,
+    SequentialGraph,
+    graph_fingerprint,
+    partitioned_graphs,
+    sequential_graphs,
+)
+from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, block_dump, extend_dump, slice_pays
 from kareus_fx.plan.methods import (
     BASELINES,
     METHODS,
@@ -191,6 +197,14 @@ class PlanRequest:
     (``compose.pipeline``) over ``pp x virtual_stages`` global stages, GPU ``r`` holding stages ``r,
     r + pp, ...``; every stage-indexed field (``stage_layers``, the plan's ``stages``) counts global stages."""
 
+    compile_unit: str = "stage"
+    """What the job compiles as one graph (``--compile-unit``): the whole stage (``"stage"``:
+    ``torch.compile(stage_module)``) or each decoder layer (``"block"``: torchtitan's per-block
+    compile, ``integrations.torchtitan.compile_blocks``). A block plan's graphs are one block's
+    forward and backward (what deployment checks a live graph against); a stage costs its layer
+    count times the block (``block_dump``), and the embedding, final norm, LM head and loss,
+    which run un-compiled around the blocks, are not priced."""
+
     @property
     def world_size(self) -> int:
         """GPUs of one pipeline (tp x cp x pp); the job has ``dp`` times as many."""
@@ -216,6 +230,7 @@ class PlanRequest:
             dtype=torch_dtype(self.dtype),
             stage_layers=counts,
             recompute=self.recompute,
+            compile_unit=self.compile_unit,
         )
 
 
@@ -250,7 +265,25 @@ def validate_plan_request(req: PlanRequest) -> None:
             f"--stage-layers must be {' or '.join(STAGE_SPLITS)} or one layer count per "
             f"stage (e.g. 15,13), got {req.stage_layers!r}"
         )
-    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp, stage layers
+    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp, stage layers, unit
+    if req.compile_unit == "block":
+        _validate_block_request(req)
+
+
+def _validate_block_request(req: PlanRequest) -> None:
+    """``--compile-unit block``: what a plan of one compiled block can price (``block_dump``)."""
+    refused = [
+        (req.profiler != "simulated", f"--profiler {req.profiler} (it replays a whole stage's recorded ops)"),
+        (req.recompute != "none", f"--recompute {req.recompute} (the checkpoint wraps the block from outside)"),
+        (req.stage_layers == "balanced", "--stage-layers balanced (it prices the stages' slices)"),
+    ]
+    for refuse, what in refused:
+        if refuse:
+            raise OptionsError(
+                f"--compile-unit block plans one compiled block, which does not support {what}; drop that "
+                f"option (--profiler simulated, --recompute none, --stage-layers even or counts) or plan "
+                f"--compile-unit stage"
+            )
 
 
 def validate_tuning_request(req: PlanRequest) -> None:
@@ -523,6 +556,8 @@ def _trace_stages(
     (:func:`trace_plan_stages`)."""
     if req.stage_layers == "balanced":
         raise ValueError("a 'balanced' stage split is resolved by trace_plan_stages before tracing the stages")
+    if req.compile_unit == "block":
+        return _block_stages(req, dump_root)
     role_slices = dict(role_slices or {})
     groups = distinct_stages(req.trace_spec())
     sliced = {
@@ -573,6 +608,44 @@ def _trace_stages(
         )
         for group in groups
     ]
+
+
+def _block_stages(req: PlanRequest, dump_root: Path) -> list[StageGraphs]:
+    """Every distinct stage's graphs when each decoder layer is compiled on its own: one trace
+    of a block (the last layer of stage 0 with one layer per stage; the layers are identical),
+    each stage priced as its layer count of blocks (``layer_slice.block_dump``) and checked
+    against the block's own fingerprints."""
+    spec = dataclasses.replace(req.trace_spec(0), layers=req.num_stages, stage_layers=None)
+    (block,) = _run_traces({0: [_trace(req, spec, dump_root, "block-{kind}")]})[0]
+    traced = {kind: load_dump(path) for kind, path in block.items()}
+    stages = []
+    for group in distinct_stages(req.trace_spec()):
+        paths = {}
+        for kind, dump in traced.items():
+            paths[kind] = dump_root / f"stage{group.stages[0]}-{kind}-blocks.json"
+            paths[kind].write_text(json.dumps(block_dump(dump, group.num_layers, f"stage {group.stages[0]} {kind}")))
+        graphs = stage_graphs_from_dumps(
+            tuple(group.stages), paths["nanobatched"], paths["sequential"], block["sequential"]
+        )
+        stages.append(_with_fingerprints_of(graphs, traced))
+    return stages
+
+
+def _with_fingerprints_of(graphs: StageGraphs, block: Mapping[str, Mapping[str, Any]]) -> StageGraphs:
+    """``graphs`` (a stage priced as its blocks) carrying the fingerprints of the ``block``
+    dumps' graphs (by "nanobatched" / "sequential": one block, what a deployment compiles and checks)."""
+    own = {kind: {g["name"]: graph_fingerprint(g) for g in dump["graphs"]} for kind, dump in block.items()}
+    sequential = {
+        name: dataclasses.replace(g, fingerprint=own["sequential"][name]) for name, g in graphs.sequential.items()
+    }
+    partitioned = (
+        None
+        if graphs.partitioned is None
+        else {
+            name: dataclasses.replace(g, fingerprint=own["nanobatched"][name]) for name, g in graphs.partitioned.items()
+        }
+    )
+    return dataclasses.replace(graphs, sequential=sequential, partitioned=partitioned)
 
 
 def _run_traces(traces: Mapping[int, Sequence[functools.partial]]) -> dict[int, list[dict[str, Path]]]:
@@ -1203,6 +1276,7 @@ def _plan_data(
             "preset": req.preset,
             "dtype": req.dtype,
             "recompute": req.recompute,
+            "compile_unit": req.compile_unit,
         },
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,
