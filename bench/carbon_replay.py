@@ -12,6 +12,13 @@ The job does a fixed amount of work: as many iterations as Kareus's fastest poin
   curve), moved by the same signal-budget policy at the same ``--slo``: a Chase-style policy that
   only scales the power limit.
 
+Each signal policy also gets its perfect-foresight bound (``... (foresight)``): the least-carbon
+hourly choices on the same candidates and budget knowing the whole trace
+(``kareus_fx.policies.replay.foresight_schedule``), which says how far the forecast-driven policy
+is from optimal. ``frontier_shape`` gives what decides the comparison: each knob's best constant
+point within the budget (energy saved running it all the time) and the lower convex hull of
+average power over speed near the fastest point (the only points a budgeted policy runs).
+
 A knob's own reference is its un-throttled run: Kareus's policy is compared with always-max-
 throughput, the power-limit policy with Megatron-LM at full power; both are also given against
 Megatron-LM. Every time and energy is the plan's: with the simulated profiler, predictions of a
@@ -23,6 +30,7 @@ cost model, not measurements. Carbon is energy x the trace's intensity in the ho
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import warnings
@@ -34,7 +42,7 @@ from typing import Any
 from kareus_fx.plan.plan_format import load_plan
 from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD
 from kareus_fx.policies.base import FrontierPoint
-from kareus_fx.policies.replay import FixedPoint, ReplayResult, replay
+from kareus_fx.policies.replay import FixedPoint, ReplayResult, foresight_schedule, replay
 from kareus_fx.policies.signal_budget import SignalBudgetPolicy
 from kareus_fx.policies.signals import HourlyTrace, SignalWarning, load_hourly_trace
 
@@ -97,6 +105,8 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
         "perseus-static": go(perseus, FixedPoint(_fastest(perseus).index)),
         "megatron": go(megatron, FixedPoint(_fastest(megatron).index)),
         "chase-power-limit": go(power_limited, SignalBudgetPolicy("carbon", slo)),
+        "kareus+carbon (foresight)": go(kareus, foresight_schedule(kareus, trace, start, work, slo)),
+        "chase-power-limit (foresight)": go(power_limited, foresight_schedule(power_limited, trace, start, work, slo)),
     }
     reference, megatron_run = results["always-max-throughput"], results["megatron"]
     # Decisions are hourly, so a policy meets its slowdown budget to within one hour of the job.
@@ -114,6 +124,7 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
         "vs_always_max_throughput": {name: _summary(r, reference) for name, r in results.items()},
         "vs_megatron": {name: _summary(r, megatron_run) for name, r in results.items()},
         "power_limits_w": [int(limit) for limit, _, _ in limits],
+        "frontier_shape": {"kareus": _shape(kareus, slo), "chase-power-limit": _shape(power_limited, slo)},
         "slo_tolerance": tolerance,
         "kareus_carbon_beats_chase": (
             kareus_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
@@ -126,6 +137,39 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
             "chase-power-limit_w": [int(limits[i][0]) for i in results["chase-power-limit"].hourly_index],
             "cumulative_carbon_kg": {n: [c / 1e3 for c in r.cumulative_carbon_g] for n, r in results.items()},
         },
+    }
+
+
+def _hull(points: Sequence[FrontierPoint]) -> list[tuple[float, float]]:
+    """The lower convex hull of (speed, average power), both relative to the fastest point, by speed."""
+    fastest = _fastest(points)
+    pairs = sorted({(fastest.time_s / p.time_s, p.average_power_w / fastest.average_power_w) for p in points})
+    hull: list[tuple[float, float]] = []
+    for v, w in pairs:
+        while len(hull) >= 2 and (hull[-1][0] - hull[-2][0]) * (w - hull[-2][1]) <= (hull[-1][1] - hull[-2][1]) * (
+            v - hull[-2][0]
+        ):
+            hull.pop()
+        hull.append((v, w))
+    return hull
+
+
+def _shape(points: Sequence[FrontierPoint], slo: float) -> dict[str, Any]:
+    """What a budgeted policy can do with ``points`` (module docstring): the best constant point's
+    energy saving within ``1 + slo`` of the fastest time, and the hull vertices down to the speed
+    of twice that slowdown with the slope (relative power per relative speed) up to each."""
+    fastest = _fastest(points)
+    within = [p for p in points if p.time_s <= (1.0 + slo) * fastest.time_s]
+    hull = _hull(points)
+    slopes = [
+        {"speed": round(v, 4), "power": round(w, 4), "slope_to_faster": round((w2 - w) / (v2 - v), 3)}
+        for (v, w), (v2, w2) in itertools.pairwise(hull)
+        if v >= 1.0 / (1.0 + 2.0 * slo)
+    ]
+    return {
+        "best_constant_energy_reduction": 1.0 - min(p.energy_j for p in within) / fastest.energy_j,
+        "hull_near_fastest": slopes,
+        "slowest": {"speed": round(hull[0][0], 4), "power": round(hull[0][1], 4)},
     }
 
 
@@ -181,11 +225,19 @@ def _table(report: Mapping[str, Any]) -> str:
             f"{name:24} {100 * s['time_increase']:8.2f} {100 * s['energy_reduction']:10.2f} "
             f"{100 * s['carbon_reduction']:10.2f}"
         )
-    chase = report["vs_megatron"]["chase-power-limit"]
-    lines.append(
-        f"chase-power-limit vs Megatron-LM at full power: time +{100 * chase['time_increase']:.2f}%, carbon "
-        f"-{100 * chase['carbon_reduction']:.2f}%; Kareus + carbon beats it: {report['kareus_carbon_beats_chase']}"
-    )
+    for name in ("chase-power-limit", "chase-power-limit (foresight)"):
+        chase = report["vs_megatron"][name]
+        lines.append(
+            f"{name} vs Megatron-LM at full power: time +{100 * chase['time_increase']:.2f}%, carbon "
+            f"-{100 * chase['carbon_reduction']:.2f}%"
+        )
+    lines.append(f"Kareus + carbon beats chase-power-limit: {report['kareus_carbon_beats_chase']}")
+    for name, shape in report["frontier_shape"].items():
+        slopes = ", ".join(f"{s['slope_to_faster']:.2f}@{s['speed']:.3f}" for s in shape["hull_near_fastest"])
+        lines.append(
+            f"{name}: best constant point within the slo saves {100 * shape['best_constant_energy_reduction']:.2f}% "
+            f"energy; hull slope (power per speed) to the next faster vertex: {slopes}"
+        )
     return "\n".join(lines)
 
 

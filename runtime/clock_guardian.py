@@ -1,5 +1,8 @@
 """A sidecar process that restores a GPU's clock when the process that locked it dies, SIGKILL included.
 
+The same process guards a GPU power limit (:mod:`kareus_fx.runtime.power_limit`): its spec then
+names the limit to set back (``power_limit_restorer``), and there is no lock record.
+
 Python cannot run anything after SIGKILL (the OOM killer, a scheduler's preemption after its grace
 period, ``kill -9``), so the restore must happen in another process. :func:`start_guardian`
 starts ``python -m kareus_fx.runtime.clock_guardian`` with the reset spec of one GPU (see
@@ -136,6 +139,11 @@ def _parent_death(parent_pid: int) -> Callable[[float | None], bool]:
 
 def _reset_function(spec: ResetSpec) -> Callable[[], None]:
     """The reset, prepared now (a real GPU: Zeus opened, so its errors show at start)."""
+    from kareus_fx.runtime.power_limit import power_limit_restorer  # it imports this module
+
+    restore_limit = power_limit_restorer(spec)
+    if restore_limit is not None:
+        return restore_limit
     if spec.get("kind") != "zeus":
         return lambda: reset_clock_from_spec(spec)
     os.environ["CUDA_VISIBLE_DEVICES"] = str(spec["device"])  # before Zeus reads it
@@ -153,6 +161,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     reset = _reset_function(spec)
+    what = "power limit" if str(spec.get("kind", "")).endswith("power-limit") else "clock"
     died = _parent_death(parent_pid)
     print(READY, flush=True)
     while not died(None):
@@ -162,15 +171,15 @@ def main(argv: list[str]) -> int:
         reset()
     except Exception as err:  # noqa: BLE001 - nothing to return to; the lock record stays for repair
         _say(
-            f"kareus clock guardian: process {parent_pid} died with its GPU clock locked and the reset "
-            f"failed ({type(err).__name__}: {err}); run `kareus clocks --reset-stale`"
+            f"kareus guardian: process {parent_pid} died with its GPU {what} set and the restore failed "
+            f"({type(err).__name__}: {err}); "
+            + ("run `kareus clocks --reset-stale`" if what == "clock" else "set it back with `nvidia-smi -pl`")
         )
         return 1
     if lock_file:
         remove_lock(Path(lock_file), parent_pid)
     _say(
-        f"kareus clock guardian: process {parent_pid} died; GPU clock restored "
-        f"({(time.monotonic() - start) * 1000:.0f} ms)"
+        f"kareus guardian: process {parent_pid} died; GPU {what} restored ({(time.monotonic() - start) * 1000:.0f} ms)"
     )
     return 0
 

@@ -1,23 +1,47 @@
-"""A job-wide GPU power limit, set through Zeus and always put back.
+"""A job-wide GPU power limit, set through Zeus and always put back, SIGKILL included.
 
 For clusters that forbid locking clocks but allow power limits (issue 31): a deployment in power-
 limit mode sets one limit on this process's GPU (the plan's ``megatron+power-limit`` curve gives
-the limit for a target) instead of requesting clocks. ``"real"`` goes through
-``zeus.device.get_gpus()`` (``set_power_management_limit`` in mW, as NVML takes it); ``"dry-run"``
-only records. The limit found at open is restored by ``restore()`` / ``close()``, on leaving a
-``with`` block and at interpreter exit. Unlike the clock controller there is no guardian process:
-a SIGKILLed job leaves the limit set (NVML keeps it until reset or reboot); the README says so.
+the limit for a target) instead of requesting clocks. Three modes:
+
+- ``"real"`` goes through ``zeus.device.get_gpus()`` (``set_power_management_limit`` in mW, as
+  NVML takes it; zeusd when ``ZEUSD_SOCK_PATH`` / ``ZEUSD_HOST_PORT`` are set);
+- ``"simulated"``: :class:`SimulatedPowerLimitGPUs`, a stand-in for NVML whose limit lives in a
+  JSON state file that other processes read and write (a test can kill the job and see the limit);
+- ``"dry-run"`` only records.
+
+The limit found at open is restored by ``restore()`` / ``close()``, on leaving a ``with`` block and
+at interpreter exit. A SIGKILL runs none of those, and NVML keeps a limit until it is set again
+or the machine reboots, so a controller on a real GPU (or a simulated one with a state file) also
+starts the clock guardian's sidecar process (:mod:`kareus_fx.runtime.clock_guardian`) with a
+restore spec: when this process dies without disarming it, the guardian sets the limit found at
+open again. A limit passed in as ``zeus_gpus`` (a test's stand-in) gets no guardian, as for clocks.
+What it cannot survive is the guardian's own death together with the job (a cgroup kill of both):
+the limit then stays until ``nvidia-smi -pl`` or a reboot.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
 from types import TracebackType
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from kareus_fx.errors import KareusError
+from kareus_fx.runtime.clock_backends import ClockControlError, ResetSpec, visible_device
+from kareus_fx.runtime.clock_guardian import ClockGuardian, start_guardian
 
-PowerLimitMode = Literal["real", "dry-run"]
+PowerLimitMode = Literal["real", "simulated", "dry-run"]
+POWER_LIMIT_MODES: tuple[PowerLimitMode, ...] = ("real", "simulated", "dry-run")
+
+SIMULATED_SPEC_KIND = "simulated-power-limit"
+ZEUS_SPEC_KIND = "zeus-power-limit"
+"""Restore specs (``{"kind": ..., "limit_mw": ...}`` plus ``state_path`` or ``device``) that the
+guardian applies with :func:`power_limit_restorer`."""
 
 
 class PowerLimitError(KareusError, RuntimeError):
@@ -32,16 +56,94 @@ class _ZeusGPUs(Protocol):
     def set_power_management_limit(self, gpu_index: int, power_limit_mw: int, block: bool = True) -> None: ...
 
 
+class SimulatedPowerLimitGPUs:
+    """One simulated GPU's power limit, with Zeus's ``GPUs`` method signatures (``gpu_index`` 0).
+
+    The state (``limit_mw``, ``default_mw``, ``min_mw``, ``max_mw``, and the ``pid`` that wrote it
+    last) is a JSON file replaced atomically, so a reader in another process sees a whole state.
+    Opening an existing file keeps its limit (as a real GPU keeps a limit a dead job left)."""
+
+    def __init__(self, state_path: str | Path, default_limit_w: int = 400, min_limit_w: int = 100) -> None:
+        self.state_path = Path(state_path)
+        if self.state_path.exists():
+            self._state = read_simulated_power_limit(self.state_path)
+        else:
+            mw = int(default_limit_w) * 1000
+            self._state = {"limit_mw": mw, "default_mw": mw, "min_mw": int(min_limit_w) * 1000, "max_mw": mw}
+            self._write()
+
+    def get_power_management_limit(self, gpu_index: int) -> int:
+        return int(self._state["limit_mw"])
+
+    def get_power_management_limit_constraints(self, gpu_index: int) -> tuple[int, int]:
+        return int(self._state["min_mw"]), int(self._state["max_mw"])
+
+    def set_power_management_limit(self, gpu_index: int, power_limit_mw: int, block: bool = True) -> None:
+        if gpu_index != 0:
+            raise PowerLimitError(f"the simulated GPU is index 0, got {gpu_index}")
+        if not self._state["min_mw"] <= power_limit_mw <= self._state["max_mw"]:
+            raise PowerLimitError(f"{power_limit_mw} mW is outside [{self._state['min_mw']}, {self._state['max_mw']}]")
+        self._state["limit_mw"] = int(power_limit_mw)
+        self._write()
+
+    def reset_power_management_limit(self, gpu_index: int, block: bool = True) -> None:
+        self.set_power_management_limit(gpu_index, int(self._state["default_mw"]), block)
+
+    def _write(self) -> None:
+        self._state["pid"] = os.getpid()
+        self._state["updated_unix_s"] = time.time()
+        temporary = self.state_path.with_name(f".{self.state_path.name}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(self._state))
+        os.replace(temporary, self.state_path)
+
+
+def read_simulated_power_limit(path: str | Path) -> dict[str, Any]:
+    """The state a :class:`SimulatedPowerLimitGPUs` wrote at ``path``."""
+    try:
+        state: dict[str, Any] = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise PowerLimitError(f"{path} is not a readable simulated power-limit state file ({err})") from err
+    return state
+
+
+def power_limit_restorer(spec: ResetSpec) -> Callable[[], None] | None:
+    """For the guardian: a function that sets the limit ``spec`` names back (None: ``spec`` is not
+    a power-limit spec). A real GPU's Zeus is opened here, before the guardian reports ready, so a
+    missing permission shows at start; the guardian's ``CUDA_VISIBLE_DEVICES`` is the GPU's entry."""
+    limit_mw = int(spec.get("limit_mw", 0))
+    if spec.get("kind") == SIMULATED_SPEC_KIND:
+        path = Path(spec["state_path"])
+        return lambda: SimulatedPowerLimitGPUs(path).set_power_management_limit(0, limit_mw)
+    if spec.get("kind") == ZEUS_SPEC_KIND:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec["device"])  # before Zeus reads it
+        from zeus.device.gpu import get_gpus
+
+        gpus = get_gpus()
+        if len(gpus) != 1:
+            raise PowerLimitError(f"Zeus sees {len(gpus)} GPUs with CUDA_VISIBLE_DEVICES={spec['device']}")
+        return lambda: gpus.set_power_management_limit(0, limit_mw, block=True)
+    return None
+
+
 class PowerLimitController:
     """Sets this process's GPU power limit (watts in, milliwatts to Zeus) and restores the one
-    found at open on every exit path above."""
+    found at open on every exit path above; ``restore_spec`` (how another process restores it)
+    starts a guardian unless ``guard`` is False."""
 
-    def __init__(self, mode: PowerLimitMode, gpus: _ZeusGPUs | None, gpu_index: int = 0) -> None:
+    def __init__(
+        self,
+        mode: PowerLimitMode,
+        gpus: _ZeusGPUs | None,
+        gpu_index: int = 0,
+        *,
+        restore_spec: ResetSpec | None = None,
+        guard: bool = True,
+    ) -> None:
         self.mode = mode
         self._gpus = gpus
         self._gpu_index = gpu_index
         self.requests_w: list[int] = []
-        """Every limit set, in order (dry-run and real)."""
+        """Every limit set, in order (every mode)."""
         self._original_mw: int | None = None
         self._range_mw: tuple[int, int] | None = None
         if gpus is not None:
@@ -49,21 +151,51 @@ class PowerLimitController:
             low, high = gpus.get_power_management_limit_constraints(gpu_index)
             self._range_mw = (int(low), int(high))
         self._restored = True
-        atexit.register(self.restore)
+        self.guardian: ClockGuardian | None = None
+        """The guardian process, when one runs."""
+        if guard and restore_spec is not None and self._original_mw is not None:
+            try:
+                self.guardian = start_guardian({**restore_spec, "limit_mw": self._original_mw}, None)
+            except ClockControlError as err:
+                raise PowerLimitError(
+                    f"the power-limit guardian did not start ({err}); fix that, or pass guard=False to "
+                    f"PowerLimitController.open (a SIGKILL then leaves the limit set until `nvidia-smi -pl`)"
+                ) from err
+        atexit.register(self.close)
 
     @classmethod
-    def open(cls, mode: PowerLimitMode, gpu_index: int = 0, zeus_gpus: _ZeusGPUs | None = None) -> PowerLimitController:
-        """``"dry-run"`` records only; ``"real"`` needs a GPU Zeus can drive (``zeus_gpus``:
-        a ``zeus.device`` GPUs object, default ``get_gpus()``)."""
+    def open(
+        cls,
+        mode: PowerLimitMode,
+        gpu_index: int = 0,
+        zeus_gpus: _ZeusGPUs | None = None,
+        *,
+        state_path: str | Path | None = None,
+        default_limit_w: int = 400,
+        guard: bool = True,
+    ) -> PowerLimitController:
+        """``"dry-run"`` records only; ``"simulated"`` drives a :class:`SimulatedPowerLimitGPUs`
+        (``state_path``: its file, shared with other processes; ``default_limit_w``: its limit
+        when the file is new); ``"real"`` needs a GPU Zeus can drive (``zeus_gpus``: a
+        ``zeus.device`` GPUs object, default ``get_gpus()``). ``guard``: start the guardian
+        process where the limit outlives this process (a real GPU opened here, a state file)."""
         if mode == "dry-run":
             return cls(mode, None, gpu_index)
+        if mode == "simulated":
+            if state_path is None:
+                raise PowerLimitError("mode 'simulated' needs state_path (the simulated GPU's limit file)")
+            gpus = SimulatedPowerLimitGPUs(state_path, default_limit_w)
+            simulated = {"kind": SIMULATED_SPEC_KIND, "state_path": str(Path(state_path).resolve())}
+            return cls(mode, gpus, 0, restore_spec=simulated, guard=guard)
         if mode != "real":
-            raise PowerLimitError(f"power-limit mode must be 'real' or 'dry-run', got {mode!r}")
-        if zeus_gpus is None:
+            raise PowerLimitError(f"power-limit mode must be one of {', '.join(POWER_LIMIT_MODES)}, got {mode!r}")
+        spec: ResetSpec | None = None
+        if zeus_gpus is None:  # a GPU of this machine: its guardian reaches it by CUDA_VISIBLE_DEVICES
             from zeus.device.gpu import get_gpus
 
             zeus_gpus = get_gpus()
-        return cls(mode, zeus_gpus, gpu_index)
+            spec = {"kind": ZEUS_SPEC_KIND, "device": visible_device(gpu_index)}
+        return cls(mode, zeus_gpus, gpu_index, restore_spec=spec, guard=guard)
 
     def set_limit_w(self, limit_w: int) -> None:
         """Set the limit (watts); refused outside the GPU's range with the range in the message."""
@@ -82,7 +214,7 @@ class PowerLimitController:
         self._restored = False
 
     def restore(self) -> None:
-        """Put back the limit found at open (idempotent)."""
+        """Put back the limit found at open (idempotent); the guardian stays until :meth:`close`."""
         if self._restored:
             return
         if self._gpus is not None and self._original_mw is not None:
@@ -90,8 +222,12 @@ class PowerLimitController:
         self._restored = True
 
     def close(self) -> None:
+        """Restore, then dismiss the guardian (it exits without touching the GPU)."""
         self.restore()
-        atexit.unregister(self.restore)
+        if self.guardian is not None:
+            self.guardian.disarm()
+            self.guardian = None
+        atexit.unregister(self.close)
 
     def __enter__(self) -> PowerLimitController:
         return self

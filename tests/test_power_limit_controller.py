@@ -58,5 +58,5 @@ def test_dry_run_records_only():
         controller.set_limit_w(250)
         controller.set_limit_w(300)
     assert controller.requests_w == [250, 300]
-    with pytest.raises(PowerLimitError, match="'real' or 'dry-run'"):
+    with pytest.raises(PowerLimitError, match="one of real, simulated, dry-run"):
         PowerLimitController.open("maybe")  # type: ignore[arg-type]

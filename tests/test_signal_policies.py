@@ -15,7 +15,7 @@ from zeus.monitor.price import ElectricityPriceProvider
 
 from kareus_fx.policies.base import FrontierPoint, Observation
 from kareus_fx.policies.forecast import SeasonalForecaster
-from kareus_fx.policies.replay import FixedPoint, replay
+from kareus_fx.policies.replay import FixedPoint, foresight_schedule, replay
 from kareus_fx.policies.signal_budget import SignalBudgetPolicy
 from kareus_fx.policies.signals import (
     CsvCarbonIntensityProvider,
@@ -149,6 +149,21 @@ def test_the_policy_cuts_carbon_within_its_slowdown_budget(slo):
     # Carbon-aware beats running the same slowdown flat: its carbon falls more than its energy.
     assert 1 - follow.carbon_g / fast.carbon_g > 1 - follow.energy_j / fast.energy_j
     assert len(set(follow.hourly_index)) > 1
+
+
+def test_the_foresight_bound_is_within_budget_and_no_worse_than_the_policy():
+    """The bound knows the trace: within the same budget it emits at most what the forecasting
+    policy or any constant point within the budget does; at slo 0 it runs the fastest point."""
+    trace, slo = _daily_trace(30), 0.03
+    work = 14 * 86400.0 / FRONTIER[0].time_s
+    assert set(foresight_schedule(FRONTIER, trace, START, work, 0.0).indices) == {0}
+    fast = replay(FRONTIER, FixedPoint(0), trace, START, work)
+    bound = replay(FRONTIER, foresight_schedule(FRONTIER, trace, START, work, slo), trace, START, work)
+    follow = replay(FRONTIER, SignalBudgetPolicy("carbon", slo), trace, START, work)
+    assert bound.time_s <= (1 + slo) * fast.time_s + 3600.0
+    assert bound.carbon_g <= follow.carbon_g
+    constant = replay(FRONTIER, FixedPoint(1), trace, START, work)  # the one constant point within 3 %
+    assert bound.carbon_g < constant.carbon_g < fast.carbon_g
 
 
 def test_the_price_policy_follows_the_price_not_the_carbon():

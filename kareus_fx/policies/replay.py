@@ -10,6 +10,7 @@ cost model's predictions, so a replay's results are simulated too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -17,9 +18,10 @@ from functools import partial
 
 from kareus_fx.errors import KareusError
 from kareus_fx.policies.base import FrontierPoint, Observation, Policy
+from kareus_fx.policies.signal_budget import choice_at, smallest_price_of_work
 from kareus_fx.policies.signals import HourlyTrace, read_signal
 
-__all__ = ["FixedPoint", "ReplayResult", "replay"]
+__all__ = ["FixedPoint", "HourlySchedule", "ReplayResult", "foresight_schedule", "replay"]
 
 J_PER_KWH = 3.6e6
 MAX_REPLAY_HOURS = 24 * 366 * 5
@@ -33,6 +35,57 @@ class FixedPoint:
 
     def choose(self, candidates: Sequence[FrontierPoint], observation: Observation) -> int:
         return self.index
+
+
+@dataclass(frozen=True)
+class HourlySchedule:
+    """A frontier index fixed in advance for each hour of a replay (the last one holds after)."""
+
+    indices: tuple[int, ...]
+
+    def choose(self, candidates: Sequence[FrontierPoint], observation: Observation) -> int:
+        return self.indices[min(int(observation.elapsed_s // 3600.0), len(self.indices) - 1)]
+
+
+def foresight_schedule(
+    candidates: Sequence[FrontierPoint], trace: HourlyTrace, start: datetime, work_iterations: float, slo: float
+) -> HourlySchedule:
+    """The least-carbon hourly choices that do ``work_iterations`` within ``1 + slo`` times the
+    fastest candidate's time, knowing the whole trace: a bound on any hourly policy over these
+    candidates and budget (a job cannot run it: it needs the future).
+
+    Each hour of signal ``s`` runs :func:`~kareus_fx.policies.signal_budget.choice_at` with one
+    price of work ``mu`` for the whole job, the smallest whose choices finish the work within the
+    budget (the Lagrangian of the budget), then spends the slack one price leaves (up to about an
+    hour) on the moves to slower points that save the most carbon per iteration given up."""
+    fastest = min(candidates, key=lambda p: (p.time_s, p.energy_j))
+    budget_s = (1.0 + slo) * work_iterations * fastest.time_s
+    hours = math.ceil(budget_s / 3600.0)
+    signal = trace.window(start, hours)
+
+    def work(mu: float) -> float:
+        return sum(
+            min(3600.0, budget_s - 3600.0 * h) / choice_at(candidates, s, mu).time_s for h, s in enumerate(signal)
+        )
+
+    mu = smallest_price_of_work(work, work_iterations)
+    chosen = [choice_at(candidates, s, mu) for s in signal]
+    # One price leaves up to an hour's slack (an hour runs one point); spend it on the moves to
+    # slower points that save the most carbon per iteration given up, one move per hour.
+    seconds = [min(3600.0, budget_s - 3600.0 * h) for h in range(hours)]
+    slack = sum(t / p.time_s for t, p in zip(seconds, chosen)) - work_iterations
+    moves = [
+        (s * t * (p.average_power_w - q.average_power_w) / lost, lost, h, q)
+        for h, (s, t, p) in enumerate(zip(signal, seconds, chosen))
+        for q in candidates
+        if q.time_s > p.time_s and (lost := t / p.time_s - t / q.time_s) > 0
+    ]
+    moved: set[int] = set()
+    for saving, lost, h, q in sorted(moves, key=lambda m: -m[0]):
+        if saving > 0 and lost <= slack and h not in moved:
+            chosen[h], slack = q, slack - lost
+            moved.add(h)
+    return HourlySchedule(tuple(p.index for p in chosen))
 
 
 @dataclass

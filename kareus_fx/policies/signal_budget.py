@@ -16,7 +16,7 @@ point is ``1 / time_s``; the signal holds for an hour; the forecast is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -24,7 +24,7 @@ from kareus_fx.errors import KareusError
 from kareus_fx.policies.base import FrontierPoint, Observation
 from kareus_fx.policies.forecast import SeasonalForecaster
 
-__all__ = ["SignalBudgetPolicy"]
+__all__ = ["SignalBudgetPolicy", "choice_at", "smallest_price_of_work"]
 
 Signal = Literal["carbon", "price"]
 
@@ -35,8 +35,26 @@ def _signal_of(observation: Observation, signal: Signal) -> float | None:
     return observation.carbon_intensity_g_per_kwh if signal == "carbon" else observation.price_per_kwh
 
 
-def _choice(candidates: Sequence[FrontierPoint], signal: float, mu: float) -> FrontierPoint:
+def choice_at(candidates: Sequence[FrontierPoint], signal: float, mu: float) -> FrontierPoint:
+    """The candidate minimising ``signal x average power - mu / time`` for one hour: the Lagrangian
+    of the slowdown budget, so the choice lies on the lower convex hull of power over speed."""
     return min(candidates, key=lambda p: (signal * p.average_power_w - mu / p.time_s, p.time_s))
+
+
+def smallest_price_of_work(work: Callable[[float], float], needed: float) -> float:
+    """The smallest ``mu`` (to bisection precision, from above) with ``work(mu) >= needed``;
+    ``work`` must not decrease with ``mu`` (a higher price of work picks faster points)."""
+    high = 1.0
+    while work(high) < needed and high < 1e30:
+        high *= 4.0
+    low = 0.0
+    for _ in range(_BISECTION_STEPS):
+        mid = 0.5 * (low + high)
+        if work(mid) >= needed:
+            high = mid
+        else:
+            low = mid
+    return high
 
 
 @dataclass
@@ -90,16 +108,6 @@ class SignalBudgetPolicy:
         needed = min(window_s, max(0.0, (elapsed_s + window_s) / (1.0 + self.slo) - self._work_s))
 
         def work(mu: float) -> float:
-            return sum(3600.0 * fastest.time_s / _choice(candidates, s, mu).time_s for s in horizon)
+            return sum(3600.0 * fastest.time_s / choice_at(candidates, s, mu).time_s for s in horizon)
 
-        high = 1.0
-        while work(high) < needed and high < 1e30:
-            high *= 4.0
-        low = 0.0
-        for _ in range(_BISECTION_STEPS):
-            mid = 0.5 * (low + high)
-            if work(mid) >= needed:
-                high = mid
-            else:
-                low = mid
-        return _choice(candidates, value, high)
+        return choice_at(candidates, value, smallest_price_of_work(work, needed))
