@@ -1,7 +1,7 @@
 """A sidecar process that restores a GPU's clock when the process that locked it dies, SIGKILL included.
 
 The same process guards a GPU power limit (:mod:`kareus_fx.runtime.power_limit`): its spec then
-names the limit to set back (``power_limit_restorer``), and there is no lock record.
+names the limit to set back (``power_limit_restore.power_limit_restorer``), and there is no lock record.
 
 Python cannot run anything after SIGKILL (the OOM killer, a scheduler's preemption after its grace
 period, ``kill -9``), so the restore must happen in another process. :func:`start_guardian`
@@ -42,6 +42,7 @@ from pathlib import Path
 
 from kareus_fx.runtime.clock_backends import ClockControlError, ResetSpec, reset_clock_from_spec
 from kareus_fx.runtime.clock_locks import remove_lock
+from kareus_fx.runtime.power_limit_restore import power_limit_restorer
 
 READY = "ready"
 DISARM = "disarm"
@@ -139,8 +140,6 @@ def _parent_death(parent_pid: int) -> Callable[[float | None], bool]:
 
 def _reset_function(spec: ResetSpec) -> Callable[[], None]:
     """The reset, prepared now (a real GPU: Zeus opened, so its errors show at start)."""
-    from kareus_fx.runtime.power_limit import power_limit_restorer  # it imports this module
-
     restore_limit = power_limit_restorer(spec)
     if restore_limit is not None:
         return restore_limit

@@ -95,11 +95,13 @@ def _worker(rank: int, world_size: int, port: int, call: bytes, sys_path: list[s
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
     ``fn``, ``args`` and the return values must be picklable (``fn`` defined at module level
-    of an importable module).
+    of an importable module). ``timeout_s`` catches a hang, not a slow run: the default leaves room
+    for compiling ranks that share 2 cores with another test worker (``pytest -n``); a test of a
+    deadline passes its own.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)

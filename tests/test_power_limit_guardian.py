@@ -23,12 +23,8 @@ import torch
 from zeus.device.gpu.common import GPUs
 
 from kareus_fx.runtime.clock_locks import process_alive
-from kareus_fx.runtime.power_limit import (
-    PowerLimitController,
-    PowerLimitError,
-    SimulatedPowerLimitGPUs,
-    read_simulated_power_limit,
-)
+from kareus_fx.runtime.power_limit import PowerLimitController
+from kareus_fx.runtime.power_limit_restore import PowerLimitError, SimulatedPowerLimitGPUs, read_simulated_power_limit
 
 FOUND_MW, SET_W = 350_000, 250
 
