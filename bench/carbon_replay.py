@@ -28,6 +28,13 @@ frontier (time over the fastest point's).
 them the trace's true future instead of :class:`~kareus_fx.policies.forecast.SeasonalForecaster`'s
 forecast (a bound on a better forecaster, not something a job can run).
 
+``--extend-below-frontier 1050 1020 ...`` adds points past the frontier's slow end to Kareus's
+candidates (both the policy's and its bound's): the least-energy point's instructions, every one at
+that clock, priced from the plan's microbatch options as the planner prices a point (critical path
+of 1F1B, blocking power when idle: ``kareus_fx.deploy.simulated_energy``). ``below_frontier``
+gives each one's speed and power, the slope of power per speed from the least-energy point to it,
+and the hours each policy ran them.
+
 A knob's own reference is its un-throttled run: Kareus's policy is compared with always-max-
 throughput, the power-limit policy with Megatron-LM at full power; both are also given against
 Megatron-LM. Every time and energy is the plan's: with the simulated profiler, predictions of a
@@ -50,13 +57,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kareus_fx.plan.plan_format import load_plan
+from kareus_fx.compose.pipeline import PipelineNode, one_f_one_b_order
+from kareus_fx.deploy.simulated_energy import simulated_iteration
+from kareus_fx.plan.plan_format import Plan, load_plan
 from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD
 from kareus_fx.policies.base import FrontierPoint
 from kareus_fx.policies.forecast import PerfectForecaster, SeasonalForecaster
 from kareus_fx.policies.replay import FixedPoint, ReplayResult, foresight_schedule, replay
 from kareus_fx.policies.signal_budget import SignalBudgetPolicy
 from kareus_fx.policies.signals import HourlyTrace, SignalWarning, load_hourly_trace
+from kareus_fx.runtime.frequency import ClockRequest
 
 TRACES_DIR = Path(__file__).parent / "traces" / "carbon_intensity_eia_2022"
 SHIPPED_TRACES = ("CISO", "ERCO", "PJM")
@@ -101,6 +111,7 @@ def run(
     start: datetime,
     horizon_h: int = 24,
     forecast: str = "seasonal",
+    below_frontier_mhz: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Every policy's replay (see the module docstring), as a JSON-ready dict."""
     if forecast not in FORECASTS:
@@ -112,7 +123,9 @@ def run(
             f"{plan_path} has no {POWER_LIMIT_METHOD!r} method (plans made before it, or measured on a GPU): "
             f"re-run `kareus plan` with the simulated profiler"
         )
-    kareus = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(plan.frontier)]
+    frontier = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(plan.frontier)]
+    below = _below_frontier(plan, below_frontier_mhz)
+    kareus = frontier + below
     perseus = _points(methods["megatron+perseus"]["frontier"])
     megatron = _points(methods["megatron"]["frontier"])
     limits = methods[POWER_LIMIT_METHOD]["power_limits"]
@@ -145,6 +158,8 @@ def run(
     chase_gain = _summary(results["chase-power-limit"], megatron_run)
     job_days = math.ceil(len(results["kareus+carbon"].hourly_index) / DAY_H)
     time_ratios = _time_ratios(results["kareus+carbon"], kareus)
+    below_indices = {p.index for p in below}
+    least_energy = min(frontier, key=lambda p: p.energy_j)
     return {
         "plan": str(plan_path),
         "simulated": bool(plan.data.get("simulated")),
@@ -164,6 +179,21 @@ def run(
         "vs_megatron": {name: _summary(r, megatron_run) for name, r in results.items()},
         "power_limits_w": [int(limit) for limit, _, _ in limits],
         "frontier_shape": {"kareus": _shape(kareus, slo), "chase-power-limit": _shape(power_limited, slo)},
+        "below_frontier": [
+            {
+                "clock_mhz": clock,
+                "speed": _fastest(kareus).time_s / p.time_s,
+                "power": p.average_power_w / _fastest(kareus).average_power_w,
+                "power_per_speed_from_least_energy": (p.average_power_w - least_energy.average_power_w)
+                / _fastest(kareus).average_power_w
+                / (_fastest(kareus).time_s / p.time_s - _fastest(kareus).time_s / least_energy.time_s),
+            }
+            for clock, p in zip(below_frontier_mhz, below)
+        ],
+        "below_frontier_hours": {
+            name: sum(i in below_indices for i in results[name].hourly_index)
+            for name in ("kareus+carbon", "kareus+carbon (foresight)")
+        },
         "slo_tolerance": tolerance,
         "kareus_carbon_beats_chase": (
             kareus_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
@@ -177,6 +207,26 @@ def run(
             "cumulative_carbon_kg": {n: [c / 1e3 for c in r.cumulative_carbon_g] for n, r in results.items()},
         },
     }
+
+
+def _below_frontier(plan: Plan, clocks_mhz: Sequence[int]) -> list[FrontierPoint]:
+    """The least-energy frontier point's instructions all at each of ``clocks_mhz`` (module
+    docstring), indexed after the frontier. Each instruction keeps its kernel schedule, at that clock."""
+    if not clocks_mhz:
+        return []
+    pp, microbatches = plan.workload["pp"], plan.workload["microbatches"]
+    if plan.workload.get("virtual_stages", 1) != 1:
+        raise SystemExit("--extend-below-frontier prices 1F1B plans only (this plan interleaves virtual stages)")
+    slowest = min(range(len(plan.frontier)), key=lambda i: plan.frontier[i]["energy_j"])
+    points = []
+    for n, clock in enumerate(clocks_mhz):
+        ranks = [
+            [ClockRequest(0.0, clock, str(PipelineNode(s, i, mb))) for i, mb in one_f_one_b_order(pp, microbatches, s)]
+            for s in range(pp)
+        ]
+        priced = simulated_iteration(plan, slowest, ranks)
+        points.append(FrontierPoint(index=len(plan.frontier) + n, time_s=priced.time_s, energy_j=priced.energy_j))
+    return points
 
 
 def _daily_swing(hourly: Sequence[float]) -> float:
@@ -310,12 +360,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--forecast", choices=FORECASTS, default="seasonal", help="seasonal (default) or perfect (the trace's future)"
     )
+    parser.add_argument(
+        "--extend-below-frontier",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="MHZ",
+        help="add the least-energy point's instructions at these clocks to Kareus's candidates",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", type=Path, help="write the carbon / point / cumulative plot here (PNG)")
     parser.add_argument("--results", type=Path, help="add the report (without hourly series) to this JSON file")
     args = parser.parse_args(argv)
     start = datetime.fromisoformat(args.start).replace(tzinfo=timezone.utc)
-    report = run(args.plan, args.trace, args.slo, args.days, start, args.horizon_h, args.forecast)
+    report = run(
+        args.plan, args.trace, args.slo, args.days, start, args.horizon_h, args.forecast, args.extend_below_frontier
+    )
     if args.plot:
         plot(report, args.plot)
     summary = {k: v for k, v in report.items() if k != "hourly"}
