@@ -346,6 +346,16 @@ def _table(report: Mapping[str, Any]) -> str:
             f"energy, the hull at a constant {100 * report['slo']:.1f}% slowdown "
             f"{100 * shape['constant_slowdown_energy_reduction']:.2f}%; hull slope (power per speed) to the next faster vertex: {slopes}"
         )
+    ratios = ", ".join(f"{q}%: {r:.3f}" for q, r in report["kareus+carbon_time_ratio_percentiles"].items())
+    lines.append(f"kareus+carbon hours' time over the fastest point's, percentiles {ratios}")
+    for below in report["below_frontier"]:
+        lines.append(
+            f"below the frontier at {below['clock_mhz']} MHz: speed {below['speed']:.3f}, power {below['power']:.3f}, "
+            f"{below['power_per_speed_from_least_energy']:.2f} power per speed from the least-energy point"
+        )
+    if report["below_frontier"]:
+        hours = ", ".join(f"{name} {n}" for name, n in report["below_frontier_hours"].items())
+        lines.append(f"hours run below the frontier: {hours}")
     return "\n".join(lines)
 
 
