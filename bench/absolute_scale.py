@@ -1,6 +1,7 @@
 """Absolute scale: the simulated iteration's time and energy beside the paper's testbed.
 
-    python bench/absolute_scale.py [--rerun] [--results bench/results/absolute_scale.json] [--json]
+    python bench/absolute_scale.py [--rerun | --from-plans bench/results/end_to_end.json]
+                                   [--results bench/results/absolute_scale.json] [--json]
 
 `validate_end_to_end.py` compares reductions (ratios within one plan). This compares what those
 ratios rest on, the iteration itself, in two ways:
@@ -16,6 +17,9 @@ ratios rest on, the iteration itself, in two ways:
   (`num_floating_point_operations`: forward, backward-data and backward-weight GEMMs, 3 passes)
   and with full activation recomputation counted (4 passes, the `checkpoint_activations_factor`
   of Megatron-DeepSpeed's throughput report). The paper used activation checkpointing (6.1).
+
+``--from-plans FILE`` reads each preset's fastest points from ``validate_end_to_end.py``'s results
+(the same plans, which keep them) instead of planning again.
 
 Every "ours" number is a cost-model prediction of the simulated A100-SXM4-40GB. The Qwen rows and
 Table 1 are validation data: reported here, never fitted.
@@ -80,6 +84,10 @@ def plan_absolute(preset: str) -> dict:
     }
 
 
+_PLAN_FIELDS = ("fastest", "gpus", "model", "microbatches", "mbs", "seq", "gpu", "profiler", "wall_s")
+"""What this bench keeps of a plan (``plan_absolute``; ``validate_end_to_end.py`` keeps them too)."""
+
+
 def _rows() -> list[dict[str, str]]:
     """The calibration and validation rows that give Kareus's TFLOPS per GPU."""
     return [r for r in labelled_testbed_rows() if csv_number(r["kareus_tflops_per_gpu"]) is not None]
@@ -140,9 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--from-plans",
+        type=Path,
+        default=None,
+        help="take the presets' fastest points from validate_end_to_end.py's results file instead of planning",
+    )
     args = parser.parse_args(argv)
     stored = json.loads(args.results.read_text()) if args.results.exists() else {}
     plans = {} if args.rerun else dict(stored.get("plans", {}))
+    if args.from_plans is not None:
+        planned = json.loads(args.from_plans.read_text())["plans"]
+        plans = {k: {f: v[f] for f in _PLAN_FIELDS} for k, v in planned.items() if "fastest" in v and "+" not in k}
     for preset in sorted({r["preset"] for r in _rows()} | {TABLE1_PRESET}):
         if preset not in plans:
             print(f"planning {preset} ...", file=sys.stderr, flush=True)

@@ -10,8 +10,11 @@ Methods, per case (stages x microbatches):
 
 - ``lowtime 1ms``: the composer before this benchmark's changes, ``PhillipsDessouky.run`` at
   the 1 ms quantum (``solver_loop="lowtime"``): the baseline;
-- ``fast 1ms``: the same solve through ``solver_loop="fast"`` (same plans, step for step);
-- ``fast <K> steps``: ``max_solver_steps=K`` (adaptive quantum), fast loop.
+- ``exact 1ms``: the same solve through ``solver_loop="fast"`` with lowtime's Rust min-cut
+  (``min_cut="lowtime"``: same plans, step for step): the exact frontier;
+- ``dinic 1ms``: the fast loop with SciPy's Dinic min-cut (the default; ``solver_loop.py``);
+- ``exact <K> steps`` / ``dinic <K> steps``: ``max_solver_steps=K`` (adaptive quantum, what
+  ``kareus plan`` runs with K = 500), each min-cut.
 
 A 1 ms solve whose step count (``count_solver_steps``) exceeds ``--max-baseline-steps`` (lowtime
 loop) or ``--max-reference-steps`` (fast loop) is not run to the end: it runs ``--probe-steps``
@@ -19,7 +22,9 @@ steps and its total is estimated as setup + steps x (mean time of the probed ste
 ``~``. The per-step cost grows as more of the DAG turns
 critical, so the estimate is low.
 
-Deviation of an adaptive frontier from the 1 ms frontier (only where the 1 ms solve ran): with
+Deviation of a frontier from its reference: ``dinic 1ms`` and each ``exact <K> steps`` from
+``exact 1ms`` (only where that ran), ``dinic <K> steps`` from ``exact <K> steps`` (same quantum:
+what the Dinic min-cut alone changes; the issue's criterion). With
 ``E_X(t)`` the least energy of frontier X among its plans that take at most ``t`` (what a deadline
 ``t`` gets), the largest ``(E_adaptive(t) - E_1ms(t)) / E_1ms(t)`` over the 1 ms frontier's times
 (``dE+``: energy lost; ``dE-`` the smallest, negative where the coarse solve found a better
@@ -33,7 +38,8 @@ point" is ``eps <= 0.005``).
 Usage: ``python bench/compose_scaling.py [--cases 2x8 8x24 10x16 10x128]
 [--steps 250 500 1000] [--max-baseline-steps 2000] [--max-reference-steps 5000] [--json]``.
 Wall and CPU seconds, one process, cases in sequence; the ratio is lowtime 1ms CPU seconds /
-the method's (the machine is shared: CPU time is the steadier measure).
+the method's (the machine is shared: CPU time is the steadier measure), and for ``dinic <K>
+steps`` also ``exact <K> steps``'s CPU seconds / its own (``vs exact``).
 """
 
 from __future__ import annotations
@@ -120,7 +126,7 @@ def probe_steps(limit: int) -> Iterator[list[tuple[float, float]]]:
         def run(self):
             return timed(super().run())
 
-    iteration.run_phillips_dessouky = lambda dag: timed(fast(dag))
+    iteration.run_phillips_dessouky = lambda dag, **kwargs: timed(fast(dag, **kwargs))
     iteration.PhillipsDessouky = ProbedLowtime
     try:
         yield step_times_s
@@ -188,21 +194,26 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
     steps_1ms = count_solver_steps(options, case.num_microbatches)
     row: dict = {"case": case.name, "steps_1ms": steps_1ms, "methods": {}}
     reference = None
-    for loop in ("lowtime", "fast"):
-        name = f"{loop} 1ms"
-        limit = args.max_baseline_steps if loop == "lowtime" else args.max_reference_steps
+    solves = {
+        "lowtime 1ms": ({"solver_loop": "lowtime"}, args.max_baseline_steps),
+        "exact 1ms": ({"min_cut": "lowtime"}, args.max_reference_steps),
+        "dinic 1ms": ({"min_cut": "dinic"}, args.max_reference_steps),
+    }
+    for name, (kwargs, limit) in solves.items():
         if steps_1ms <= limit:
-            frontier, wall_s, cpu_s = timed_compose(options, case, solver_loop=loop)
+            frontier, wall_s, cpu_s = timed_compose(options, case, **kwargs)
             row["methods"][name] = {
                 "wall_s": wall_s,
                 "cpu_s": cpu_s,
                 "steps": len(frontier.trace) - 1,
                 "estimated": False,
             }
-            if loop == "fast":
+            if name == "exact 1ms":
                 reference = frontier
+            elif name == "dinic 1ms" and reference is not None:
+                row["methods"][name]["deviation"] = deviation(frontier, reference)
         else:
-            wall_s, cpu_s = estimate_compose_s(options, case, steps_1ms, args.probe_steps, solver_loop=loop)
+            wall_s, cpu_s = estimate_compose_s(options, case, steps_1ms, args.probe_steps, **kwargs)
             row["methods"][name] = {
                 "wall_s": wall_s,
                 "cpu_s": cpu_s,
@@ -210,21 +221,28 @@ def run_case(case: Case, args: argparse.Namespace) -> dict:
                 "estimated": True,
             }
     for max_steps in args.steps:
-        try:
-            frontier, wall_s, cpu_s = timed_compose(options, case, max_solver_steps=max_steps)
-        except CompositionError as e:  # too few steps for this pipeline
-            print(f"{case.name}, {max_steps} steps: {e}", file=sys.stderr)
-            continue
-        entry = {
-            "wall_s": wall_s,
-            "cpu_s": cpu_s,
-            "steps": len(frontier.trace) - 1,
-            "unit_time_s": frontier.unit_time_s,
-            "estimated": False,
-        }
-        if reference is not None:
-            entry["deviation"] = deviation(frontier, reference)
-        row["methods"][f"fast {max_steps} steps"] = entry
+        exact = None
+        for cut in ("lowtime", "dinic"):
+            try:
+                frontier, wall_s, cpu_s = timed_compose(options, case, max_solver_steps=max_steps, min_cut=cut)
+            except CompositionError as e:  # too few steps for this pipeline
+                print(f"{case.name}, {max_steps} steps: {e}", file=sys.stderr)
+                break
+            entry = {
+                "wall_s": wall_s,
+                "cpu_s": cpu_s,
+                "steps": len(frontier.trace) - 1,
+                "unit_time_s": frontier.unit_time_s,
+                "estimated": False,
+            }
+            if cut == "lowtime":
+                exact = frontier
+                if reference is not None:
+                    entry["deviation"] = deviation(frontier, reference)
+                row["methods"][f"exact {max_steps} steps"] = entry
+            else:
+                entry["deviation"] = deviation(frontier, exact)
+                row["methods"][f"dinic {max_steps} steps"] = entry
     return row
 
 
@@ -248,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"{'case':>7} {'method':>16} {'quantum ms':>10} {'steps':>6} {'wall s':>9} {'cpu s':>8} "
-        f"{'cpu ratio':>10} {'dE+':>8} {'dE-':>8} {'dE~':>8} {'dTmin':>8} {'eps':>8}"
+        f"{'cpu ratio':>10} {'vs exact':>9} {'dE+':>8} {'dE-':>8} {'dE~':>8} {'dTmin':>8} {'eps':>8}"
     )
     for text in args.cases:  # one case at a time: rows appear as they finish
         row = run_case(parse_case(text), args)
@@ -262,10 +280,12 @@ def main(argv: list[str] | None = None) -> int:
                 if dev
                 else ""
             )
+            exact = row["methods"].get(name.replace("dinic", "exact")) if name.startswith("dinic") else None
+            vs_exact = f"{exact['cpu_s'] / m['cpu_s']:>8.1f}x" if exact else " " * 9
             print(
                 f"{row['case']:>7} {name:>16} {m.get('unit_time_s', 1e-3) * 1e3:>10.2f} "
                 f"{m['steps']:>6} {mark}{m['wall_s']:>8.1f} {m['cpu_s']:>8.1f} "
-                f"{base_cpu_s / m['cpu_s']:>9.1f}x {devs}",
+                f"{base_cpu_s / m['cpu_s']:>9.1f}x {vs_exact} {devs}",
                 flush=True,
             )
     return 0

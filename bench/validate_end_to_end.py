@@ -1,7 +1,8 @@
 """End-to-end fidelity: the simulated plans beside the paper's measured testbed results.
 
     python bench/validate_end_to_end.py [--json | --markdown] [--rerun] [--rows calibration|validation|all]
-                                        [--stage-layers even|balanced --results FILE]
+                                        [--stage-layers even|balanced --results FILE] [--jobs N]
+    python bench/validate_end_to_end.py --ablation [--rerun] [--jobs N] [--json]
 
 For every row of the paper's testbed tables it plans the row's preset on the simulated profiler
 (A100-SXM4-40GB, seed 0, ``kareus plan`` in-process) and compares each method's metrics with the
@@ -24,6 +25,16 @@ their group (``TARGET_PP``: 3 pp for time, energy and ablation, 5 pp for iso). N
 not reach: listed in ``ours_na_where_paper_has_value``) are skipped and counted. ``kareus_not_below`` lists the rows where the paper has
 Kareus >= N+P and >= M+P (time and energy) but ours does not.
 
+``--ablation`` separates the two mechanisms of issue 32: every row planned with activation
+recomputation ``none`` or ``full`` (``kareus plan --recompute``) and the throttled clock's swing
+off (``throttle_swing_mhz`` 0: a steady clock at the cap, through ``KAREUS_SIM_PARAM_OVERRIDES``)
+or on (the calibrated swing), four corners, each with the validation targets: cells within target,
+mean absolute errors, table 8's increases, Table 1's testbed-over-ours iteration time
+(``absolute_scale.py``) and ``kareus_not_below``. The corner ``full`` / ``on`` is the presets'
+own setting, cached in ``bench/results/end_to_end.json``; the others in
+``bench/results/recompute_swing/``. Each (preset, recompute) is traced once for both swings
+(the stage split is the preset's, the same in every corner).
+
 Plans are cached in ``bench/results/end_to_end.json`` (``--rerun`` plans again). Every preset's
 pipeline is balanced as the paper's testbed (``kareus plan --stage-layers``); ``--stage-layers even
 --results FILE`` plans Megatron-LM's even split instead, for comparison. Our numbers are cost-model
@@ -33,13 +44,20 @@ predictions of a simulated GPU, not measurements.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import dataclasses
 import json
+import os
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from kareus_fx.plan.planner import make_plan, plan_request_from_preset
+from kareus_fx.cost_models.sim_params import OVERRIDES_ENV, clear_cache
+from kareus_fx.plan.planner import make_plan, plan_request_from_preset, plan_traced, trace_plan_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path("/work/shared/data")
@@ -47,6 +65,12 @@ CALIBRATION_CSV = ROOT / "cost_models" / "data" / "calibration" / "kareus_paper_
 VALIDATION_DIR = SHARED_DATA / "validation" / "kareus_paper_testbed"
 VALIDATION_CSV = VALIDATION_DIR / "qwen3-1.7b.csv"
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "end_to_end.json"
+ABLATION_DIR = Path(__file__).parent / "results" / "recompute_swing"
+RECOMPUTES = ("none", "full")
+SWINGS = {"off": {"throttle_swing_mhz": 0.0}, "on": {}}
+"""The throttle swing's settings: ``off`` a steady clock at the cap, ``on`` the calibrated swing."""
+PRESET_CORNER = ("full", "on")
+"""The presets' own setting (the testbed's recompute, the calibrated simulator)."""
 
 # CSV column -> (method, metric of metrics.frontier_metrics, summary group or None)
 COLUMNS = {
@@ -104,12 +128,82 @@ def plan_metrics(key: str, stage_layers: str | None = None) -> dict:
     preset = key.removesuffix(MAX_CLOCK_SUFFIX)
     split = {} if stage_layers is None else {"stage_layers": stage_layers}
     outcome = make_plan(plan_request_from_preset(preset, max_clock_only=key != preset, **split), progress=False)
+    return _kept(outcome.data, time.perf_counter() - started)
+
+
+def _kept(data: dict, wall_s: float) -> dict:
+    """What the results file keeps of a plan: every method's metrics and fastest point (time,
+    energy over all GPUs: what ``absolute_scale.py`` reads), and the job's shape."""
+    workload = data["workload"]
     return {
-        "metrics": {m: d["metrics"] for m, d in outcome.data["methods"].items()},
-        "profiler": outcome.data["profiler"],
-        "stage_layers": outcome.data["workload"]["stage_layers"],
-        "wall_s": time.perf_counter() - started,
+        "metrics": {m: d["metrics"] for m, d in data["methods"].items()},
+        "fastest": {m: dict(zip(("time_s", "energy_j"), min(d["frontier"]))) for m, d in data["methods"].items()},
+        "profiler": data["profiler"],
+        "stage_layers": workload["stage_layers"],
+        "recompute": workload["recompute"],
+        "gpus": workload["tp"] * workload["cp"] * workload["pp"],
+        "model": workload["model"],
+        "microbatches": workload["microbatches"],
+        "mbs": workload["mbs"],
+        "seq": workload["seq"],
+        "gpu": data["gpu"],
+        "wall_s": wall_s,
     }
+
+
+@contextlib.contextmanager
+def _simulator_overrides(values: dict) -> Iterator[None]:
+    """The simulated GPU with ``values`` replacing calibrated parameters (``OVERRIDES_ENV``; the
+    planner's spawned processes inherit it), restored after."""
+    before = os.environ.get(OVERRIDES_ENV)
+    if values:
+        os.environ[OVERRIDES_ENV] = json.dumps(values)
+    else:
+        os.environ.pop(OVERRIDES_ENV, None)
+    clear_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OVERRIDES_ENV, None)
+        else:
+            os.environ[OVERRIDES_ENV] = before
+        clear_cache()
+
+
+def plan_corners(preset: str, keys: list[str], corners: list[tuple[str, str]]) -> dict:
+    """Plan ``keys`` (``preset`` and its ``MAX_CLOCK_SUFFIX`` key) in each (recompute, swing)
+    corner, tracing ``preset`` once per recompute. Returns {corner name: {key: kept plan}}."""
+    out: dict[str, dict] = {}
+    for recompute in dict.fromkeys(r for r, _ in corners):
+        started = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="kareus-ablation-") as tmp:
+            req, traced = trace_plan_stages(plan_request_from_preset(preset, recompute=recompute), Path(tmp) / "dumps")
+            trace_s = time.perf_counter() - started
+            for swing in [s for r, s in corners if r == recompute]:
+                with _simulator_overrides(SWINGS[swing]):
+                    for key in keys:
+                        t0 = time.perf_counter()
+                        outcome = plan_traced(
+                            dataclasses.replace(req, max_clock_only=key != preset),
+                            traced,
+                            Path(tmp) / f"work-{swing}",
+                            progress=False,
+                        )
+                        kept = _kept(outcome.data, time.perf_counter() - t0 + trace_s)
+                        out.setdefault(corner_name(recompute, swing), {})[key] = kept
+    return out
+
+
+def corner_name(recompute: str, swing: str) -> str:
+    return f"recompute-{recompute}_swing-{swing}"
+
+
+def corner_results(recompute: str, swing: str) -> Path:
+    """Results file of one ablation corner (the presets' own corner is the default file)."""
+    if (recompute, swing) == PRESET_CORNER:
+        return DEFAULT_RESULTS
+    return ABLATION_DIR / f"{corner_name(recompute, swing)}.json"
 
 
 def _ours_pct(metrics: dict, method: str, metric: str) -> float | None:
@@ -283,6 +377,122 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _ablation_keys(presets: list[str]) -> dict[str, list[str]]:
+    """Per preset its results keys (the table 8 preset also its ``MAX_CLOCK_SUFFIX`` key)."""
+    return {p: [p, p + MAX_CLOCK_SUFFIX] if p == ABLATION_PRESET else [p] for p in dict.fromkeys(presets)}
+
+
+def _plan_corners_job(job: tuple[str, list[str], list[tuple[str, str]]]) -> tuple[str, dict]:
+    preset, keys, corners = job
+    return preset, plan_corners(preset, keys, corners)
+
+
+def corner_summary(plans: dict, calibration_rows: list, validation_rows: list, ablation_rows: list) -> dict:
+    """One corner's validation targets (module docstring, ``--ablation``), over the rows planned
+    in it (``rows_planned``)."""
+    from absolute_scale import TABLE1, TABLE1_PRESET  # imports this module: not at the top
+
+    planned = {
+        "calibration": sum(r["preset"] in plans for r in calibration_rows),
+        "validation": sum(r["preset"] in plans for r in validation_rows),
+    }
+    out: dict = {"rows_planned": planned}
+    calibration_rows = [r for r in calibration_rows if r["preset"] in plans]
+    validation_rows = [r for r in validation_rows if r["preset"] in plans]
+    if not all(key in plans for key, _ in ABLATION_METHODS.values()):
+        ablation_rows = []
+    if calibration_rows:
+        _, cal = compare_rows(calibration_rows, plans)
+        out["calibration"] = {k: cal[k] for k in ("within_target", "compared", "mean_abs_err_pp", "kareus_not_below")}
+    if validation_rows:
+        _, val = compare_rows(validation_rows, plans)
+        out["validation"] = {k: val[k] for k in ("within_target", "compared", "mean_abs_err_pp", "kareus_not_below")}
+    if ablation_rows:
+        cells, ablation = compare_ablation(ablation_rows, plans)
+        out["table8"] = {
+            f"{c['variant']} {c['metric']}": [c["paper"], None if c["ours"] is None else round(c["ours"], 2)]
+            for c in cells
+        }
+        out["table8_within_target"] = ablation["within_target"]
+    fastest = plans.get(TABLE1_PRESET, {}).get("fastest")
+    if fastest is not None:
+        out["table1_time_paper_over_ours"] = {m: round(row[0] / fastest[m]["time_s"], 3) for m, row in TABLE1.items()}
+    return out
+
+
+def run_ablation(args: argparse.Namespace, calibration_rows: list, validation_rows: list, ablation_rows: list) -> dict:
+    """Plan what is missing in every (recompute, swing) corner and summarise each."""
+    corners = [(r, s) for r in RECOMPUTES for s in SWINGS]
+    files = {c: corner_results(*c) for c in corners}
+    stored = {c: json.loads(f.read_text()) if f.exists() else {} for c, f in files.items()}
+    if args.rerun:  # no corner mixes plans of two runs
+        for c in corners:
+            stored[c]["plans"] = {}
+    # Table 8's and Table 1's presets first, then the validation rows, then the calibration rows.
+    presets = [ABLATION_PRESET, "qwen3-1.7b-cp2tp4-mbs16-seq4k"] if ablation_rows else []
+    presets += [r["preset"] for r in validation_rows + calibration_rows]
+    # One job per (preset, recompute), both swings on one trace: the presets' own recompute
+    # first (table 8's and table 1's presets before the rest), so a partial run has whole corners.
+    jobs = []
+    for recompute in sorted(RECOMPUTES, key=lambda r: r != PRESET_CORNER[0]):
+        for preset, keys in _ablation_keys(presets).items():
+            todo = [
+                c
+                for c in corners
+                if c[0] == recompute and (args.rerun or any(k not in stored[c].get("plans", {}) for k in keys))
+            ]
+            if todo:
+                jobs.append((preset, keys, todo))
+    by_name = {corner_name(*c): c for c in corners}
+
+    def keep(preset: str, planned: dict) -> None:
+        print(f"planned {preset} in {sorted(planned)}", file=sys.stderr, flush=True)
+        for name, plans in planned.items():
+            corner = by_name[name]
+            stored[corner].setdefault("plans", {}).update(plans)
+            files[corner].parent.mkdir(parents=True, exist_ok=True)
+            files[corner].write_text(json.dumps(stored[corner], indent=1, sort_keys=True))
+
+    if args.jobs > 1 and len(jobs) > 1:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            for future in as_completed([pool.submit(_plan_corners_job, job) for job in jobs]):
+                keep(*future.result())
+    else:
+        for job in jobs:
+            keep(*_plan_corners_job(job))
+    return {
+        corner_name(*c): corner_summary(stored[c].get("plans", {}), calibration_rows, validation_rows, ablation_rows)
+        for c in corners
+    }
+
+
+def ablation_markdown(summaries: dict) -> str:
+    """The four corners side by side (README trust section)."""
+    lines = [
+        "| recompute, swing | validation within target (time / energy / iso) | mean abs err pp (validation / "
+        "calibration) | table 8 energy (freq / kernel sched / nanobatching) | table 8 time | table 1 time "
+        "ratio (M, M+P, N, N+P) | kareus_not_below |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in summaries.items():
+        v, c, t8 = s.get("validation", {}), s.get("calibration", {}), s.get("table8", {})
+        within = v.get("within_target", {})
+        compared = v.get("compared", {})
+        variants = ("kareus_without_frequency", "kareus_without_kernel_schedule", "nanobatching")
+        energy = " / ".join(_fmt(t8.get(f"{x} energy_increase", [None, None])[1]) for x in variants)
+        timing = " / ".join(_fmt(t8.get(f"{x} time_increase", [None, None])[1]) for x in variants)
+        ratio = ", ".join(f"{r:.3f}" for r in s.get("table1_time_paper_over_ours", {}).values())
+        lines.append(
+            f"| {name.replace('recompute-', '').replace('_swing-', ', ')} | "
+            + " / ".join(f"{within.get(g, 'NA')} of {compared.get(g, 'NA')}" for g in ("time", "energy", "iso"))
+            + f" | {v.get('mean_abs_err_pp')} / {c.get('mean_abs_err_pp')} | {energy} | {timing} | {ratio} | "
+            + f"{len(v.get('kareus_not_below', [])) + len(c.get('kareus_not_below', []))} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
@@ -297,7 +507,15 @@ def main(argv: list[str] | None = None) -> int:
         help="plan every preset with this stage split instead of its own (balanced, as the paper's "
         "testbed); with --results elsewhere, to compare",
     )
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="recompute none/full x throttle swing off/on: every corner's validation targets",
+    )
+    parser.add_argument("--jobs", type=int, default=1, help="with --ablation: presets planned side by side")
     args = parser.parse_args(argv)
+    if args.ablation and (args.stage_layers is not None or args.results != DEFAULT_RESULTS):
+        parser.error("--ablation plans the presets' own stage split into its own files: drop --stage-layers/--results")
     if args.stage_layers is not None and args.results == DEFAULT_RESULTS:
         parser.error("--stage-layers plans another pipeline than the presets': give --results FILE for its results")
 
@@ -307,6 +525,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows != "calibration" and VALIDATION_DIR.is_dir():
         validation_rows = read_csv_rows(VALIDATION_CSV)
         ablation_rows = read_csv_rows(VALIDATION_DIR / f"{ABLATION_PRESET}_ablation.csv")
+
+    if args.ablation:
+        summaries = run_ablation(args, calibration_rows, validation_rows, ablation_rows)
+        print(json.dumps(summaries, indent=1) if args.json else ablation_markdown(summaries))
+        return 0
 
     stored = json.loads(args.results.read_text()) if args.results.exists() else {}
     plans = stored.get("plans", {})

@@ -10,6 +10,7 @@ in :attr:`GPUParams.provenance`; its predictions are extrapolations.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cache, lru_cache
 from importlib import resources
@@ -18,6 +19,12 @@ from typing import Any
 from kareus_fx.cost_models.hardware import GPUSpec, canonical_gpu_name, gpu_spec
 
 PARAMS_RESOURCE = "data/calibrated_params.json"
+OVERRIDES_ENV = "KAREUS_SIM_PARAM_OVERRIDES"
+"""Environment variable holding a JSON object of :class:`SimParams` fields that replace the loaded
+values of every GPU, for ablations (``bench/validate_end_to_end.py --ablation``). An environment
+variable, not an argument, so that the planner's spawned tuning and solver processes see it too;
+the simulated profiler's kind (its parameter hash) changes with it, so a profile database never
+mixes measurements made with and without it. Unset in normal use."""
 # The GPU whose calibrated parameters other GPUs are derived from.
 REFERENCE_GPU = "A100-SXM4-40GB"
 
@@ -195,9 +202,36 @@ def resolve_spec(name: str) -> GPUSpec:
     return gpu_spec(name)
 
 
+def param_overrides() -> dict[str, Any]:
+    """The fields ``OVERRIDES_ENV`` replaces (empty when unset); a clear error for a bad value."""
+    text = os.environ.get(OVERRIDES_ENV, "").strip()
+    if not text:
+        return {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{OVERRIDES_ENV} must be a JSON object of simulator parameters: {err}") from err
+    known = {f.name for f in fields(SimParams)}
+    if not isinstance(values, dict) or set(values) - known:
+        raise ValueError(
+            f"{OVERRIDES_ENV} must be a JSON object with keys among {sorted(known)}, got {text!r}; "
+            f"unset it for the calibrated parameters"
+        )
+    return values
+
+
 @cache
 def gpu_params(name: str) -> GPUParams:
-    """Calibrated parameters for ``name`` (derived from the reference GPU when it has none)."""
+    """Calibrated parameters for ``name`` (derived from the reference GPU when it has none), with
+    any ``OVERRIDES_ENV`` fields replaced (recorded in the provenance)."""
+    loaded = _loaded_gpu_params(name)
+    overrides = param_overrides()
+    if not overrides:
+        return loaded
+    return GPUParams(loaded.spec, replace(loaded.params, **overrides), {**loaded.provenance, "overridden": overrides})
+
+
+def _loaded_gpu_params(name: str) -> GPUParams:
     extras = extra_gpu_specs()
     key = name if name in extras else canonical_gpu_name(name)
     spec = resolve_spec(key)

@@ -227,6 +227,12 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "kernel schedule (collective SMs, launch slot) tuned; deployment then locks no clock (for "
         "a job that may not set GPU clocks)",
     )
+    plan.add_argument(
+        "--exact-min-cut",
+        action="store_true",
+        help="compose the iteration frontiers with lowtime's own min-cut (the exact reference; "
+        "several times slower) instead of SciPy's Dinic",
+    )
     plan.add_argument("--seed", type=int, default=0, help="tuning seed")
     plan.add_argument("--workers", type=int, default=1, help="tuning processes")
     plan.add_argument(
@@ -272,6 +278,7 @@ def _plan_request(args: argparse.Namespace):
         "clock_mode": args.clock_mode,
         "full_trace": args.full_trace,
         "max_clock_only": args.max_clock_only,
+        "exact_min_cut": args.exact_min_cut,
         "compile_unit": args.compile_unit,
     }
     if args.gpu is not None:

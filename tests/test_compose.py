@@ -530,7 +530,7 @@ def _least_energy_within(frontier, time_s):
 def test_fast_solver_loop_walks_lowtimes_plans(cost_model):
     options = _clock_sweep_options(3)
     frontiers = [
-        compose_iteration(options, 4, blocking_power_w=80.0, cost_model=cost_model, solver_loop=loop)
+        compose_iteration(options, 4, blocking_power_w=80.0, cost_model=cost_model, solver_loop=loop, min_cut="lowtime")
         for loop in ("fast", "lowtime")
     ]
     fast, lowtime = frontiers
@@ -546,10 +546,54 @@ def test_fast_solver_loop_on_real_profile():
     profile = read_perseus_profile(PROFILE_CSV)
     small = {key: opts for key, opts in profile.items() if key[0] < 3}
     fast, lowtime = (
-        compose_iteration(small, 3, blocking_power_w=A100_BLOCKING_POWER_W, solver_loop=loop)
+        compose_iteration(small, 3, blocking_power_w=A100_BLOCKING_POWER_W, solver_loop=loop, min_cut="lowtime")
         for loop in ("fast", "lowtime")
     )
     assert [p.choices.tolist() for p in fast.trace] == [p.choices.tolist() for p in lowtime.trace]
+
+
+def _epsilon(approx, exact):
+    """Least e with every exact point (t, E) matched by an approx point within (1 + e) t and (1 + e) E."""
+    return max(
+        min(max(a.time_s / x.time_s, a.energy_j / x.energy_j) for a in approx.points) - 1.0 for x in exact.points
+    )
+
+
+@pytest.mark.parametrize("case", ["sweep", "profile"])
+def test_dinic_min_cut_frontier_matches_lowtimes(case):
+    # SciPy's Dinic min-cut against lowtime's Rust min-cut (the exact reference) in the same loop.
+    # The cut is the same set wherever no residual capacity sits at exactly lowtime's FP_ERROR
+    # tolerance (there lowtime's float flows decide either way): measured on the real profile 3
+    # of 166 steps differ; on the sweep none.
+    if case == "sweep":
+        options, microbatches, power_w = _clock_sweep_options(3), 4, 80.0
+    else:
+        profile = read_perseus_profile(PROFILE_CSV)
+        options, microbatches, power_w = (
+            {key: opts for key, opts in profile.items() if key[0] < 3},
+            3,
+            A100_BLOCKING_POWER_W,
+        )
+    dinic, exact = (
+        compose_iteration(options, microbatches, blocking_power_w=power_w, min_cut=cut) for cut in ("dinic", "lowtime")
+    )
+    assert len(exact.trace) > 50
+    assert _epsilon(dinic, exact) <= 0.005
+    assert _epsilon(exact, dinic) <= 0.005
+    assert dinic.points[0].time_s == pytest.approx(exact.points[0].time_s, rel=0.005)
+    # Every step shortens the quantized iteration by one unit, as lowtime's.
+    assert [p.solver_time_s for p in dinic.trace] == [p.solver_time_s for p in exact.trace]
+
+
+@pytest.mark.slow
+def test_dinic_min_cut_frontier_matches_lowtimes_on_a_longer_pipeline():
+    # 8 stages x 24 microbatches at 1 ms: about 2300 steps (lowtime's min-cut about a minute).
+    options = _clock_sweep_options(8)
+    dinic, exact = (compose_iteration(options, 24, blocking_power_w=80.0, min_cut=cut) for cut in ("dinic", "lowtime"))
+    assert len(exact.trace) > 1000
+    assert _epsilon(dinic, exact) <= 0.005
+    assert _epsilon(exact, dinic) <= 0.005
+    assert dinic.points[0].time_s == pytest.approx(exact.points[0].time_s, rel=0.005)
 
 
 @pytest.mark.parametrize("max_steps", [20, 60, 150])
@@ -601,8 +645,9 @@ def test_adaptive_frontier_close_to_fine_frontier():
     [
         ({"max_solver_steps": 0}, "max_solver_steps"),
         ({"max_solver_steps": 2.5}, "max_solver_steps"),
-        ({"max_solver_steps": 1}, "allow more steps"),
+        ({"max_solver_steps": 1}, "pass a larger max_solver_steps"),
         ({"solver_loop": "rust"}, "solver_loop"),
+        ({"min_cut": "rust"}, "min_cut"),
     ],
 )
 def test_solver_speed_bad_inputs(kwargs, match):

@@ -339,3 +339,24 @@ def test_a_throttle_swing_costs_energy_at_the_same_power():
     assert requests[-1] <= FMAX
     clocks = [swinging.predict_sequence(gemm, (), f).clock_mhz for f in requests]
     assert clocks[0] > clocks[1] > clocks[2] == pytest.approx(w.clock_mhz, abs=1.0)
+
+
+def test_param_overrides_replace_calibrated_values_and_key_the_profile_database(monkeypatch):
+    from kareus_fx.cost_models.sim_params import OVERRIDES_ENV, clear_cache
+
+    calibrated = SimulatedProfiler("A100-SXM4-40GB")
+    assert calibrated.simulator.params.throttle_swing_mhz > 0
+    monkeypatch.setenv(OVERRIDES_ENV, '{"throttle_swing_mhz": 0}')
+    clear_cache()
+    try:
+        steady = SimulatedProfiler("A100-SXM4-40GB")
+        assert steady.simulator.params.throttle_swing_mhz == 0
+        assert gpu_params("A100-SXM4-40GB").provenance["overridden"] == {"throttle_swing_mhz": 0}
+        assert steady.kind != calibrated.kind  # measurements never mix in one database
+        monkeypatch.setenv(OVERRIDES_ENV, '{"no_such_param": 1}')
+        clear_cache()
+        with pytest.raises(ValueError, match="no_such_param"):
+            gpu_params("A100-SXM4-40GB")
+    finally:
+        monkeypatch.delenv(OVERRIDES_ENV)
+        clear_cache()

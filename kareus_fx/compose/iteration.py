@@ -99,7 +99,7 @@ from kareus_fx.compose.pipeline import (
     iteration_energy_j,
     makespan_s,
 )
-from kareus_fx.compose.solver_loop import run_phillips_dessouky
+from kareus_fx.compose.solver_loop import MIN_CUTS, MinCut, run_phillips_dessouky
 
 __all__ = [
     "ConvexPiecewiseLinearModel",
@@ -385,8 +385,8 @@ def choose_unit_time_s(
     raise CompositionError(
         f"max_solver_steps={max_steps} is too few for {num_stages} stages x "
         f"{num_microbatches} microbatches: the time quantum would exceed the shortest "
-        f"option time ({shortest_s:.4g} s); allow more steps (at least "
-        f"{math.ceil(fine_steps * min_unit_time_s / shortest_s) + 1})"
+        f"option time ({shortest_s:.4g} s); pass a larger max_solver_steps (a quantum of half the "
+        f"shortest option time takes {_quantized_span(pipeline, normalized, shortest_s / 2)} steps)"
     )
 
 
@@ -451,6 +451,7 @@ def compose_iteration(
     max_solver_steps: int | None = None,
     solver_loop: SolverLoop = "fast",
     virtual_stages: int = 1,
+    min_cut: MinCut = "dinic",
 ) -> IterationFrontier:
     """The iteration time-energy frontier of a 1F1B or interleaved 1F1B pipeline.
 
@@ -469,6 +470,8 @@ def compose_iteration(
             (:func:`choose_unit_time_s`) so the solve takes at most this many steps; the
             quantum used is the frontier's ``unit_time_s``.
         solver_loop: ``"fast"`` or ``"lowtime"`` (same plans; see the module docstring).
+        min_cut: the fast loop's min-cut: ``"dinic"`` (SciPy) or ``"lowtime"`` (lowtime's Rust
+            min-cut, the exact reference; ``solver_loop.py``).
         virtual_stages: model chunks per GPU: 1 is 1F1B; above 1 interleaved 1F1B, with
             ``options`` keyed by global stage (``pipeline.py``: GPU ``r`` holds stages ``r,
             r + pp, ...``) and energy counted per GPU.
@@ -484,6 +487,8 @@ def compose_iteration(
         raise CompositionError(f'cost_model must be "convex" or "exponential", got {cost_model!r}')
     if solver_loop not in ("fast", "lowtime"):
         raise CompositionError(f'solver_loop must be "fast" or "lowtime", got {solver_loop!r}')
+    if min_cut not in MIN_CUTS:
+        raise CompositionError(f"min_cut must be one of {MIN_CUTS}, got {min_cut!r}")
     coarsened = False
     if max_solver_steps is not None:
         fine_unit_time_s = unit_time_s
@@ -553,7 +558,7 @@ def compose_iteration(
 
     steps: Iterator[tuple[float, float]]
     if solver_loop == "fast":
-        steps = ((r.quant_time * unit_time_s, r.cost) for r in run_phillips_dessouky(dag))
+        steps = ((r.quant_time * unit_time_s, r.cost) for r in run_phillips_dessouky(dag, min_cut=min_cut))
     else:
         steps = ((r.real_time, r.cost) for r in PhillipsDessouky(dag).run())
     with _quiet_lowtime(), _heap_frozen(), _progress(progress, max_quant - min_quant) as advance:

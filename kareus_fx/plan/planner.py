@@ -52,9 +52,11 @@ from kareus_fx.compose.iteration import (
     DEFAULT_UNIT_TIME_S,
     IterationFrontier,
     choose_unit_time_s,
+    count_solver_steps,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
 from kareus_fx.compose.pipeline import INSTRUCTIONS, CompositionError, check_interleaving
+from kareus_fx.compose.slack import with_reclaimed_fastest
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
@@ -128,7 +130,8 @@ STAGE_SPLITS = ("even", "balanced")
 MAX_SOLVER_STEPS = 500
 """Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
 from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
-solve fits (see compose.iteration)."""
+solve fits (see compose.iteration); :func:`solver_steps` raises it for a pipeline where 500 steps
+would need a quantum above half its shortest instruction."""
 PARALLEL_COMPOSE_MIN_NODES = 1000
 """Pipelines of at least this many (stage, instruction, microbatch) nodes compose the methods'
 frontiers in parallel processes (``compose.solve_pool``; PP10 x 128 microbatches has 2560): a
@@ -169,6 +172,9 @@ class PlanRequest:
     execution-model switching) is tuned, at that clock. For a user who may not lock clocks: the
     plan says so (``max_clock_only`` in plan.json) and deployment requests no clock. The
     baselines are still composed at every clock (they are the plan's comparison)."""
+    exact_min_cut: bool = False
+    """Compose with lowtime's own min-cut (``--exact-min-cut``, the reference) instead of SciPy's
+    Dinic (``compose.solver_loop``: the same cut up to lowtime's FP_ERROR tolerance)."""
     full_trace: bool = False
     """Trace every layer of each stage (``--full-trace``) instead of a slice extended to the stage's
     layer count (``layer_slice.py``). ``--profiler cuda`` always traces in full: it replays the
@@ -891,12 +897,22 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     shortest_s = min(o.time_s for options in by_method.values() for opts in options.values() for o in opts)
     floor_s = min(DEFAULT_UNIT_TIME_S, shortest_s / 4)
     # One time quantum for every method, so their frontiers differ by their options, not by rounding.
-    unit_s = max(
-        choose_unit_time_s(
-            options, req.microbatches, MAX_SOLVER_STEPS, min_unit_time_s=floor_s, virtual_stages=req.virtual_stages
+
+    def unit_for(max_steps: int, floor_s: float) -> float:
+        return max(
+            choose_unit_time_s(
+                options, req.microbatches, max_steps, min_unit_time_s=floor_s, virtual_stages=req.virtual_stages
+            )
+            for options in by_method.values()
         )
-        for options in by_method.values()
-    )
+
+    try:
+        max_steps = MAX_SOLVER_STEPS
+        unit_s = unit_for(max_steps, floor_s)
+    except CompositionError:  # a pipeline too long for 500 steps at any quantum below its shortest instruction
+        # A quantum of half the shortest instruction, and the steps it takes.
+        max_steps = solver_steps(by_method, req.microbatches, req.virtual_stages)
+        unit_s = unit_for(max_steps, shortest_s / 2)
     nodes = 2 * req.num_stages * req.microbatches
     processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
     iteration = compose_iterations(
@@ -906,9 +922,14 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         progress=progress,
         blocking_power_w=spec.blocking_power_w,
         unit_time_s=unit_s,
-        max_solver_steps=MAX_SOLVER_STEPS,
+        max_solver_steps=max_steps,
         virtual_stages=req.virtual_stages,
+        min_cut="lowtime" if req.exact_min_cut else "dinic",
     )
+    # The solver's fastest plans keep slack unspent off the critical path (compose/slack.py); the
+    # max-throughput metrics read them, so each method's is reclaimed (Kareus's before its
+    # baselines' plans join it, so it takes theirs reclaimed too).
+    iteration = {m: with_reclaimed_fastest(front) for m, front in iteration.items()}
     iteration["kareus"] = _with_baseline_plans(
         iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]}
     )
@@ -929,6 +950,24 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         energy_scale=scale,
         power_limits=curve,
         power_limit_choice=chosen,
+    )
+
+
+def solver_steps(
+    by_method: Mapping[str, Mapping[tuple[int, GraphName], Sequence[Any]]], microbatches: int, virtual_stages: int
+) -> int:
+    """Solver steps per method: ``MAX_SOLVER_STEPS``, or, where that would need a time quantum
+    above half the shortest instruction (so coarse that most clocks of an instruction collapse
+    into one), the steps a quantum of half the shortest instruction takes (Llama 3.1 405B at
+    PP16 x 4 chunks x 128 microbatches: 16,384 instructions, the shortest 18 ms)."""
+    shortest_s = min(o.time_s for options in by_method.values() for opts in options.values() for o in opts)
+    return max(
+        MAX_SOLVER_STEPS,
+        *(
+            count_solver_steps(options, microbatches, shortest_s / 2, virtual_stages=virtual_stages)
+            for options in by_method.values()
+            if any(len(opts) > 1 for opts in options.values())  # one option each: no step
+        ),
     )
 
 
