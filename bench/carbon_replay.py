@@ -17,7 +17,23 @@ hourly choices on the same candidates and budget knowing the whole trace
 (``kareus_fx.policies.replay.foresight_schedule``), which says how far the forecast-driven policy
 is from optimal. ``frontier_shape`` gives what decides the comparison: each knob's best constant
 point within the budget (energy saved running it all the time) and the lower convex hull of
-average power over speed near the fastest point (the only points a budgeted policy runs).
+average power over speed near the fastest point (the only points a budgeted policy runs), and
+``constant_slowdown_energy_reduction``: the energy saved running the hull at exactly ``1 / (1 + slo)``
+of the fastest speed all the time (mixing its two neighbouring vertices). ``daily_swing`` is the
+trace's mean daily range (max - min over a UTC day, over that day's mean) over the days the
+Kareus + carbon job runs; ``kareus+carbon_time_ratio_percentiles`` where its hours sit on the
+frontier (time over the fastest point's).
+
+``--horizon-h`` sets both signal policies' horizon (default 24 h) and ``--forecast perfect`` gives
+them the trace's true future instead of :class:`~kareus_fx.policies.forecast.SeasonalForecaster`'s
+forecast (a bound on a better forecaster, not something a job can run).
+
+``--extend-below-frontier 1050 1020 ...`` adds points past the frontier's slow end to Kareus's
+candidates (both the policy's and its bound's): the least-energy point's instructions, every one at
+that clock, priced from the plan's microbatch options as the planner prices a point (critical path
+of 1F1B, blocking power when idle: ``kareus_fx.deploy.simulated_energy``). ``below_frontier``
+gives each one's speed and power, the slope of power per speed from the least-energy point to it,
+and the hours each policy ran them.
 
 A knob's own reference is its un-throttled run: Kareus's policy is compared with always-max-
 throughput, the power-limit policy with Megatron-LM at full power; both are also given against
@@ -32,6 +48,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import statistics
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -39,15 +57,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kareus_fx.plan.plan_format import load_plan
+from kareus_fx.compose.pipeline import PipelineNode, one_f_one_b_order
+from kareus_fx.deploy.simulated_energy import simulated_iteration
+from kareus_fx.plan.plan_format import Plan, load_plan
 from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD
 from kareus_fx.policies.base import FrontierPoint
+from kareus_fx.policies.forecast import PerfectForecaster, SeasonalForecaster
 from kareus_fx.policies.replay import FixedPoint, ReplayResult, foresight_schedule, replay
 from kareus_fx.policies.signal_budget import SignalBudgetPolicy
 from kareus_fx.policies.signals import HourlyTrace, SignalWarning, load_hourly_trace
+from kareus_fx.runtime.frequency import ClockRequest
 
 TRACES_DIR = Path(__file__).parent / "traces" / "carbon_intensity_eia_2022"
 SHIPPED_TRACES = ("CISO", "ERCO", "PJM")
+FORECASTS = ("seasonal", "perfect")
+DAY_H = 24
 
 
 def _points(pairs: Sequence[Sequence[float]]) -> list[FrontierPoint]:
@@ -79,8 +103,19 @@ def _summary(result: ReplayResult, reference: ReplayResult) -> dict[str, float]:
     }
 
 
-def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetime) -> dict[str, Any]:
+def run(
+    plan_path: str,
+    trace_name: str,
+    slo: float,
+    days: float,
+    start: datetime,
+    horizon_h: int = 24,
+    forecast: str = "seasonal",
+    below_frontier_mhz: Sequence[int] = (),
+) -> dict[str, Any]:
     """Every policy's replay (see the module docstring), as a JSON-ready dict."""
+    if forecast not in FORECASTS:
+        raise SystemExit(f"--forecast must be one of {', '.join(FORECASTS)}, got {forecast!r}")
     plan = load_plan(plan_path)
     methods: Mapping[str, Any] = plan.data["methods"]
     if POWER_LIMIT_METHOD not in methods:
@@ -88,7 +123,9 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
             f"{plan_path} has no {POWER_LIMIT_METHOD!r} method (plans made before it, or measured on a GPU): "
             f"re-run `kareus plan` with the simulated profiler"
         )
-    kareus = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(plan.frontier)]
+    frontier = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(plan.frontier)]
+    below = _below_frontier(plan, below_frontier_mhz)
+    kareus = frontier + below
     perseus = _points(methods["megatron+perseus"]["frontier"])
     megatron = _points(methods["megatron"]["frontier"])
     limits = methods[POWER_LIMIT_METHOD]["power_limits"]
@@ -99,12 +136,18 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
     def go(points: Sequence[FrontierPoint], policy: Any) -> ReplayResult:
         return replay(points, policy, trace, start, work)
 
+    def follow(points: Sequence[FrontierPoint]) -> SignalBudgetPolicy:
+        # The slowest candidate bounds the job's hours; the horizon looks past them.
+        hours = math.ceil(work * max(p.time_s for p in points) / 3600.0) + horizon_h
+        future = PerfectForecaster(trace.window(start, hours)) if forecast == "perfect" else SeasonalForecaster()
+        return SignalBudgetPolicy("carbon", slo, horizon_h=horizon_h, forecaster=future)
+
     results = {
         "always-max-throughput": go(kareus, FixedPoint(_fastest(kareus).index)),
-        "kareus+carbon": go(kareus, SignalBudgetPolicy("carbon", slo)),
+        "kareus+carbon": go(kareus, follow(kareus)),
         "perseus-static": go(perseus, FixedPoint(_fastest(perseus).index)),
         "megatron": go(megatron, FixedPoint(_fastest(megatron).index)),
-        "chase-power-limit": go(power_limited, SignalBudgetPolicy("carbon", slo)),
+        "chase-power-limit": go(power_limited, follow(power_limited)),
         "kareus+carbon (foresight)": go(kareus, foresight_schedule(kareus, trace, start, work, slo)),
         "chase-power-limit (foresight)": go(power_limited, foresight_schedule(power_limited, trace, start, work, slo)),
     }
@@ -113,6 +156,10 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
     tolerance = 3600.0 / reference.time_s
     kareus_gain = _summary(results["kareus+carbon"], reference)
     chase_gain = _summary(results["chase-power-limit"], megatron_run)
+    job_days = math.ceil(len(results["kareus+carbon"].hourly_index) / DAY_H)
+    time_ratios = _time_ratios(results["kareus+carbon"], kareus)
+    below_indices = {p.index for p in below}
+    least_energy = min(frontier, key=lambda p: p.energy_j)
     return {
         "plan": str(plan_path),
         "simulated": bool(plan.data.get("simulated")),
@@ -121,10 +168,32 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
         "start_utc": start.isoformat(),
         "days_at_max_throughput": days,
         "slo": slo,
+        "horizon_h": horizon_h,
+        "forecast": forecast,
+        "daily_swing": _daily_swing(trace.window(start, DAY_H * job_days)),
+        "kareus+carbon_time_ratio_percentiles": {
+            str(q): round(statistics.quantiles(time_ratios, n=10, method="inclusive")[q // 10 - 1], 4)
+            for q in (10, 50, 90)
+        },
         "vs_always_max_throughput": {name: _summary(r, reference) for name, r in results.items()},
         "vs_megatron": {name: _summary(r, megatron_run) for name, r in results.items()},
         "power_limits_w": [int(limit) for limit, _, _ in limits],
         "frontier_shape": {"kareus": _shape(kareus, slo), "chase-power-limit": _shape(power_limited, slo)},
+        "below_frontier": [
+            {
+                "clock_mhz": clock,
+                "speed": _fastest(kareus).time_s / p.time_s,
+                "power": p.average_power_w / _fastest(kareus).average_power_w,
+                "power_per_speed_from_least_energy": (p.average_power_w - least_energy.average_power_w)
+                / _fastest(kareus).average_power_w
+                / (_fastest(kareus).time_s / p.time_s - _fastest(kareus).time_s / least_energy.time_s),
+            }
+            for clock, p in zip(below_frontier_mhz, below)
+        ],
+        "below_frontier_hours": {
+            name: sum(i in below_indices for i in results[name].hourly_index)
+            for name in ("kareus+carbon", "kareus+carbon (foresight)")
+        },
         "slo_tolerance": tolerance,
         "kareus_carbon_beats_chase": (
             kareus_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
@@ -133,11 +202,45 @@ def run(plan_path: str, trace_name: str, slo: float, days: float, start: datetim
         ),
         "hourly": {
             "carbon_g_per_kwh": trace.window(start, len(results["kareus+carbon"].hourly_index)),
-            "kareus+carbon_time_ratio": _time_ratios(results["kareus+carbon"], kareus),
+            "kareus+carbon_time_ratio": time_ratios,
             "chase-power-limit_w": [int(limits[i][0]) for i in results["chase-power-limit"].hourly_index],
             "cumulative_carbon_kg": {n: [c / 1e3 for c in r.cumulative_carbon_g] for n, r in results.items()},
         },
     }
+
+
+def _below_frontier(plan: Plan, clocks_mhz: Sequence[int]) -> list[FrontierPoint]:
+    """The least-energy frontier point's instructions all at each of ``clocks_mhz`` (module
+    docstring), indexed after the frontier. Each instruction keeps its kernel schedule, at that clock."""
+    if not clocks_mhz:
+        return []
+    pp, microbatches = plan.workload["pp"], plan.workload["microbatches"]
+    if plan.workload.get("virtual_stages", 1) != 1:
+        raise SystemExit("--extend-below-frontier prices 1F1B plans only (this plan interleaves virtual stages)")
+    slowest = min(range(len(plan.frontier)), key=lambda i: plan.frontier[i]["energy_j"])
+    points = []
+    for n, clock in enumerate(clocks_mhz):
+        ranks = [
+            [ClockRequest(0.0, clock, str(PipelineNode(s, i, mb))) for i, mb in one_f_one_b_order(pp, microbatches, s)]
+            for s in range(pp)
+        ]
+        priced = simulated_iteration(plan, slowest, ranks)
+        points.append(FrontierPoint(index=len(plan.frontier) + n, time_s=priced.time_s, energy_j=priced.energy_j))
+    return points
+
+
+def _daily_swing(hourly: Sequence[float]) -> float:
+    """Mean over whole days of (max - min) / mean of the day's hourly values."""
+    days = [hourly[d : d + DAY_H] for d in range(0, len(hourly) - DAY_H + 1, DAY_H)]
+    return statistics.mean((max(day) - min(day)) / statistics.mean(day) for day in days)
+
+
+def _power_on_hull(hull: Sequence[tuple[float, float]], speed: float) -> float:
+    """Relative power on the hull at ``speed``, interpolated between its neighbouring vertices."""
+    for (v, w), (v2, w2) in itertools.pairwise(hull):
+        if v <= speed <= v2:
+            return w + (w2 - w) * (speed - v) / (v2 - v) if v2 > v else w
+    raise SystemExit(f"speed {speed:.4f} lies outside the frontier's hull ({hull[0][0]:.4f}-{hull[-1][0]:.4f})")
 
 
 def _hull(points: Sequence[FrontierPoint]) -> list[tuple[float, float]]:
@@ -157,10 +260,12 @@ def _hull(points: Sequence[FrontierPoint]) -> list[tuple[float, float]]:
 def _shape(points: Sequence[FrontierPoint], slo: float) -> dict[str, Any]:
     """What a budgeted policy can do with ``points`` (module docstring): the best constant point's
     energy saving within ``1 + slo`` of the fastest time, and the hull vertices down to the speed
-    of twice that slowdown with the slope (relative power per relative speed) up to each."""
+    of twice that slowdown with the slope (relative power per relative speed) up to each, and the
+    energy saved running the hull at exactly that slowdown all the time."""
     fastest = _fastest(points)
     within = [p for p in points if p.time_s <= (1.0 + slo) * fastest.time_s]
     hull = _hull(points)
+    speed = 1.0 / (1.0 + slo)
     slopes = [
         {"speed": round(v, 4), "power": round(w, 4), "slope_to_faster": round((w2 - w) / (v2 - v), 3)}
         for (v, w), (v2, w2) in itertools.pairwise(hull)
@@ -168,6 +273,7 @@ def _shape(points: Sequence[FrontierPoint], slo: float) -> dict[str, Any]:
     ]
     return {
         "best_constant_energy_reduction": 1.0 - min(p.energy_j for p in within) / fastest.energy_j,
+        "constant_slowdown_energy_reduction": 1.0 - _power_on_hull(hull, speed) / speed,
         "hull_near_fastest": slopes,
         "slowest": {"speed": round(hull[0][0], 4), "power": round(hull[0][1], 4)},
     }
@@ -217,7 +323,8 @@ def plot(report: Mapping[str, Any], path: Path) -> Path:
 def _table(report: Mapping[str, Any]) -> str:
     lines = [
         f"{report['trace']}: {report['days_at_max_throughput']:g} days of work at max throughput, slo "
-        f"{100 * report['slo']:.1f}% ({'simulated' if report['simulated'] else 'measured'} plan)",
+        f"{100 * report['slo']:.1f}% ({'simulated' if report['simulated'] else 'measured'} plan), horizon "
+        f"{report['horizon_h']} h, {report['forecast']} forecast; daily swing {100 * report['daily_swing']:.0f}%",
         f"{'policy':24} {'time +%':>8} {'energy -%':>10} {'carbon -%':>10}   (vs always-max-throughput)",
     ]
     for name, s in report["vs_always_max_throughput"].items():
@@ -236,8 +343,19 @@ def _table(report: Mapping[str, Any]) -> str:
         slopes = ", ".join(f"{s['slope_to_faster']:.2f}@{s['speed']:.3f}" for s in shape["hull_near_fastest"])
         lines.append(
             f"{name}: best constant point within the slo saves {100 * shape['best_constant_energy_reduction']:.2f}% "
-            f"energy; hull slope (power per speed) to the next faster vertex: {slopes}"
+            f"energy, the hull at a constant {100 * report['slo']:.1f}% slowdown "
+            f"{100 * shape['constant_slowdown_energy_reduction']:.2f}%; hull slope (power per speed) to the next faster vertex: {slopes}"
         )
+    ratios = ", ".join(f"{q}%: {r:.3f}" for q, r in report["kareus+carbon_time_ratio_percentiles"].items())
+    lines.append(f"kareus+carbon hours' time over the fastest point's, percentiles {ratios}")
+    for below in report["below_frontier"]:
+        lines.append(
+            f"below the frontier at {below['clock_mhz']} MHz: speed {below['speed']:.3f}, power {below['power']:.3f}, "
+            f"{below['power_per_speed_from_least_energy']:.2f} power per speed from the least-energy point"
+        )
+    if report["below_frontier"]:
+        hours = ", ".join(f"{name} {n}" for name, n in report["below_frontier_hours"].items())
+        lines.append(f"hours run below the frontier: {hours}")
     return "\n".join(lines)
 
 
@@ -248,12 +366,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slo", type=float, default=0.03, help="allowed slowdown, a fraction (default 0.03)")
     parser.add_argument("--days", type=float, default=30.0, help="work: days at max throughput (default 30)")
     parser.add_argument("--start", default="2022-01-01", help="UTC date the job starts (default 2022-01-01)")
+    parser.add_argument("--horizon-h", type=int, default=24, help="signal policies' horizon in hours (default 24)")
+    parser.add_argument(
+        "--forecast", choices=FORECASTS, default="seasonal", help="seasonal (default) or perfect (the trace's future)"
+    )
+    parser.add_argument(
+        "--extend-below-frontier",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="MHZ",
+        help="add the least-energy point's instructions at these clocks to Kareus's candidates",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--plot", type=Path, help="write the carbon / point / cumulative plot here (PNG)")
     parser.add_argument("--results", type=Path, help="add the report (without hourly series) to this JSON file")
     args = parser.parse_args(argv)
     start = datetime.fromisoformat(args.start).replace(tzinfo=timezone.utc)
-    report = run(args.plan, args.trace, args.slo, args.days, start)
+    report = run(
+        args.plan, args.trace, args.slo, args.days, start, args.horizon_h, args.forecast, args.extend_below_frontier
+    )
     if args.plot:
         plot(report, args.plot)
     summary = {k: v for k, v in report.items() if k != "hourly"}

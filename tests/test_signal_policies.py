@@ -14,7 +14,7 @@ from zeus.monitor.carbon import CarbonIntensityProvider
 from zeus.monitor.price import ElectricityPriceProvider
 
 from kareus_fx.policies.base import FrontierPoint, Observation
-from kareus_fx.policies.forecast import SeasonalForecaster
+from kareus_fx.policies.forecast import PerfectForecaster, SeasonalForecaster
 from kareus_fx.policies.replay import FixedPoint, foresight_schedule, replay
 from kareus_fx.policies.signal_budget import SignalBudgetPolicy
 from kareus_fx.policies.signals import (
@@ -128,6 +128,31 @@ def test_the_forecaster_blends_persistence_with_the_day_before():
     )
     far = 100.0 + 50.0 * math.sin(2 * math.pi * (47 + 23) / 24)
     assert abs(ahead[-1] - far) < abs(now - far)  # far ahead, the daily season dominates
+
+
+def test_the_perfect_forecaster_gives_the_true_future_and_holds_the_last_hour():
+    forecaster = PerfectForecaster([10.0, 20.0, 30.0, 40.0])
+    forecaster.observe(3600.0, 99.0)  # observing changes nothing: the future is known
+    assert forecaster.forecast(3600.0 * 1.5, 4) == [30.0, 40.0, 40.0, 40.0]
+    from kareus_fx.errors import KareusError
+
+    with pytest.raises(KareusError, match="at least one hourly value"):
+        PerfectForecaster([])
+
+
+def test_a_perfect_forecast_beats_the_seasonal_one_when_days_differ():
+    """Days alternate between a morning and an evening peak, so the day before misleads the
+    seasonal forecaster; the policy told the true future emits less, within the same budget."""
+    values = tuple(250 + 150 * math.sin(2 * math.pi * h / 24 + math.pi * ((h // 24) % 2)) for h in range(24 * 8))
+    trace, slo = HourlyTrace("alternating", START, values, 0), 0.03
+    work = 5 * 86400.0 / FRONTIER[0].time_s
+    fast = replay(FRONTIER, FixedPoint(0), trace, START, work)
+    seasonal = replay(FRONTIER, SignalBudgetPolicy("carbon", slo), trace, START, work)
+    perfect = replay(
+        FRONTIER, SignalBudgetPolicy("carbon", slo, forecaster=PerfectForecaster(values)), trace, START, work
+    )
+    assert perfect.time_s <= (1 + slo) * fast.time_s + 3600.0
+    assert perfect.carbon_g < seasonal.carbon_g < fast.carbon_g
 
 
 def _daily_trace(days: int) -> HourlyTrace:

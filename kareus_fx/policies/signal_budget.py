@@ -10,8 +10,8 @@ hour at point ``p`` costs (average power ``P_p`` times the signal) against the w
 whose choices over the forecast horizon keep the job's work rate at ``1 / (1 + slo)`` of the
 fastest point's, counting what the job has already run: a budget used early leaves less for later
 (the slowdown is tracked over all time so far, not per window). Assumptions: the work rate of a
-point is ``1 / time_s``; the signal holds for an hour; the forecast is
-:class:`SeasonalForecaster`'s.
+point is ``1 / time_s``; the signal holds for an hour; the forecast is ``forecaster``'s
+(:class:`SeasonalForecaster` by default).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Literal
 
 from kareus_fx.errors import KareusError
 from kareus_fx.policies.base import FrontierPoint, Observation
-from kareus_fx.policies.forecast import SeasonalForecaster
+from kareus_fx.policies.forecast import Forecaster, SeasonalForecaster
 
 __all__ = ["SignalBudgetPolicy", "choice_at", "smallest_price_of_work"]
 
@@ -65,7 +65,7 @@ class SignalBudgetPolicy:
     signal: Signal
     slo: float
     horizon_h: int = 24
-    forecaster: SeasonalForecaster = field(default_factory=SeasonalForecaster)
+    forecaster: Forecaster = field(default_factory=SeasonalForecaster)
     _last_elapsed_s: float | None = field(default=None, init=False)
     _work_s: float = field(default=0.0, init=False)
     """Integral of (fastest time / current time) over the job's time so far: seconds of
