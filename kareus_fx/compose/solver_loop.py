@@ -69,6 +69,8 @@ from lowtime.operation import Operation
 from lowtime.solver import FP_ERROR, PhillipsDessouky
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
+from kareus_fx.compose.critical_path import LevelledDag
+
 __all__ = ["MIN_CUTS", "MinCut", "SolverStep", "run_phillips_dessouky"]
 
 MinCut = Literal["dinic", "lowtime"]
@@ -104,15 +106,16 @@ class _AOASchedule:
         self.heads = np.array([v for _, v in self.edge_ends], dtype=np.int64)
         self.ops: list[Operation] = [op for _, _, op in edges]
         self.real = [e for e, op in enumerate(self.ops) if not op.is_dummy]
-        order = {position[node]: rank for rank, node in enumerate(nx.topological_sort(aoa))}
-        indices = range(len(edges))
-        self.forward_order = sorted(indices, key=lambda e: order[self.edge_ends[e][0]])
-        self.backward_order = sorted(indices, key=lambda e: -order[self.edge_ends[e][1]])
         self.source, self.sink = aoa.graph["source_node"], aoa.graph["sink_node"]
         self.source_position, self.sink_position = position[self.source], position[self.sink]
+        self.levelled = LevelledDag(
+            len(self.node_ids), self.tails, self.heads, self.source_position, self.sink_position
+        )
         for e in self.real:
             self.ops[e].duration = self.ops[e].max_duration  # lowtime's start: every operation slowest
         self.durations = [0 if op.is_dummy else op.duration for op in self.ops]
+        self.duration_array = np.asarray(self.durations, dtype=np.int64)
+        """``durations`` as an array (kept equal)."""
         self.costs = {e: self.ops[e].get_cost() for e in self.real}
         # Per edge: its duration range and its cost at every duration in it (dummies: none).
         dummy = np.array([op.is_dummy for op in self.ops], dtype=bool)
@@ -132,28 +135,15 @@ class _AOASchedule:
 
     def critical_edges(self) -> tuple[list[int], int]:
         """The zero-float edges (in graph order) and the critical path length."""
-        durations, ends = self.durations, self.edge_ends
-        earliest = [0] * len(self.node_ids)
-        for e in self.forward_order:
-            u, v = ends[e]
-            finish = earliest[u] + durations[e]
-            if finish > earliest[v]:
-                earliest[v] = finish
-        total = earliest[self.sink_position]
-        latest = [total] * len(self.node_ids)
-        for e in self.backward_order:
-            u, v = ends[e]
-            start = latest[v] - durations[e]
-            if start < latest[u]:
-                latest[u] = start
-        zero_float = np.array(earliest)[self.tails] + np.array(durations) == np.array(latest)[self.heads]
-        return np.flatnonzero(zero_float).tolist(), total
+        earliest, latest = self.levelled.event_times(self.duration_array)
+        zero_float = earliest[self.tails] + self.duration_array == latest[self.heads]
+        return np.flatnonzero(zero_float).tolist(), int(earliest[self.sink_position])
 
     def flow_bounds(self, critical: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(lower, upper) flow bound of each critical edge (``annotate_capacities``'s rule and
         rounding, floats as lowtime computes them; an unbounded upper bound is
         ``_UNBOUNDED_FLOW``), and which upper bounds are unbounded."""
-        duration = np.asarray(self.durations, dtype=np.int64)[critical]
+        duration = self.duration_array[critical]
         low, high = self.min_durations[critical], self.max_durations[critical]
         fixed = self.fixed[critical]
         at_min, at_max = ~fixed & (duration == low), ~fixed & (duration == high)
@@ -294,6 +284,7 @@ class _AOASchedule:
         op = self.ops[e]
         op.duration = duration  # lowtime's setter also picks the knob (assigned_knob)
         self.durations[e] = duration
+        self.duration_array[e] = duration
         self.costs[e] = op.get_cost()
 
 
