@@ -8,7 +8,9 @@ import pytest
 
 import kareus_fx.compose.solver_loop as solver_loop
 from kareus_fx.compose import InstructionOption, compose_iteration
-from kareus_fx.compose.critical_path import LevelledDag
+from kareus_fx.compose.critical_path import LevelledDag, NodeWeightedDag
+from kareus_fx.compose.iteration import _longest_path
+from kareus_fx.compose.pipeline import build_pipeline_dag
 
 
 def _event_times_by_edge(num_nodes, tails, heads, source, sink, durations):
@@ -92,3 +94,17 @@ def test_event_times_equal_edge_by_edge_on_random_dags(seed):
     assert earliest.tolist() == want_earliest.tolist()
     assert latest.tolist() == want_latest.tolist()
     assert latest[0] == 0
+
+
+@pytest.mark.parametrize(("gpus", "microbatches", "virtual_stages"), [(2, 4, 1), (4, 16, 2), (3, 9, 3)])
+def test_plan_time_equals_the_node_by_node_longest_path(gpus, microbatches, virtual_stages):
+    # A plan's iteration time (float instruction times): bit for bit the node-by-node pass.
+    pipeline = build_pipeline_dag(gpus, microbatches, virtual_stages)
+    nodes = list(nx.topological_sort(pipeline))
+    index = {node: i for i, node in enumerate(nodes)}
+    preds = [tuple(index[p] for p in pipeline.predecessors(node)) for node in nodes]
+    dag = NodeWeightedDag(preds)
+    rng = np.random.default_rng(gpus)
+    for _ in range(5):
+        times_s = rng.uniform(0.01, 0.1, size=len(nodes)) * rng.integers(1, 3, size=len(nodes)) / 3
+        assert dag.longest_path(times_s) == _longest_path(preds, times_s.tolist())[0]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["LevelledDag"]
+__all__ = ["LevelledDag", "NodeWeightedDag"]
 
 
 class _Sweep:
@@ -50,14 +50,20 @@ class LevelledDag:
         self._forward = _Sweep(_levels(num_nodes, tails, heads), heads, tails)
         self._backward = _Sweep(_levels(num_nodes, heads, tails), tails, heads)
 
-    def event_times(self, durations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(earliest, latest) time of every node under integer edge ``durations`` (int64);
-        ``earliest[sink]`` is the critical path length and ``latest[source]`` is 0."""
-        earliest = np.zeros(self.num_nodes, dtype=np.int64)
+    def earliest(self, durations: np.ndarray) -> np.ndarray:
+        """Each node's earliest time (longest path from the source) under edge ``durations``
+        (integer: int64, exact; float: the same sums, in the same order, as an edge-by-edge pass)."""
+        earliest = np.zeros(self.num_nodes, dtype=durations.dtype)
         sweep = self._forward
         along = durations[sweep.edges]
         for edges, nodes, first in sweep.levels:
             earliest[nodes] = np.maximum.reduceat(earliest[sweep.reading[edges]] + along[edges], first)
+        return earliest
+
+    def event_times(self, durations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(earliest, latest) time of every node under integer edge ``durations`` (int64);
+        ``earliest[sink]`` is the critical path length and ``latest[source]`` is 0."""
+        earliest = self.earliest(durations)
         latest = np.full(self.num_nodes, earliest[self.sink], dtype=np.int64)
         sweep = self._backward
         along = durations[sweep.edges]
@@ -85,3 +91,27 @@ def _levels(num_nodes: int, tails: np.ndarray, heads: np.ndarray) -> np.ndarray:
                     following.append(v)
         ready = following
     return np.asarray(level, dtype=np.int64)
+
+
+class NodeWeightedDag:
+    """The longest path of a DAG whose durations are on its nodes (a plan's iteration time over
+    measured instruction times), through a :class:`LevelledDag` with a virtual source before
+    every node and a virtual sink after it: node ``u``'s duration sits on its out-edges, so each
+    node's earliest time is its start and the sums are the ones an edge-by-edge pass makes."""
+
+    def __init__(self, preds: Sequence[Sequence[int]]) -> None:
+        n = len(preds)
+        self.num_nodes = n
+        pred_tails = np.fromiter((p for ps in preds for p in ps), dtype=np.int64)
+        pred_heads = np.repeat(np.arange(n, dtype=np.int64), [len(ps) for ps in preds])
+        nodes = np.arange(n, dtype=np.int64)
+        self._duration_of_edge = np.concatenate([pred_tails, np.full(n, n), nodes])
+        """Per edge, the node whose duration it carries (``n``: none, the source's edges)."""
+        tails = np.concatenate([pred_tails, np.full(n, n), nodes])
+        heads = np.concatenate([pred_heads, nodes, np.full(n, n + 1)])
+        self._dag = LevelledDag(n + 2, tails, heads, n, n + 1)
+
+    def longest_path(self, durations: np.ndarray) -> float:
+        """The longest path's length under per-node float ``durations``."""
+        padded = np.append(np.asarray(durations, dtype=np.float64), 0.0)
+        return float(self._dag.earliest(padded[self._duration_of_edge])[self.num_nodes + 1])
