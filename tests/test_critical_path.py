@@ -108,3 +108,39 @@ def test_plan_time_equals_the_node_by_node_longest_path(gpus, microbatches, virt
     for _ in range(5):
         times_s = rng.uniform(0.01, 0.1, size=len(nodes)) * rng.integers(1, 3, size=len(nodes)) / 3
         assert dag.longest_path(times_s) == _longest_path(preds, times_s.tolist())[0]
+
+
+@pytest.mark.parametrize(("gpus", "microbatches", "virtual_stages"), [(3, 4, 1), (2, 4, 2)])
+def test_solve_ends_without_lowtimes_min_cut_where_no_finite_cut_is_left(
+    monkeypatch, gpus, microbatches, virtual_stages
+):
+    # The last step of a solve finds unbounded edges on every cut: the loop ends there without
+    # asking lowtime's min-cut (which would take as long as all other steps on a 405B pipeline),
+    # after the same steps and plans as where it asks lowtime's min-cut (the loop before).
+    options = _options(gpus * virtual_stages)
+    reaches, lowtime_min_cut = solver_loop._reaches, solver_loop._AOASchedule._lowtime_min_cut
+    ended, asked = [], []
+    monkeypatch.setattr(solver_loop, "_reaches", lambda *a: ended.append(reaches(*a)) or ended[-1])
+    monkeypatch.setattr(
+        solver_loop._AOASchedule, "_lowtime_min_cut", lambda self, *a: asked.append(1) or lowtime_min_cut(self, *a)
+    )
+
+    def solve():
+        return compose_iteration(
+            options, microbatches, blocking_power_w=80.0, virtual_stages=virtual_stages, max_solver_steps=60
+        )
+
+    fast = solve()
+    assert ended == [True] and not asked
+    monkeypatch.setattr(solver_loop, "_reaches", lambda *a: False)  # the loop before: ask lowtime
+    before = solve()
+    assert asked == [1]
+    assert len(fast.trace) == len(before.trace) > 20
+    for a, b in zip(fast.trace, before.trace):
+        assert a.choices.tolist() == b.choices.tolist()
+        assert (a.time_s, a.energy_j, a.solver_time_s, a.solver_energy_j) == (
+            b.time_s,
+            b.energy_j,
+            b.solver_time_s,
+            b.solver_energy_j,
+        )
