@@ -150,7 +150,7 @@ class _Block(torch.nn.Module):
         return torch.relu(self.linear(x)) + x
 
 
-@pytest.mark.slow  # 4 ranks; several minutes on a loaded 2-core machine
+@pytest.mark.slow  # 4 ranks; minutes on a loaded 2-core machine. Fast sibling: test_fsdp_blocks.py (2 replicas)
 def test_fsdp2_over_kareus_blocks_with_tp_matches_eager():
     """2 FSDP2 replicas (torchtitan's fully_shard of each block and the model) x 2-way TP/SP."""
     results = run_distributed(_llama_parity, 4, {"inductor": False}, 2, timeout_s=900)
