@@ -89,6 +89,7 @@ from lowtime.perseus.instruction import Backward, Forward
 from lowtime.perseus.instruction import Instruction as LowtimeInstruction
 from lowtime.solver import PhillipsDessouky
 
+from kareus_fx.compose.critical_path import NodeWeightedDag
 from kareus_fx.compose.microbatch import pareto_front
 from kareus_fx.compose.pipeline import (
     INSTRUCTIONS,
@@ -529,6 +530,7 @@ def compose_iteration(
     # Exact evaluation of a plan: longest path over measured times, in topological order.
     index = {node: i for i, node in enumerate(nodes)}
     preds = [tuple(index[p] for p in pipeline.predecessors(node)) for node in nodes]
+    plan_dag = NodeWeightedDag(preds)
     keys = sorted(normalized)
     key_offset = dict(zip(keys, np.cumsum([0] + [len(normalized[k]) for k in keys]).tolist()))
     node_offset = np.array([key_offset[(n.stage, n.instruction)] for n in nodes], dtype=np.int64)
@@ -540,7 +542,7 @@ def compose_iteration(
     def evaluate_choices(choices: np.ndarray, solver_time_s: float, solver_energy_j: float) -> IterationPoint:
         flat = node_offset + choices
         chosen_t, chosen_e = option_times_s[flat], option_energies_j[flat]
-        time_s = _longest_path(preds, chosen_t.tolist())[0]
+        time_s = plan_dag.longest_path(chosen_t)
         energy_j = iteration_energy_j(num_gpus, time_s, float(chosen_t.sum()), float(chosen_e.sum()), blocking_power_w)
         choices.setflags(write=False)
         return IterationPoint(time_s, energy_j, solver_time_s, solver_energy_j, choices)

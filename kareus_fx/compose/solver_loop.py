@@ -36,8 +36,10 @@ Minimum cut (``min_cut``):
   multiples of ``FP_ERROR`` (lowtime rounds them so), so the capacities are integers in
   ``FP_ERROR`` units, coarsened by a power of two where the imbalances would not fit SciPy's
   int32; an unbounded edge (lowtime's 10000) gets ``2**30`` units and a super-source caps the
-  flow there, so nothing overflows. Where the cut would be worth ``2**30`` units or more (no
-  finite cut that small) the step asks lowtime's own min-cut; where no flow meets the bounds
+  flow there, so nothing overflows. Where the cut would be worth ``2**30`` units or more, a
+  path of unbounded edges from the source to the sink means the solve ends there (every cut
+  speeds up an operation that cannot go faster: ``_NoFiniteCut``; a solve's last step); without
+  one (no finite cut that small) the step asks lowtime's own min-cut; where no flow meets the bounds
   (lowtime's first max-flow does not saturate: its ``LowtimeFlowError``) the solve ends, as
   lowtime's does. Measured (``bench/compose_scaling.py``): the frontier within 0.04 % of the
   exact one at 8 x 24 and 1 ms, identical at the planner's 500-step quantum.
@@ -68,6 +70,8 @@ from lowtime.graph_utils import aon_dag_to_aoa_dag
 from lowtime.operation import Operation
 from lowtime.solver import FP_ERROR, PhillipsDessouky
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
+from kareus_fx.compose.critical_path import LevelledDag
 
 __all__ = ["MIN_CUTS", "MinCut", "SolverStep", "run_phillips_dessouky"]
 
@@ -104,15 +108,16 @@ class _AOASchedule:
         self.heads = np.array([v for _, v in self.edge_ends], dtype=np.int64)
         self.ops: list[Operation] = [op for _, _, op in edges]
         self.real = [e for e, op in enumerate(self.ops) if not op.is_dummy]
-        order = {position[node]: rank for rank, node in enumerate(nx.topological_sort(aoa))}
-        indices = range(len(edges))
-        self.forward_order = sorted(indices, key=lambda e: order[self.edge_ends[e][0]])
-        self.backward_order = sorted(indices, key=lambda e: -order[self.edge_ends[e][1]])
         self.source, self.sink = aoa.graph["source_node"], aoa.graph["sink_node"]
         self.source_position, self.sink_position = position[self.source], position[self.sink]
+        self.levelled = LevelledDag(
+            len(self.node_ids), self.tails, self.heads, self.source_position, self.sink_position
+        )
         for e in self.real:
             self.ops[e].duration = self.ops[e].max_duration  # lowtime's start: every operation slowest
         self.durations = [0 if op.is_dummy else op.duration for op in self.ops]
+        self.duration_array = np.asarray(self.durations, dtype=np.int64)
+        """``durations`` as an array (kept equal)."""
         self.costs = {e: self.ops[e].get_cost() for e in self.real}
         # Per edge: its duration range and its cost at every duration in it (dummies: none).
         dummy = np.array([op.is_dummy for op in self.ops], dtype=bool)
@@ -132,28 +137,15 @@ class _AOASchedule:
 
     def critical_edges(self) -> tuple[list[int], int]:
         """The zero-float edges (in graph order) and the critical path length."""
-        durations, ends = self.durations, self.edge_ends
-        earliest = [0] * len(self.node_ids)
-        for e in self.forward_order:
-            u, v = ends[e]
-            finish = earliest[u] + durations[e]
-            if finish > earliest[v]:
-                earliest[v] = finish
-        total = earliest[self.sink_position]
-        latest = [total] * len(self.node_ids)
-        for e in self.backward_order:
-            u, v = ends[e]
-            start = latest[v] - durations[e]
-            if start < latest[u]:
-                latest[u] = start
-        zero_float = np.array(earliest)[self.tails] + np.array(durations) == np.array(latest)[self.heads]
-        return np.flatnonzero(zero_float).tolist(), total
+        earliest, latest = self.levelled.event_times(self.duration_array)
+        zero_float = earliest[self.tails] + self.duration_array == latest[self.heads]
+        return np.flatnonzero(zero_float).tolist(), int(earliest[self.sink_position])
 
     def flow_bounds(self, critical: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(lower, upper) flow bound of each critical edge (``annotate_capacities``'s rule and
         rounding, floats as lowtime computes them; an unbounded upper bound is
         ``_UNBOUNDED_FLOW``), and which upper bounds are unbounded."""
-        duration = np.asarray(self.durations, dtype=np.int64)[critical]
+        duration = self.duration_array[critical]
         low, high = self.min_durations[critical], self.max_durations[critical]
         fixed = self.fixed[critical]
         at_min, at_max = ~fixed & (duration == low), ~fixed & (duration == high)
@@ -230,7 +222,9 @@ class _AOASchedule:
         caps = np.concatenate([spare, -excess[into], excess[out], [_BIG_UNITS]])
         flow, residual = _max_flow(n + 1, rows, cols, caps, n, sink)
         if flow >= _BIG_UNITS:
-            return None  # no cut below the unbounded edges' stand-in: let lowtime decide
+            if _reaches(n, source, sink, tails[unbounded], heads[unbounded]):
+                raise _NoFiniteCut
+            return None  # a finite cut, but not below the unbounded edges' stand-in: let lowtime decide
         reach = breadth_first_order(residual, source, directed=True, return_predecessors=False)
         in_s = np.zeros(n + 1, dtype=bool)
         in_s[reach] = True
@@ -294,7 +288,22 @@ class _AOASchedule:
         op = self.ops[e]
         op.duration = duration  # lowtime's setter also picks the knob (assigned_knob)
         self.durations[e] = duration
+        self.duration_array[e] = duration
         self.costs[e] = op.get_cost()
+
+
+class _NoFiniteCut(Exception):
+    """Every cut has an unbounded edge from the source side to the sink side: a path of
+    unbounded critical edges (dummies, one-duration operations, operations at their fastest)
+    joins the source to the sink. Whichever cut lowtime's min-cut then takes, it speeds up such
+    an edge, so ``reduce_durations`` returns inf and the solve ends there (lowtime's min-cut
+    would take as long as all the other steps together on a 405B pipeline's last step)."""
+
+
+def _reaches(n: int, source: int, sink: int, tails: np.ndarray, heads: np.ndarray) -> bool:
+    """Whether the edges ``tails -> heads`` over nodes ``0..n-1`` lead from ``source`` to ``sink``."""
+    graph = sp.csr_array((np.ones(len(tails), dtype=np.int8), (tails, heads)), shape=(n, n))
+    return bool(np.isin(sink, breadth_first_order(graph, source, directed=True, return_predecessors=False)))
 
 
 def _max_flow(
@@ -331,7 +340,7 @@ def run_phillips_dessouky(
     while True:
         try:
             s_set, t_set = schedule.min_cut(critical, min_cut)
-        except LowtimeFlowError:
+        except (LowtimeFlowError, _NoFiniteCut):
             return
         cost_change = schedule.reduce_durations(critical, s_set, t_set)
         if cost_change == float("inf") or abs(cost_change) < FP_ERROR:
