@@ -125,6 +125,7 @@ def _megatron_bottleneck_s(traced) -> float:
     )
 
 
+@pytest.mark.slow  # traces every candidate split (about 60 s); test_balanced_split_has_the_least_bottleneck_of_every_split is its fast sibling
 def test_planner_resolves_balanced_to_the_split_whose_full_stages_are_most_even(tmp_path):
     """The split chosen from the slices' costs is, among the splits, the one whose extended
     full-size stage graphs have the fastest slowest stage (sends included)."""
