@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -78,3 +80,15 @@ def tiny_tp2_plan_data(tmp_path_factory):
 
     request = PlanRequest(**TINY_TP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
     return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data
+
+
+def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether process ``pid`` exits within ``timeout_s`` (polled every 10 ms)."""
+    from kareus_fx.runtime.clock_locks import process_alive
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not process_alive(pid, None):
+            return True
+        time.sleep(0.01)
+    return False

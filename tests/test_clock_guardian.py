@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_gone
 
 from kareus_fx.cli import main
 from kareus_fx.runtime.clock_backends import SimulatedClockBackend, read_simulated_clock_state, visible_device
@@ -57,15 +58,6 @@ def _locked_child(tmp_path: Path) -> tuple[subprocess.Popen, int]:
     return child, guardian_pid
 
 
-def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not process_alive(pid, None):
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_sigkill_of_the_lock_holder_restores_the_clock_within_1_s(tmp_path):
     child, guardian_pid = _locked_child(tmp_path)
     (record,) = (tmp_path / "locks").glob("*.json")
@@ -80,7 +72,7 @@ def test_sigkill_of_the_lock_holder_restores_the_clock_within_1_s(tmp_path):
     assert (state.clock_mhz, state.locked, state.pid) == (DEFAULT_MHZ, False, guardian_pid)
     print(f"clock restored {restored_after_s * 1000:.1f} ms after the SIGKILLed holder was reaped")
     assert restored_after_s < 1.0
-    assert _wait_gone(guardian_pid)  # the guardian exited with its parent
+    assert wait_gone(guardian_pid)  # the guardian exited with its parent
     assert not record.exists()  # after removing the dead process's record
 
 
@@ -112,7 +104,7 @@ def _leave_stale_lock(tmp_path: Path) -> int:
     """Kill the guardian, then its parent: the clock stays locked with a record of a dead pid."""
     child, guardian_pid = _locked_child(tmp_path)
     os.kill(guardian_pid, signal.SIGKILL)
-    assert _wait_gone(guardian_pid)
+    assert wait_gone(guardian_pid)
     child.kill()
     child.wait()
     assert read_simulated_clock_state(tmp_path / "clock.json").locked  # nothing restored it

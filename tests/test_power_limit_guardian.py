@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_gone
 from zeus.device.gpu.common import GPUs
 
 from kareus_fx.runtime.clock_locks import process_alive
@@ -44,15 +45,6 @@ CHILD = textwrap.dedent(
 def _gpu_at(path: Path, limit_mw: int) -> None:
     """A simulated 400 W card whose limit is ``limit_mw`` (set by someone before the job)."""
     SimulatedPowerLimitGPUs(path, default_limit_w=400).set_power_management_limit(0, limit_mw)
-
-
-def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not process_alive(pid, None):
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.mark.parametrize(
@@ -87,7 +79,7 @@ def test_sigkill_of_the_job_restores_the_limit_found_at_open_within_1_s(tmp_path
     assert (after["limit_mw"], after["pid"]) == (FOUND_MW, guardian_pid)
     print(f"power limit restored {restored_after_s * 1000:.1f} ms after the SIGKILLed job was reaped")
     assert restored_after_s < 1.0
-    assert _wait_gone(guardian_pid)  # the guardian exited with its parent
+    assert wait_gone(guardian_pid)  # the guardian exited with its parent
 
 
 def test_without_a_guardian_a_sigkill_leaves_the_limit_set(tmp_path):
