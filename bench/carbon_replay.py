@@ -126,6 +126,17 @@ def run(
     frontier = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(plan.frontier)]
     below = _below_frontier(plan, below_frontier_mhz)
     kareus = frontier + below
+    # Kareus's max-throughput schedule under each power limit, clocks unlocked (the power-limit
+    # deploy mode's frontier) and locked as planned with the limit on top, indexed after the clock
+    # points: the deployment knows which knob each point uses.
+    kareus_limits = [("unlocked", *row) for row in methods["kareus"].get("power_limits") or []] + [
+        ("locked", *row) for row in methods["kareus"].get("locked_power_limits") or []
+    ]
+    limited = [
+        FrontierPoint(index=len(kareus) + i, time_s=float(t), energy_j=float(e))
+        for i, (_, _, t, e) in enumerate(kareus_limits)
+    ]
+    both = kareus + limited
     perseus = _points(methods["megatron+perseus"]["frontier"])
     megatron = _points(methods["megatron"]["frontier"])
     limits = methods[POWER_LIMIT_METHOD]["power_limits"]
@@ -148,13 +159,24 @@ def run(
         "perseus-static": go(perseus, FixedPoint(_fastest(perseus).index)),
         "megatron": go(megatron, FixedPoint(_fastest(megatron).index)),
         "chase-power-limit": go(power_limited, follow(power_limited)),
+        **({"kareus+carbon (clocks + power limits)": go(both, follow(both))} if limited else {}),
         "kareus+carbon (foresight)": go(kareus, foresight_schedule(kareus, trace, start, work, slo)),
         "chase-power-limit (foresight)": go(power_limited, foresight_schedule(power_limited, trace, start, work, slo)),
+        **(
+            {
+                "kareus+carbon (clocks + power limits) (foresight)": go(
+                    both, foresight_schedule(both, trace, start, work, slo)
+                )
+            }
+            if limited
+            else {}
+        ),
     }
     reference, megatron_run = results["always-max-throughput"], results["megatron"]
     # Decisions are hourly, so a policy meets its slowdown budget to within one hour of the job.
     tolerance = 3600.0 / reference.time_s
     kareus_gain = _summary(results["kareus+carbon"], reference)
+    union_gain = _summary(results["kareus+carbon (clocks + power limits)"], reference) if limited else None
     chase_gain = _summary(results["chase-power-limit"], megatron_run)
     job_days = math.ceil(len(results["kareus+carbon"].hourly_index) / DAY_H)
     time_ratios = _time_ratios(results["kareus+carbon"], kareus)
@@ -178,7 +200,21 @@ def run(
         "vs_always_max_throughput": {name: _summary(r, reference) for name, r in results.items()},
         "vs_megatron": {name: _summary(r, megatron_run) for name, r in results.items()},
         "power_limits_w": [int(limit) for limit, _, _ in limits],
-        "frontier_shape": {"kareus": _shape(kareus, slo), "chase-power-limit": _shape(power_limited, slo)},
+        "kareus_power_limit_points": [f"{lock} {int(limit)} W" for lock, limit, _, _ in kareus_limits],
+        "frontier_shape": {
+            "kareus": _shape(kareus, slo),
+            "chase-power-limit": _shape(power_limited, slo),
+            **(
+                {"kareus-power-limit": _shape(limited, slo), "kareus clocks + power limits": _shape(both, slo)}
+                if limited
+                else {}
+            ),
+        },
+        "hours_on_power_limit_points": {
+            name: sum(i >= len(kareus) for i in results[name].hourly_index)
+            for name in results
+            if name.startswith("kareus+carbon (clocks + power limits)")
+        },
         "below_frontier": [
             {
                 "clock_mhz": clock,
@@ -198,6 +234,13 @@ def run(
         "kareus_carbon_beats_chase": (
             kareus_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
             and kareus_gain["time_increase"] <= slo + tolerance
+            and chase_gain["time_increase"] <= slo + tolerance
+        ),
+        "kareus_clocks_and_power_limits_beat_chase": None
+        if union_gain is None
+        else (
+            union_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
+            and union_gain["time_increase"] <= slo + tolerance
             and chase_gain["time_increase"] <= slo + tolerance
         ),
         "hourly": {
@@ -246,7 +289,11 @@ def _power_on_hull(hull: Sequence[tuple[float, float]], speed: float) -> float:
 def _hull(points: Sequence[FrontierPoint]) -> list[tuple[float, float]]:
     """The lower convex hull of (speed, average power), both relative to the fastest point, by speed."""
     fastest = _fastest(points)
-    pairs = sorted({(fastest.time_s / p.time_s, p.average_power_w / fastest.average_power_w) for p in points})
+    lowest: dict[float, float] = {}
+    for p in points:
+        speed, power = fastest.time_s / p.time_s, p.average_power_w / fastest.average_power_w
+        lowest[speed] = min(power, lowest.get(speed, power))
+    pairs = sorted(lowest.items())
     hull: list[tuple[float, float]] = []
     for v, w in pairs:
         while len(hull) >= 2 and (hull[-1][0] - hull[-2][0]) * (w - hull[-2][1]) <= (hull[-1][1] - hull[-2][1]) * (
@@ -339,6 +386,13 @@ def _table(report: Mapping[str, Any]) -> str:
             f"-{100 * chase['carbon_reduction']:.2f}%"
         )
     lines.append(f"Kareus + carbon beats chase-power-limit: {report['kareus_carbon_beats_chase']}")
+    if report["kareus_clocks_and_power_limits_beat_chase"] is not None:
+        lines.append(
+            "Kareus + carbon over clocks and power limits beats chase-power-limit: "
+            f"{report['kareus_clocks_and_power_limits_beat_chase']} (hours on power-limit points: "
+            + ", ".join(f"{n} {h}" for n, h in report["hours_on_power_limit_points"].items())
+            + ")"
+        )
     for name, shape in report["frontier_shape"].items():
         slopes = ", ".join(f"{s['slope_to_faster']:.2f}@{s['speed']:.3f}" for s in shape["hull_near_fastest"])
         lines.append(
