@@ -12,6 +12,16 @@ The job does a fixed amount of work: as many iterations as Kareus's fastest poin
   curve), moved by the same signal-budget policy at the same ``--slo``: a Chase-style policy that
   only scales the power limit.
 
+With the plan's Kareus power-limit curves (``methods.kareus.power_limits``: the max-throughput
+schedule, clocks unlocked, under each limit; ``locked_power_limits``: at its planned clocks with the
+limit on top; ``kareus_fx.plan.kareus_power_limit``):
+
+- ``kareus+carbon (clocks + power limits)``: the same policy over the union of Kareus's clock
+  points and both curves (``hours_on_power_limit_points``: how many hours ran a power-limit point);
+- ``kareus-power-limit`` / ``kareus-power-limit+carbon``: Kareus's power-limit mode alone (clocks
+  unlocked, as where a cluster forbids locks) at its highest limit and under the policy; the latter
+  against the former is ``same_knob``: the Chase-style policy's knob on Kareus's schedule.
+
 Each signal policy also gets its perfect-foresight bound (``... (foresight)``): the least-carbon
 hourly choices on the same candidates and budget knowing the whole trace
 (``kareus_fx.policies.replay.foresight_schedule``), which says how far the forecast-driven policy
@@ -137,6 +147,8 @@ def run(
         for i, (_, _, t, e) in enumerate(kareus_limits)
     ]
     both = kareus + limited
+    # Kareus's power-limit mode alone (clocks unlocked): the same knob as the Chase-style policy.
+    unlocked = [p for p, row in zip(limited, kareus_limits) if row[0] == "unlocked"]
     perseus = _points(methods["megatron+perseus"]["frontier"])
     megatron = _points(methods["megatron"]["frontier"])
     limits = methods[POWER_LIMIT_METHOD]["power_limits"]
@@ -160,6 +172,8 @@ def run(
         "megatron": go(megatron, FixedPoint(_fastest(megatron).index)),
         "chase-power-limit": go(power_limited, follow(power_limited)),
         **({"kareus+carbon (clocks + power limits)": go(both, follow(both))} if limited else {}),
+        **({"kareus-power-limit": go(unlocked, FixedPoint(_fastest(unlocked).index))} if unlocked else {}),
+        **({"kareus-power-limit+carbon": go(unlocked, follow(unlocked))} if unlocked else {}),
         "kareus+carbon (foresight)": go(kareus, foresight_schedule(kareus, trace, start, work, slo)),
         "chase-power-limit (foresight)": go(power_limited, foresight_schedule(power_limited, trace, start, work, slo)),
         **(
@@ -177,6 +191,16 @@ def run(
     tolerance = 3600.0 / reference.time_s
     kareus_gain = _summary(results["kareus+carbon"], reference)
     union_gain = _summary(results["kareus+carbon (clocks + power limits)"], reference) if limited else None
+    # The power-limit mode's policy against its own full-power run, as the Chase-style policy is.
+    same_knob = (
+        {
+            "kareus-power-limit+carbon vs its full power": _summary(
+                results["kareus-power-limit+carbon"], results["kareus-power-limit"]
+            )
+        }
+        if unlocked
+        else {}
+    )
     chase_gain = _summary(results["chase-power-limit"], megatron_run)
     job_days = math.ceil(len(results["kareus+carbon"].hourly_index) / DAY_H)
     time_ratios = _time_ratios(results["kareus+carbon"], kareus)
@@ -199,6 +223,7 @@ def run(
         },
         "vs_always_max_throughput": {name: _summary(r, reference) for name, r in results.items()},
         "vs_megatron": {name: _summary(r, megatron_run) for name, r in results.items()},
+        "same_knob": same_knob,
         "power_limits_w": [int(limit) for limit, _, _ in limits],
         "kareus_power_limit_points": [f"{lock} {int(limit)} W" for lock, limit, _, _ in kareus_limits],
         "frontier_shape": {
@@ -386,6 +411,11 @@ def _table(report: Mapping[str, Any]) -> str:
             f"-{100 * chase['carbon_reduction']:.2f}%"
         )
     lines.append(f"Kareus + carbon beats chase-power-limit: {report['kareus_carbon_beats_chase']}")
+    for name, gain in report["same_knob"].items():
+        lines.append(
+            f"{name}: time +{100 * gain['time_increase']:.2f}%, carbon -{100 * gain['carbon_reduction']:.2f}% "
+            f"(the power-limit knob on Kareus's schedule, clocks unlocked)"
+        )
     if report["kareus_clocks_and_power_limits_beat_chase"] is not None:
         lines.append(
             "Kareus + carbon over clocks and power limits beats chase-power-limit: "
