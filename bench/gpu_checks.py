@@ -185,15 +185,14 @@ def two_streams_section(args: argparse.Namespace) -> dict[str, Any]:
     return {"matmul_tflops_alone": flops / compute_ms / 1e9, "comm_elements": ELEMENTS // 2, "rows": rows}
 
 
-def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
+def _traced_partitions(args: argparse.Namespace) -> tuple[str, float, list[Any], dict[str, Any]]:
+    """The largest ``--replay-types`` partition types of a traced Qwen3-1.7B TP8 stage (2 layers),
+    with the trace's description, its seconds and the dump's node tables."""
     import tempfile
 
     from kareus_fx.capture.dump import load_dump, partition_types_from_dump
     from kareus_fx.capture.tracing import TraceSpec, trace_full_size
-    from kareus_fx.cost_models.hardware import gpu_name_for_device, gpu_spec
-    from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
-    from kareus_fx.runtime.device_profiler import DeviceProfiler, PartitionReplay, node_tables_from_dump
-    from kareus_fx.workload import PartitionConfig
+    from kareus_fx.runtime.device_profiler import node_tables_from_dump
 
     spec = TraceSpec(model="qwen3-1.7b", tp=8, mbs=args.replay_mbs, seq=4096, layers=2)
     started_s = time.perf_counter()
@@ -202,12 +201,21 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
         dump = load_dump(path)
     trace_s = time.perf_counter() - started_s
     types = partition_types_from_dump(dump)
-    tables = node_tables_from_dump(dump)
+    chosen = sorted(types.values(), key=lambda t: -sum(op.flops for s in t.slots for op in s.ops))[: args.replay_types]
+    return f"{spec}", trace_s, chosen, node_tables_from_dump(dump)
+
+
+def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
+    from kareus_fx.cost_models.hardware import gpu_name_for_device, gpu_spec
+    from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
+    from kareus_fx.runtime.device_profiler import DeviceProfiler, PartitionReplay
+    from kareus_fx.workload import PartitionConfig
+
+    trace, trace_s, chosen, tables = _traced_partitions(args)
     gpu_name = gpu_name_for_device(torch.cuda.get_device_name(0)) or "H200-SXM-141GB"
     gpu = gpu_spec(gpu_name)
     simulator = SimulatedProfiler(gpu_name)
     rows = []
-    chosen = sorted(types.values(), key=lambda t: -sum(op.flops for s in t.slots for op in s.ops))[: args.replay_types]
     with DeviceProfiler(
         gpu_name,
         node_tables=tables,
@@ -249,7 +257,46 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
                         "energy_over_sim": measured.energy_j / predicted.energy_j,
                     }
                 )
-    return {"trace": f"{spec}", "trace_s": trace_s, "gpu_spec": gpu_name, "rows": rows}
+    return {"trace": trace, "trace_s": trace_s, "gpu_spec": gpu_name, "rows": rows}
+
+
+def replay_graph_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The profiler's replay issued op by op from Python against the same replay captured once in
+    a CUDA graph (an experiment: the profiler does not capture yet). A graph removes the CPU's
+    launch cost, so where the two differ the eager replay was launch-bound."""
+    from kareus_fx.runtime.device_profiler import PartitionReplay, timed_runs
+
+    trace, trace_s, chosen, tables = _traced_partitions(args)
+    device = torch.device("cuda")
+    rows = []
+    for ptype in chosen:
+        replay = PartitionReplay.build([s.ops for s in ptype.slots], [ptype.collective], device, tables[ptype.graph])
+        for sms, slot in [(16, None), (16, ptype.launch_slots[0])]:
+            eager_ms = statistics.median(replay.time_s(slot, sms, warmup=3, repeats=20)) * 1e3
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+                for _ in range(3):
+                    replay.issue(slot, sms)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replay.issue(slot, sms)
+            graph_ms = statistics.median(timed_runs(graph.replay, device, warmup=3, repeats=20)) * 1e3
+            rows.append(
+                {
+                    "type": ptype.type_id,
+                    "ops": sum(len(s.ops) for s in ptype.slots),
+                    "comm_sms": sms,
+                    "launch_slot": slot,
+                    "eager_ms": eager_ms,
+                    "graph_ms": graph_ms,
+                    "eager_over_graph": eager_ms / graph_ms,
+                }
+            )
+            del graph
+        del replay
+    return {"trace": trace, "trace_s": trace_s, "rows": rows}
 
 
 def deployed_step_section(args: argparse.Namespace) -> dict[str, Any]:
@@ -338,6 +385,7 @@ SECTIONS = {
     "sm_limited_reduce": sm_limited_reduce_section,
     "two_streams": two_streams_section,
     "replay_profiler": replay_profiler_section,
+    "replay_graph": replay_graph_section,
     "deployed_step": deployed_step_section,
 }
 
@@ -375,6 +423,12 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
                     f"sms {r['comm_sms']} slot {r['launch_slot']}: {r['time_ms']:.3f} ms {r['energy_j']:.3f} J "
                     f"@{r['sm_clock_mhz_after']} MHz | sim {r['sim_time_ms']:.3f} ms {r['sim_energy_j']:.3f} J "
                     f"(x{r['time_over_sim']:.2f} t, x{r['energy_over_sim']:.2f} e)"
+                )
+        elif name == "replay_graph":
+            for r in section["rows"]:
+                lines.append(
+                    f"replay_graph {r['type'][:28]:28} ops {r['ops']} slot {r['launch_slot']}: eager {r['eager_ms']:.3f} "
+                    f"ms, CUDA graph {r['graph_ms']:.3f} ms (x{r['eager_over_graph']:.2f})"
                 )
         elif name == "deployed_step":
             for version, r in section["versions"].items():
