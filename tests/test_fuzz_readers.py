@@ -152,8 +152,8 @@ def _seen(validated: dict, done: set[str]) -> bool:
 
 
 # ----- end to end -------------------------------------------------------------------------------
-def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], inspected: inspector.Inspected | None) -> None:
-    if inspected is None:  # the CLI may read a plan without its "format" key as a dump; load_plan refuses it too
+def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool) -> None:
+    if refused:  # the CLI may read a plan without its "format" key as a dump; load_plan refuses it too
         with pytest.raises(PlanFormatError, match=re.escape(str(path))):
             load_plan(path)
         return
@@ -162,7 +162,7 @@ def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], inspected: ins
         return
     rc, _out, err = _cli("--diff", str(seed_path), str(path))
     assert rc == 0 and err == "", err
-    assert inspected_html(inspected).rstrip().endswith("</html>")
+    assert inspected_html(inspector.load_inspectable(path)).rstrip().endswith("</html>")
     fastest = plan.point_index("max-throughput")
     for target in ({"deadline_s": plan.frontier[fastest]["time_s"]}, {"energy_budget_j": 1e30}):
         plan.point_index(target)
@@ -187,15 +187,15 @@ def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], inspected: ins
                 deployment._check_plan_fits(plan, KareusOptions(gpu=plan.gpu, stage=stage))
 
 
-def _dump_end_to_end(path: Path, seed_path: Path, done: set[str], inspected: inspector.Inspected | None) -> None:
-    if inspected is None:  # the CLI's loader is load_dump's validation; nothing more to run
+def _dump_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool) -> None:
+    if refused:  # the CLI's loader is load_dump's validation; nothing more to run
         return
     dump = load_dump(path)
     if _seen(dump, done):
         return
     rc, _out, err = _cli("--diff", str(seed_path), str(path))
     assert rc == 0 and err == "", err
-    assert inspected_html(inspected).rstrip().endswith("</html>")
+    assert inspected_html(inspector.load_inspectable(path)).rstrip().endswith("</html>")
     collectives_by_layer_text(dump)
     for planner_reader in (partitioned_graphs, sequential_graphs):
         with contextlib.suppress(UnsupportedGraphError):  # no forward/backward pair, or no partitions
@@ -213,16 +213,14 @@ def _fuzz(seeds, tmp_path: Path, monkeypatch, end_to_end, refusals) -> Counter:
     distinct: set[int] = set()
     done: set[str] = set()
     raised: list[BaseException] = []
-    loaded: list[inspector.Inspected] = []  # what the CLI read; the HTML page is made from it
     load = inspector.load_inspectable
 
     def spy(file):
         try:
-            loaded.append(load(file))
+            return load(file)
         except BaseException as err:
             raised.append(err)
             raise
-        return loaded[-1]
 
     monkeypatch.setattr(inspector, "load_inspectable", spy)
     start_s, start_cpu_s = time.perf_counter(), time.process_time()
@@ -236,7 +234,6 @@ def _fuzz(seeds, tmp_path: Path, monkeypatch, end_to_end, refusals) -> Counter:
         distinct.add(hash(text))
         path.write_text(text, encoding="utf-8", errors="surrogatepass")
         raised.clear()
-        loaded.clear()
         rc, out, err = _cli(str(path))
         if raised:
             assert isinstance(raised[0], refusals), repr(raised[0])
@@ -246,7 +243,7 @@ def _fuzz(seeds, tmp_path: Path, monkeypatch, end_to_end, refusals) -> Counter:
         else:
             assert rc == 0 and err == "" and str(path.name) in out, (rc, out, err)
             outcomes["loaded"] += 1
-        end_to_end(path, seed_path, done, None if raised else loaded[0])
+        end_to_end(path, seed_path, done, refused=bool(raised))
 
     run()
     assert outcomes["loaded"] + outcomes["refused"] == len(distinct)
