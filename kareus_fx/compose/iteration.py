@@ -70,7 +70,6 @@ model energy (what the Perseus artifact reports).
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import warnings
@@ -101,6 +100,7 @@ from kareus_fx.compose.pipeline import (
     pipeline_makespan_s,
 )
 from kareus_fx.compose.solver_loop import MIN_CUTS, MinCut, run_phillips_dessouky
+from kareus_fx.heap import heap_frozen
 
 __all__ = [
     "ConvexPiecewiseLinearModel",
@@ -252,22 +252,6 @@ def _quiet_lowtime() -> Iterator[None]:
     finally:
         for lt_logger, level in zip(loggers, previous):
             lt_logger.setLevel(level)
-
-
-@contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """Keep the objects that exist before the solve out of the garbage collector's scans during it
-    (``gc.freeze``): each solver step allocates, and every full collection would otherwise walk
-    the caller's whole heap (after tracing, Dynamo's and torch's objects: about 10 % of a large
-    solve). Only where nobody else has frozen objects (unfreezing would undo theirs)."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def _finite_or_none(value: object) -> int | float | None:
@@ -563,7 +547,7 @@ def compose_iteration(
         steps = ((r.quant_time * unit_time_s, r.cost) for r in run_phillips_dessouky(dag, min_cut=min_cut))
     else:
         steps = ((r.real_time, r.cost) for r in PhillipsDessouky(dag).run())
-    with _quiet_lowtime(), _heap_frozen(), _progress(progress, max_quant - min_quant) as advance:
+    with _quiet_lowtime(), heap_frozen(), _progress(progress, max_quant - min_quant) as advance:
         for solver_time_s, solver_cost in steps:
             trace.append(evaluate(solver_time_s, solver_cost))
             advance()
