@@ -290,7 +290,7 @@ def test_levelled_makespan_is_networkx_makespan_to_the_bit(ranks, microbatches, 
     per_key = {(s, i): rng.uniform(0.01, 0.3) for s in range(ranks * chunks) for i in ("forward", "backward")}
     dag = build_pipeline_dag(ranks, microbatches, chunks)
     expected = makespan_s(dag, {n: per_key[(n.stage, n.instruction)] for n in dag})
-    assert pipeline_makespan_s(ranks, microbatches, chunks, lambda s, i: per_key[(s, i)]) == expected
+    assert pipeline_makespan_s(ranks, microbatches, chunks, lambda n: per_key[(n.stage, n.instruction)]) == expected
     shared = pipeline_dag(ranks, microbatches, chunks)
     assert shared is pipeline_dag(ranks, microbatches, chunks)  # built once
     assert list(shared.nodes) == list(dag.nodes) and list(shared.edges) == list(dag.edges)

@@ -331,8 +331,8 @@ def _quantized_span(
     for key, items in options.items():
         quant_times = [o.quant_time for o in _candidates(items, unit).options]
         ranges[key] = (min(quant_times), max(quant_times))
-    slowest = pipeline_makespan_s(*pipeline, lambda stage, inst: ranges[(stage, inst)][1])
-    fastest = pipeline_makespan_s(*pipeline, lambda stage, inst: ranges[(stage, inst)][0])
+    slowest = pipeline_makespan_s(*pipeline, lambda n: ranges[(n.stage, n.instruction)][1])
+    fastest = pipeline_makespan_s(*pipeline, lambda n: ranges[(n.stage, n.instruction)][0])
     return int(slowest - fastest)
 
 

@@ -199,20 +199,13 @@ def pipeline_makespan_s(
     num_ranks: int,
     num_microbatches: int,
     virtual_stages: int,
-    duration_s: Callable[[int, Instruction], float],
+    duration_s: Callable[[PipelineNode], float],
 ) -> float:
-    """:func:`makespan_s` of the pipeline's DAG when every microbatch's instruction
-    ``(stage, instruction)`` takes ``duration_s(stage, instruction)``; the same sums and maxima,
-    so the same float (``tests/test_compose.py`` compares them)."""
+    """:func:`makespan_s` of the pipeline's DAG when each node takes ``duration_s(node)``; the
+    same sums and maxima, so the same float (``tests/test_compose.py`` compares them)."""
     nodes, levelled = _levelled(num_ranks, num_microbatches, virtual_stages)
-    per_key: dict[tuple[int, Instruction], float] = {}
-    durations = []
-    for node in nodes:
-        key = (node.stage, node.instruction)
-        if key not in per_key:
-            per_key[key] = duration_s(*key)
-        durations.append(per_key[key])
-    return levelled.longest_path(np.asarray(durations, dtype=np.float64)) if nodes else 0.0
+    durations = np.fromiter((duration_s(node) for node in nodes), dtype=np.float64, count=len(nodes))
+    return levelled.longest_path(durations) if nodes else 0.0
 
 
 def makespan_s(dag: nx.DiGraph, durations_s: Mapping[PipelineNode, float]) -> float:

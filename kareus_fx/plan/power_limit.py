@@ -37,6 +37,7 @@ __all__ = [
     "curve_of_plan",
     "iteration_of",
     "limit_for_target",
+    "limit_grid",
     "power_limit_curve",
     "zeus_choice",
 ]
@@ -70,7 +71,7 @@ def iteration_of(
 ) -> tuple[float, float]:
     """(time_s, energy_j) of the 1F1B (interleaved 1F1B over ``virtual_stages`` chunks per GPU)
     iteration whose every microbatch runs ``nodes`` (keyed by global stage)."""
-    time_s = pipeline_makespan_s(pp, microbatches, virtual_stages, lambda stage, inst: nodes[(stage, inst)].time_s)
+    time_s = pipeline_makespan_s(pp, microbatches, virtual_stages, lambda n: nodes[(n.stage, n.instruction)].time_s)
     busy_s = microbatches * sum(m.time_s for m in nodes.values())
     busy_j = microbatches * sum(m.energy_j for m in nodes.values())
     return time_s, energy_scale * iteration_energy_j(pp, time_s, busy_s, busy_j, blocking_power_w)
@@ -93,12 +94,24 @@ def power_limit_curve(
     ``floor_time_s`` is the un-capped iteration at the lowest tuning clock, where the grid stops
     (see the module docstring). ``energy_scale`` turns one traced rank's energy into the plan's
     scope (its tensor- and context-parallel ranks)."""
+    return limit_grid(
+        lambda limit_w: iteration_of(
+            measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale, virtual_stages
+        ),
+        tdp_w=tdp_w,
+        floor_time_s=floor_time_s,
+    )
+
+
+def limit_grid(
+    iteration_at: Callable[[int], tuple[float, float]], *, tdp_w: float, floor_time_s: float
+) -> list[PowerLimitPoint]:
+    """``iteration_at(limit_w)`` (time_s, energy_j) at each limit from ``tdp_w`` down in Zeus's
+    25 W steps, up to the first limit slower than ``floor_time_s`` (module docstring)."""
     points: list[PowerLimitPoint] = []
     limit_w = int(tdp_w)
     while limit_w > 0:
-        time_s, energy_j = iteration_of(
-            measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale, virtual_stages
-        )
+        time_s, energy_j = iteration_at(limit_w)
         if points and time_s > floor_time_s:
             break
         points.append(PowerLimitPoint(limit_w, time_s, energy_j))
