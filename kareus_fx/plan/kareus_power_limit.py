@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kareus_fx.compose.microbatch import MicrobatchPoint
-from kareus_fx.compose.pipeline import PipelineNode, build_pipeline_dag, iteration_energy_j, makespan_s
+from kareus_fx.compose.pipeline import PipelineNode, iteration_energy_j, pipeline_dag, pipeline_makespan_s
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
 from kareus_fx.plan.power_limit import PowerLimitPoint, limit_grid
 from kareus_fx.workload import Measurement, SequenceProfiler
@@ -66,20 +66,29 @@ def price_option(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int, blo
     """``work``'s option with every clock request at ``clock_mhz`` on ``profiler`` (under its
     power limit, if it has one), as the planner prices an option: the work outside partitions as
     one sequence plus each partition type ``count`` times; the link wait at the blocking power."""
+    return _with_wait(_price_graphs(profiler, work, clock_mhz), work.wait_s, blocking_power_w)
+
+
+def _price_graphs(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int) -> Measurement:
+    """``work``'s option on ``profiler`` without its link wait (:func:`price_option`)."""
     option = work.option
     if option.configs is None:
-        total = profiler.measure_sequence(work.sequential.ops, work.sequential.collectives, clock_mhz)
-    else:
-        if work.partitioned is None:
-            raise ValueError("a nanobatched option needs its partitioned graph")
-        outside = work.partitioned.outside
-        total = profiler.measure_sequence(outside.ops, outside.collectives, clock_mhz)
-        for ptype in work.partitioned.ptypes:
-            config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
-            total = _add(total, profiler.measure(ptype, config), ptype.count)
-    wait_j = blocking_power_w * work.wait_s
+        return profiler.measure_sequence(work.sequential.ops, work.sequential.collectives, clock_mhz)
+    if work.partitioned is None:
+        raise ValueError("a nanobatched option needs its partitioned graph")
+    outside = work.partitioned.outside
+    total = profiler.measure_sequence(outside.ops, outside.collectives, clock_mhz)
+    for ptype in work.partitioned.ptypes:
+        config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
+        total = _add(total, profiler.measure(ptype, config), ptype.count)
+    return total
+
+
+def _with_wait(total: Measurement, wait_s: float, blocking_power_w: float) -> Measurement:
+    """``total`` followed by a link wait of ``wait_s`` at the blocking power."""
+    wait_j = blocking_power_w * wait_s
     return Measurement(
-        total.time_s + work.wait_s, total.energy_j + wait_j, total.dynamic_energy_j, total.static_energy_j + wait_j
+        total.time_s + wait_s, total.energy_j + wait_j, total.dynamic_energy_j, total.static_energy_j + wait_j
     )
 
 
@@ -94,8 +103,8 @@ def schedule_iteration(
     """(time_s, energy_j) of the 1F1B (interleaved over ``virtual_stages``) iteration whose every
     instruction costs ``costs[node]``: the critical path, and every GPU at the blocking power when
     idle (the composer's accounting), times ``energy_scale`` (the plan's ranks per traced rank)."""
-    dag = build_pipeline_dag(pp, microbatches, virtual_stages)
-    time_s = makespan_s(dag, {node: costs[node].time_s for node in dag})
+    dag = pipeline_dag(pp, microbatches, virtual_stages)  # built once per size (compose/pipeline.py)
+    time_s = pipeline_makespan_s(pp, microbatches, virtual_stages, lambda node: costs[node].time_s)
     busy_s = sum(costs[node].time_s for node in dag)
     busy_j = sum(costs[node].energy_j for node in dag)
     return time_s, energy_scale * iteration_energy_j(pp, time_s, busy_s, busy_j, blocking_power_w)
@@ -122,13 +131,19 @@ def kareus_power_limit_curve(
 
     def iteration_at(limit_w: int | None, clock_mhz: int | None) -> tuple[float, float]:
         profiler = profiler_at(limit_w)
+        # Priced once per graph, option and clock: the stages of one distinct stage share their
+        # graph objects (``sequential``; ``partitioned`` follows from it), only the wait differs.
+        graphs: dict[tuple[int, object, int], Measurement] = {}
         priced: dict[tuple[int, str, object, int], Measurement] = {}
         costs: dict[PipelineNode, Measurement] = {}
         for node, work in schedule.items():
             clock = work.option.clock_mhz if clock_mhz is None else clock_mhz
             key = (node.stage, node.instruction, work.option.configs, clock)
             if key not in priced:
-                priced[key] = price_option(profiler, work, clock, blocking_power_w)
+                shared = (id(work.sequential), work.option.configs, clock)
+                if shared not in graphs:
+                    graphs[shared] = _price_graphs(profiler, work, clock)
+                priced[key] = _with_wait(graphs[shared], work.wait_s, blocking_power_w)
             costs[node] = priced[key]
         return schedule_iteration(costs, pp, microbatches, blocking_power_w, energy_scale, virtual_stages)
 
