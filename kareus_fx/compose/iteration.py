@@ -100,7 +100,7 @@ from kareus_fx.compose.pipeline import (
     pipeline_makespan_s,
 )
 from kareus_fx.compose.solver_loop import MIN_CUTS, MinCut, run_phillips_dessouky
-from kareus_fx.heap import heap_frozen
+from kareus_fx.plan.heap import heap_frozen
 
 __all__ = [
     "ConvexPiecewiseLinearModel",
