@@ -133,6 +133,23 @@ class Measurement:
     dynamic_energy_j: float
     static_energy_j: float
 
+    def plus(self, part: Measurement, times: int = 1) -> Measurement:
+        """This execution followed by ``times`` runs of ``part``."""
+        return Measurement(
+            self.time_s + times * part.time_s,
+            self.energy_j + times * part.energy_j,
+            self.dynamic_energy_j + times * part.dynamic_energy_j,
+            self.static_energy_j + times * part.static_energy_j,
+        )
+
+    def with_link_wait(self, wait_s: float, blocking_power_w: float) -> Measurement:
+        """This execution followed by a link wait of ``wait_s`` at the blocking power (static:
+        the GPU waits, it computes nothing)."""
+        wait_j = blocking_power_w * wait_s
+        return Measurement(
+            self.time_s + wait_s, self.energy_j + wait_j, self.dynamic_energy_j, self.static_energy_j + wait_j
+        )
+
 
 class MeasurementFailedError(KareusError, RuntimeError):
     """One configuration cannot run (out of memory, a collective timed out): a failed

@@ -53,20 +53,11 @@ class NodeWork:
     """The link wait the planner adds to the instruction (a send at the blocking power)."""
 
 
-def _add(total: Measurement, part: Measurement, times: int = 1) -> Measurement:
-    return Measurement(
-        total.time_s + times * part.time_s,
-        total.energy_j + times * part.energy_j,
-        total.dynamic_energy_j + times * part.dynamic_energy_j,
-        total.static_energy_j + times * part.static_energy_j,
-    )
-
-
 def price_option(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int, blocking_power_w: float) -> Measurement:
     """``work``'s option with every clock request at ``clock_mhz`` on ``profiler`` (under its
     power limit, if it has one), as the planner prices an option: the work outside partitions as
     one sequence plus each partition type ``count`` times; the link wait at the blocking power."""
-    return _with_wait(_price_graphs(profiler, work, clock_mhz), work.wait_s, blocking_power_w)
+    return _price_graphs(profiler, work, clock_mhz).with_link_wait(work.wait_s, blocking_power_w)
 
 
 def _price_graphs(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int) -> Measurement:
@@ -80,16 +71,8 @@ def _price_graphs(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int) ->
     total = profiler.measure_sequence(outside.ops, outside.collectives, clock_mhz)
     for ptype in work.partitioned.ptypes:
         config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
-        total = _add(total, profiler.measure(ptype, config), ptype.count)
+        total = total.plus(profiler.measure(ptype, config), ptype.count)
     return total
-
-
-def _with_wait(total: Measurement, wait_s: float, blocking_power_w: float) -> Measurement:
-    """``total`` followed by a link wait of ``wait_s`` at the blocking power."""
-    wait_j = blocking_power_w * wait_s
-    return Measurement(
-        total.time_s + wait_s, total.energy_j + wait_j, total.dynamic_energy_j, total.static_energy_j + wait_j
-    )
 
 
 def schedule_iteration(
@@ -143,7 +126,7 @@ def kareus_power_limit_curve(
                 shared = (id(work.sequential), work.option.configs, clock)
                 if shared not in graphs:
                     graphs[shared] = _price_graphs(profiler, work, clock)
-                priced[key] = _with_wait(graphs[shared], work.wait_s, blocking_power_w)
+                priced[key] = graphs[shared].with_link_wait(work.wait_s, blocking_power_w)
             costs[node] = priced[key]
         return schedule_iteration(costs, pp, microbatches, blocking_power_w, energy_scale, virtual_stages)
 

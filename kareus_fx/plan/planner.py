@@ -1065,13 +1065,7 @@ def _power_limit_curve(
         for s in range(req.num_stages):
             for name in ("forward", "backward"):
                 m = by_group[(stage_group[s], name)]
-                wait_s = waits_s[(s, name)]
-                nodes[(s, name)] = Measurement(
-                    m.time_s + wait_s,
-                    m.energy_j + spec.blocking_power_w * wait_s,
-                    m.dynamic_energy_j,
-                    m.static_energy_j + spec.blocking_power_w * wait_s,
-                )
+                nodes[(s, name)] = m.with_link_wait(waits_s[(s, name)], spec.blocking_power_w)
         return nodes
 
     floor_s, _ = iteration_of(
