@@ -780,11 +780,14 @@ def test_solve_pool_gives_each_methods_frontier_as_in_this_process():
     kwargs = {"blocking_power_w": 80.0, "max_solver_steps": 40}
     here = compose_iterations(by_name, 4, processes=1, **kwargs)
     ran: list[str] = []
-    pooled = compose_iterations(by_name, 4, processes=3, meanwhile=lambda: ran.append("meanwhile"), **kwargs)
-    assert ran == ["meanwhile"]
-    assert list(pooled) == list(by_name)
-    for name in by_name:
-        assert len(pooled[name].trace) == len(here[name].trace)
-        for a, b in zip(pooled[name].trace, here[name].trace):
-            assert (a.time_s, a.energy_j, a.choices.tolist()) == (b.time_s, b.energy_j, b.choices.tolist())
+    for start_method in ("spawn", "fork"):
+        pooled = compose_iterations(
+            by_name, 4, processes=3, meanwhile=lambda: ran.append("meanwhile"), start_method=start_method, **kwargs
+        )
+        assert list(pooled) == list(by_name)
+        for name in by_name:
+            assert len(pooled[name].trace) == len(here[name].trace)
+            for a, b in zip(pooled[name].trace, here[name].trace):
+                assert (a.time_s, a.energy_j, a.choices.tolist()) == (b.time_s, b.energy_j, b.choices.tolist())
+    assert ran == ["meanwhile", "meanwhile"]
     assert len(here["three clocks"].trace) > 10

@@ -176,3 +176,47 @@ def test_kareus_limit_curve_prices_shared_stage_graphs_once_with_each_stages_wai
     expected = limit_grid(lambda limit_w: direct(limit_w, spec.clock_max_mhz), tdp_w=spec.tdp_w, floor_time_s=floor_s)
     assert curve == expected
     assert len(curve) >= 2
+
+
+def test_kareus_limit_curves_together_equal_separate_curves():
+    """Both curves in one call (the floor priced once) equal one call per curve, locked clocks
+    included: each curve prices on profilers of its own."""
+    from kareus_fx.compose.microbatch import MicrobatchPoint
+    from kareus_fx.compose.pipeline import build_pipeline_dag
+    from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
+    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curve, kareus_power_limit_curves
+    from kareus_fx.workload import PartitionConfig
+
+    spec = gpu_spec("a100")
+    empty = SequentialGraph("forward", (), (), "")
+    shared = PartitionedGraph("forward", (_partition("C", 2e12, 5e7, 3),), empty, "")
+
+    def option(clock_mhz: int) -> MicrobatchPoint:
+        config = PartitionConfig(clock_mhz=clock_mhz, comm_sms=8, launch_slot=0)
+        return MicrobatchPoint(0.0, 0.0, 0.0, 0.0, clock_mhz, (("C", config),))
+
+    pp, microbatches = 3, 4
+    # The last stage's options at a lower clock: locked and unlocked curves differ.
+    schedule = {
+        node: NodeWork(option(spec.clock_max_mhz - (300 if node.stage == pp - 1 else 0)), empty, shared, wait_s=0.001)
+        for node in build_pipeline_dag(pp, microbatches)
+    }
+    common = {
+        "tdp_w": spec.tdp_w,
+        "max_clock_mhz": spec.clock_max_mhz,
+        "lowest_clock_mhz": spec.tuning_clock_min_mhz,
+        "pp": pp,
+        "microbatches": microbatches,
+        "blocking_power_w": spec.blocking_power_w,
+        "energy_scale": 8.0,
+    }
+
+    def profiler_at(limit_w):
+        return SimulatedProfiler("a100", power_limit_w=limit_w)
+
+    together = kareus_power_limit_curves(schedule, profiler_at, lock_modes=(False, True), **common)
+    separate = {
+        lock: kareus_power_limit_curve(schedule, profiler_at, lock_clocks=lock, **common) for lock in (False, True)
+    }
+    assert together == separate
+    assert together[False] != together[True]

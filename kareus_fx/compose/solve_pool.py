@@ -7,15 +7,19 @@ method (safe with threads, torch and CUDA in the parent, like the tuner's); each
 options pickled and returns its :class:`IterationFrontier` pickled, equal to what
 :func:`compose_iteration` returns in this process (the solver is deterministic).
 
-Starting a worker (importing numpy, networkx and lowtime) takes about a second, so a caller asks
-for processes only where the solves take longer (see ``kareus_fx.plan.planner``). This process
-is one of the ``processes``: it first runs the caller's ``meanwhile`` work (the planner's
-power-limit curve) and the solves whose every (stage, instruction) has one option (no solver
-step), then takes solves from the small end of the queue while each worker, once started, takes
-them from the large end, one at a time, until none is left (as ``capture.trace_pool`` shares
-traces). On the 70B PP10 x 128 plan (2 cores) the waiting process used to idle through most of
-the solves while one worker solved two of the three in turn. No progress bar is shown while
-workers run.
+A spawned worker first imports numpy, networkx and lowtime (about a second), so a caller asks
+for processes only where the solves take longer (see ``kareus_fx.plan.planner``); a caller that
+may fork (``start_method="fork"``: one Python thread, no CUDA; ``capture.trace_pool.start_method``)
+starts workers that import nothing. This process is one of the ``processes``: it first runs the
+caller's ``meanwhile`` work (the planner's power-limit curve) and the solves whose every (stage,
+instruction) has one option (no solver step), then takes solves from the small end of the queue
+while each worker, once started, takes them from the large end, one at a time, until none is
+left (as ``capture.trace_pool`` shares traces). The queue is ordered by each solve's step count
+(:func:`~kareus_fx.compose.iteration.count_solver_steps`, at most ``max_solver_steps``), the
+number its time goes with (on the 70B PP10 x 128 plan: Megatron-LM + Perseus 420 steps, 4.8 CPU s;
+Nanobatching + Perseus 402, 3.7 s; Kareus 283, 2.9 s, though it has the most options: ordered by
+options, the worker took Kareus first and this process then solved both others in turn). No
+progress bar is shown while workers run.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
-from kareus_fx.compose.iteration import IterationFrontier, compose_iteration
+from kareus_fx.compose.iteration import (
+    DEFAULT_UNIT_TIME_S,
+    IterationFrontier,
+    choose_unit_time_s,
+    compose_iteration,
+    count_solver_steps,
+)
 from kareus_fx.compose.pipeline import Instruction
 
 __all__ = ["compose_iterations"]
@@ -40,12 +50,14 @@ def compose_iterations(
     processes: int,
     progress: bool = False,
     meanwhile: Callable[[], None] | None = None,
+    start_method: str = "spawn",
     **kwargs: Any,
 ) -> dict[str, IterationFrontier]:
     """:func:`compose_iteration` of each entry of ``options_by_name`` (``kwargs`` go to every
     call), in this process and up to ``processes - 1`` worker processes at once (1: all in this
     process, with ``progress``). ``meanwhile``: work for this process to do first (None: none);
-    it runs once whatever ``processes`` is. The result has ``options_by_name``'s order."""
+    it runs once whatever ``processes`` is. ``start_method``: how workers start (``"fork"`` only
+    where the caller knows it is safe). The result has ``options_by_name``'s order."""
     solving = {
         name: options
         for name, options in options_by_name.items()
@@ -59,14 +71,12 @@ def compose_iterations(
             name: compose_iteration(options, num_microbatches, progress=progress, **kwargs)
             for name, options in options_by_name.items()
         }
-    # Most options first: the longest solves start first, in the workers.
-    pending = deque(
-        sorted(solving, key=lambda n: -sum(len(list(getattr(o, "points", o))) for o in solving[n].values()))
-    )
+    # Most steps first: the longest solves start first, in the workers.
+    pending = deque(sorted(solving, key=lambda name: -_steps(solving[name], num_microbatches, kwargs)))
     lock = threading.Lock()
     futures: dict[str, Future[IterationFrontier]] = {}
     here: dict[str, IterationFrontier] = {}
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(start_method)) as pool:
 
         def feed(_: object = None) -> None:
             """Give a worker the largest solve left (also a done callback: that worker is free)."""
@@ -94,3 +104,19 @@ def compose_iterations(
             here[name] = compose_iteration(solving[name], num_microbatches, **kwargs)
         done = {name: future.result() for name, future in futures.items()}
     return {name: here[name] if name in here else done[name] for name in options_by_name}
+
+
+def _steps(options: Mapping[tuple[int, Instruction], Sequence[Any]], num_microbatches: int, kwargs: Any) -> int:
+    """At most how many steps :func:`compose_iteration` takes on ``options`` with ``kwargs`` (at
+    the quantum it coarsens to where ``max_solver_steps`` is given)."""
+    unit_s = kwargs.get("unit_time_s", DEFAULT_UNIT_TIME_S)
+    virtual_stages = kwargs.get("virtual_stages", 1)
+    if kwargs.get("max_solver_steps") is not None:
+        unit_s = choose_unit_time_s(
+            options,
+            num_microbatches,
+            kwargs["max_solver_steps"],
+            min_unit_time_s=unit_s,
+            virtual_stages=virtual_stages,
+        )
+    return count_solver_steps(options, num_microbatches, unit_s, virtual_stages=virtual_stages)

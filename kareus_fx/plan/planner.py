@@ -46,7 +46,7 @@ import torch
 
 from kareus_fx import __version__
 from kareus_fx.capture.dump import load_dump
-from kareus_fx.capture.trace_pool import run_calls
+from kareus_fx.capture.trace_pool import run_calls, start_method
 from kareus_fx.capture.tracing import TraceSpec, distinct_stages, trace_both_splits, validate_trace_spec
 from kareus_fx.compose.iteration import (
     DEFAULT_UNIT_TIME_S,
@@ -72,7 +72,7 @@ from kareus_fx.plan.graph_workload import (
     partitioned_graphs,
     sequential_graphs,
 )
-from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curve
+from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curves
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, block_dump, extend_dump, slice_pays
 from kareus_fx.plan.methods import (
     BASELINES,
@@ -921,6 +921,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         unit_s = unit_for(max_steps, shortest_s / 2)
     nodes = 2 * req.num_stages * req.microbatches
     processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
+    workers_start = start_method()
     scale = float(req.tp * req.cp * req.dp)  # every rank of a stage, in every replica
     curve: list[PowerLimitPoint] = []
 
@@ -933,6 +934,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         processes=processes,
         progress=progress,
         meanwhile=price_power_limits,
+        start_method=workers_start,
         blocking_power_w=spec.blocking_power_w,
         unit_time_s=unit_s,
         max_solver_steps=max_steps,
@@ -949,12 +951,18 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
-    kareus_curves = {
-        lock: _kareus_power_limit_curve(
-            req, traced, stage_group, waits_s, spec, iteration["kareus"], local_to_plan, scale, lock
-        )
-        for lock in (False, True)
-    }
+    # Locked and unlocked side by side where a worker forks (a spawned one would import torch first).
+    kareus_curves = _kareus_power_limit_curves(
+        req,
+        traced,
+        stage_group,
+        waits_s,
+        spec,
+        iteration["kareus"],
+        local_to_plan,
+        scale,
+        processes=processes if workers_start == "fork" else 1,
+    )
     chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp * req.dp) if curve else None
     if chosen is not None:
         metrics[POWER_LIMIT_METHOD] = frontier_metrics(
@@ -972,7 +980,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     )
 
 
-def _kareus_power_limit_curve(
+def _kareus_power_limit_curves(
     req: PlanRequest,
     traced: Sequence[StageGraphs],
     stage_group: Mapping[int, int],
@@ -981,13 +989,14 @@ def _kareus_power_limit_curve(
     kareus: IterationFrontier,
     local_to_plan: Mapping[LocalKey, str],
     energy_scale: float,
-    lock_clocks: bool,
-) -> list[PowerLimitPoint]:
-    """Kareus's max-throughput point's schedule under each job-wide power limit, clocks unlocked
-    or ``lock_clocks`` as planned (``kareus_power_limit.py``); empty for a profiler that cannot
-    price a power limit."""
+    processes: int = 1,
+) -> dict[bool, list[PowerLimitPoint]]:
+    """Kareus's max-throughput point's schedule under each job-wide power limit, by whether clocks
+    are locked as planned (True) or unlocked (False) (``kareus_power_limit.py``), the two curves
+    in up to ``processes`` processes (the same curves: each prices on profilers of its own);
+    empty curves for a profiler that cannot price a power limit."""
     if req.profiler != "simulated":
-        return []
+        return {False: [], True: []}
     gpu = canonical_gpu_name(req.gpu)
     fastest = min(kareus.points, key=lambda p: (p.time_s, p.energy_j))
 
@@ -1003,10 +1012,10 @@ def _kareus_power_limit_curve(
             wait_s=waits_s[(node.stage, node.instruction)],
         )
 
-    return kareus_power_limit_curve(
+    curves = functools.partial(
+        kareus_power_limit_curves,
         {node: work(node, option) for node, option in kareus.plan(fastest).items()},
-        lambda limit_w: SimulatedProfiler(gpu, power_limit_w=limit_w),
-        lock_clocks=lock_clocks,
+        functools.partial(_simulated_profiler, gpu),
         tdp_w=spec.tdp_w,
         max_clock_mhz=spec.clock_max_mhz,
         lowest_clock_mhz=spec.tuning_clock_min_mhz,
@@ -1016,6 +1025,18 @@ def _kareus_power_limit_curve(
         energy_scale=energy_scale,
         virtual_stages=req.virtual_stages,
     )
+    if processes <= 1:
+        return curves(lock_modes=(False, True))
+    unlocked, locked = run_calls(
+        [functools.partial(curves, lock_modes=(False,)), functools.partial(curves, lock_modes=(True,))], processes
+    )
+    return {**unlocked, **locked}
+
+
+def _simulated_profiler(gpu: str, power_limit_w: int | None) -> SimulatedProfiler:
+    """The simulated ``gpu`` under ``power_limit_w`` (None: none); a module-level function, so a
+    worker process gets it pickled."""
+    return SimulatedProfiler(gpu, power_limit_w=power_limit_w)
 
 
 def solver_steps(
