@@ -162,17 +162,18 @@ class _AOASchedule:
         ub = np.where(unbounded, _UNBOUNDED_FLOW, np.abs(faster - here) + np.where(at_max, 0.0, FP_ERROR))
         return lb // FP_ERROR * FP_ERROR, ub // FP_ERROR * FP_ERROR, unbounded
 
-    def min_cut(self, critical: list[int], method: MinCut) -> tuple[set[int], set[int]]:
+    def min_cut(self, critical: list[int], method: MinCut) -> tuple[np.ndarray, np.ndarray]:
         """The minimum cut of the critical edges under their flow bounds (raises
-        ``LowtimeFlowError`` where no flow meets them): the source side and the other nodes the
-        critical edges touch."""
+        ``LowtimeFlowError`` where no flow meets them): per node position, whether it is on the
+        source side, and whether it is one of the other nodes the critical edges touch."""
         edges = np.asarray(critical, dtype=np.int64)
         lb, ub, unbounded = self.flow_bounds(edges)
         if method == "dinic":
             cut = self._dinic_min_cut(edges, lb, ub, unbounded)
             if cut is not None:
                 return cut
-        return self._lowtime_min_cut(edges, lb, ub)
+        s_set, t_set = self._lowtime_min_cut(edges, lb, ub)
+        return self._membership(s_set), self._membership(t_set)
 
     def _lowtime_min_cut(self, edges: np.ndarray, lb: np.ndarray, ub: np.ndarray) -> tuple[set[int], set[int]]:
         """lowtime's Rust min-cut. It gets only the nodes the critical edges touch (lowtime
@@ -191,16 +192,19 @@ class _AOASchedule:
 
     def _dinic_min_cut(
         self, edges: np.ndarray, lb: np.ndarray, ub: np.ndarray, unbounded: np.ndarray
-    ) -> tuple[set[int], set[int]] | None:
-        """The min-cut by SciPy's Dinic (module docstring); None where it cannot decide within
-        int32 (the caller asks lowtime's min-cut instead)."""
-        touched, local = np.unique(
-            np.concatenate([[self.source_position, self.sink_position], self.tails[edges], self.heads[edges]]),
-            return_inverse=True,
-        )
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """The min-cut by SciPy's Dinic (module docstring), as :meth:`min_cut` gives it; None where
+        it cannot decide within int32 (the caller asks lowtime's min-cut instead)."""
+        # The nodes the critical edges touch, numbered 0.. in position order.
+        is_touched = np.zeros(len(self.node_ids), dtype=bool)
+        is_touched[[self.source_position, self.sink_position]] = True
+        is_touched[self.tails[edges]] = True
+        is_touched[self.heads[edges]] = True
+        touched = np.flatnonzero(is_touched)
+        local_of = np.cumsum(is_touched) - 1
         n = len(touched)
-        source, sink = int(local[0]), int(local[1])
-        tails, heads = local[2 : 2 + len(edges)], local[2 + len(edges) :]
+        source, sink = int(local_of[self.source_position]), int(local_of[self.sink_position])
+        tails, heads = local_of[self.tails[edges]], local_of[self.heads[edges]]
         # The finest unit (FP_ERROR x a power of 2) in which the lower bounds' imbalances fit.
         lb_fine = np.rint(lb / FP_ERROR).astype(np.int64)
         ub_fine = np.where(unbounded, 0, np.rint(ub / FP_ERROR).astype(np.int64))
@@ -228,11 +232,9 @@ class _AOASchedule:
                 raise _NoFiniteCut
             return None  # a finite cut, but not below the unbounded edges' stand-in: let lowtime decide
         reach = breadth_first_order(residual, source, directed=True, return_predecessors=False)
-        in_s = np.zeros(n + 1, dtype=bool)
-        in_s[reach] = True
-        nodes = [self.node_ids[p] for p in touched.tolist()]
-        s_set = {node for node, inside in zip(nodes, in_s[:n].tolist()) if inside}
-        return s_set, {node for node in nodes if node not in s_set}
+        in_s = np.zeros(len(self.node_ids), dtype=bool)
+        in_s[touched[reach[reach < n]]] = True
+        return in_s, is_touched & ~in_s
 
     @staticmethod
     def _feasible(
@@ -254,14 +256,13 @@ class _AOASchedule:
         rows = np.concatenate([tails, [sink], np.full(len(supply), n), demand])
         cols = np.concatenate([heads, [source], supply, np.full(len(demand), n + 1)])
         caps = np.concatenate([spare, [_BIG_UNITS], -excess[supply], excess[demand]])
-        flow, _ = _max_flow(n + 2, rows, cols, caps, n, n + 1)
-        return flow == needed
+        return _max_flow_value(n + 2, rows, cols, caps, n, n + 1) == needed
 
-    def reduce_durations(self, critical: list[int], s_set: set[int], t_set: set[int]) -> float:
-        """Speed up the critical edges from ``s_set`` to ``t_set`` and slow down those back by one
-        unit (``reduce_durations``); the cost change, inf where an operation is at its limit."""
+    def reduce_durations(self, critical: list[int], in_s: np.ndarray, in_t: np.ndarray) -> float:
+        """Speed up the critical edges from the source side ``in_s`` to the sink side ``in_t``
+        (per node position, as :meth:`min_cut` gives them) and slow down those back by one unit
+        (``reduce_durations``); the cost change, inf where an operation is at its limit."""
         edges = np.asarray(critical, dtype=np.int64)
-        in_s, in_t = self._membership(s_set), self._membership(t_set)
         tails, heads = self.tails[edges], self.heads[edges]
         forward = in_s[tails] & in_t[heads]
         speed_up = edges[forward].tolist()  # in ``critical``'s order, as lowtime walks them
@@ -318,17 +319,38 @@ def _max_flow(
 ) -> tuple[int, sp.csr_array]:
     """SciPy's Dinic max-flow on ``n`` nodes (parallel edges' capacities add up): the flow value
     and the residual graph (an entry where capacity is left)."""
+    capacity = _capacity_graph(n, rows, cols, caps)
+    result = maximum_flow(capacity, source, sink, method="dinic")
+    flow = result.flow
+    if np.array_equal(flow.indptr, capacity.indptr) and np.array_equal(flow.indices, capacity.indices):
+        # SciPy returns the flow on the capacity graph's own entries (every reverse entry is
+        # there already): the residual entries are those entries with capacity left.
+        left = capacity.data.astype(np.int64) > flow.data.astype(np.int64)
+        rows_of = np.repeat(np.arange(n), np.diff(capacity.indptr))
+        indptr = np.concatenate([[0], np.cumsum(np.bincount(rows_of[left], minlength=n))])
+        residual = sp.csr_array((np.ones(int(left.sum()), dtype=np.int8), capacity.indices[left], indptr), shape=(n, n))
+    else:
+        residual = capacity.astype(np.int64) - flow.astype(np.int64)
+        residual.data = (residual.data > 0).astype(np.int8)
+        residual.eliminate_zeros()
+    return int(result.flow_value), residual
+
+
+def _max_flow_value(n: int, rows: np.ndarray, cols: np.ndarray, caps: np.ndarray, source: int, sink: int) -> int:
+    """SciPy's Dinic max-flow value on ``n`` nodes (parallel edges' capacities add up)."""
+    return int(maximum_flow(_capacity_graph(n, rows, cols, caps), source, sink, method="dinic").flow_value)
+
+
+def _capacity_graph(n: int, rows: np.ndarray, cols: np.ndarray, caps: np.ndarray) -> sp.csr_array:
+    """The int32 capacity graph of the edges ``rows -> cols`` with a zero-capacity entry back
+    along each (parallel edges' capacities add up)."""
     both_rows, both_cols = np.concatenate([rows, cols]), np.concatenate([cols, rows])
     capacity = sp.csr_array(
         (np.concatenate([caps, np.zeros(len(caps), dtype=np.int64)]).astype(np.int32), (both_rows, both_cols)),
         shape=(n, n),
     )
     capacity.sum_duplicates()
-    result = maximum_flow(capacity, source, sink, method="dinic")
-    residual = capacity.astype(np.int64) - result.flow.astype(np.int64)
-    residual.data = (residual.data > 0).astype(np.int8)
-    residual.eliminate_zeros()
-    return int(result.flow_value), residual
+    return capacity
 
 
 def run_phillips_dessouky(
@@ -346,10 +368,10 @@ def run_phillips_dessouky(
     critical, _ = schedule.critical_edges()
     while True:
         try:
-            s_set, t_set = schedule.min_cut(critical, min_cut)
+            in_s, in_t = schedule.min_cut(critical, min_cut)
         except (LowtimeFlowError, _NoFiniteCut):
             return
-        cost_change = schedule.reduce_durations(critical, s_set, t_set)
+        cost_change = schedule.reduce_durations(critical, in_s, in_t)
         if cost_change == float("inf") or abs(cost_change) < FP_ERROR:
             return
         critical, total = schedule.critical_edges()
