@@ -41,7 +41,10 @@ Minimum cut (``min_cut``):
   speeds up an operation that cannot go faster: ``_NoFiniteCut``; a solve's last step); without
   one (no finite cut that small) the step asks lowtime's own min-cut; where no flow meets the bounds
   (lowtime's first max-flow does not saturate: its ``LowtimeFlowError``) the solve ends, as
-  lowtime's does. Measured (``bench/compose_scaling.py``): the frontier within 0.04 % of the
+  lowtime's does. That check is a second max-flow only where the cut's own does not settle it:
+  a max-flow ``g`` of the network above that fills every ``d(v)`` edge makes ``lb + g`` a flow
+  within the bounds (each inner node's lower-bound imbalance is exactly what its ``d(v)`` edge
+  carries), so the bounds are feasible (on the 70B PP10 x 128 solves every step's does). Measured (``bench/compose_scaling.py``): the frontier within 0.04 % of the
   exact one at 8 x 24 and 1 ms, identical at the planner's 500-step quantum.
 - ``"lowtime"``: lowtime's Rust ``PhillipsDessouky.find_min_cut`` (Edmonds-Karp; the reference,
   and most of a step's time: about 0.35 s a step against about 10 ms on the 70B PP10 x 128
