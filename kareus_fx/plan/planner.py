@@ -920,8 +920,13 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         max_steps = solver_steps(by_method, req.microbatches, req.virtual_stages)
         unit_s = unit_for(max_steps, shortest_s / 2)
     nodes = 2 * req.num_stages * req.microbatches
-    processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
     workers_start = start_method()
+    processes = 1
+    if nodes >= PARALLEL_COMPOSE_MIN_NODES:
+        # A forked worker costs nothing to start, so every solve gets a process and the cores are
+        # shared among them: the solves end together (on 2 cores, 3 solves in 2 processes left
+        # one core idle while the other solved the third).
+        processes = len(by_method) if workers_start == "fork" else parallel_processes(len(by_method))
     scale = float(req.tp * req.cp * req.dp)  # every rank of a stage, in every replica
     curve: list[PowerLimitPoint] = []
 
