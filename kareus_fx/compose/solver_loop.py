@@ -141,10 +141,25 @@ class _AOASchedule:
         return sum(self.real_costs)
 
     def critical_edges(self) -> tuple[list[int], int]:
-        """The zero-float edges (in graph order) and the critical path length."""
-        earliest, latest = self.levelled.event_times(self.duration_array)
-        zero_float = earliest[self.tails] + self.duration_array == latest[self.heads]
-        return np.flatnonzero(zero_float).tolist(), int(earliest[self.sink_position])
+        """The zero-float edges (in graph order) and the critical path length.
+
+        One pass instead of the critical-path method's two: an edge ``u -> v`` has zero total
+        float exactly when it is tight (``earliest(u) + duration == earliest(v)``) and ``v``
+        reaches the sink along tight edges (then ``v`` lies on a longest path, and conversely a
+        longest path from ``v`` to the sink is all tight edges), so the latest times are not
+        needed, only a breadth-first search from the sink over the tight edges reversed."""
+        earliest = self.levelled.earliest(self.duration_array)
+        tight = earliest[self.tails] + self.duration_array == earliest[self.heads]
+        edges = np.flatnonzero(tight)
+        n = len(self.node_ids)
+        backwards = sp.csr_array(
+            (np.ones(len(edges), dtype=np.int8), (self.heads[edges], self.tails[edges])), shape=(n, n)
+        )
+        on_longest_path = np.zeros(n, dtype=bool)
+        on_longest_path[
+            breadth_first_order(backwards, self.sink_position, directed=True, return_predecessors=False)
+        ] = True
+        return np.flatnonzero(tight & on_longest_path[self.heads]).tolist(), int(earliest[self.sink_position])
 
     def flow_bounds(self, critical: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(lower, upper) flow bound of each critical edge (``annotate_capacities``'s rule and
