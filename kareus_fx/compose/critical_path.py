@@ -1,20 +1,20 @@
-"""Earliest and latest event times of a DAG with integer edge durations, level by level in numpy.
+"""Earliest event times of a DAG with integer edge durations, level by level in numpy.
 
-The solver loop (``solver_loop.py``) needs, every step, the critical-path method's two passes over
-the activity-on-arc DAG: the earliest time of each node (longest path from the source) and its
-latest time (the critical path length minus the longest path to the sink). Done edge by edge in
-Python they took about 33 ms a step on the Llama 3.1 405B v4 pipeline (16 GPUs x 4 chunks x 128
-microbatches: 49k AOA edges); the graph is fixed and only the durations change, so this module
-sorts the edges once by the level of their head (the most edges on a path from the source to
-it; for the latest times, the level of their tail counted from the sink) and then computes a
-whole level with a few numpy calls: ``earliest[v] = max(earliest[u] + d)`` over a level's edges
-grouped by head (``np.maximum.reduceat``); every tail of a level's edges lies on an earlier
-level, so one sweep over the levels in order is exact. The cost is a few microseconds per level
-(a pipeline's DAG is deep and narrow: about 2,100 levels there): about 10 ms a step.
+The solver loop (``solver_loop.py``) needs, every step, the earliest time of each node of the
+activity-on-arc DAG (the longest path from the source; with the edges that are tight under it,
+the critical edges: ``solver_loop._AOASchedule.critical_edges``). Done edge by edge in Python
+the critical-path method's passes took about 33 ms a step on the Llama 3.1 405B v4 pipeline (16
+GPUs x 4 chunks x 128 microbatches: 49k AOA edges); the graph is fixed and only the durations
+change, so this module sorts the edges once by the level of their head (the most edges on a
+path from the source to it) and then computes a whole level with a few numpy calls:
+``earliest[v] = max(earliest[u] + d)`` over a level's edges grouped by head
+(``np.maximum.reduceat``); every tail of a level's edges lies on an earlier level, so one sweep
+over the levels in order is exact. The cost is a few microseconds per level (a pipeline's DAG is
+deep and narrow: about 2,100 levels there).
 
 Assumptions: the graph is a DAG with one source (no in-edges) and one sink (no out-edges), every
 node reachable from the source and reaching the sink; durations are integers (the times are
-exact; ``tests/test_critical_path.py`` checks them against the edge-by-edge passes). Float
+exact; ``tests/test_critical_path.py`` checks them against the edge-by-edge pass). Float
 durations (a plan's measured times, :class:`NodeWeightedDag`) give the edge-by-edge pass's sums.
 """
 
@@ -49,7 +49,6 @@ class LevelledDag:
     def __init__(self, num_nodes: int, tails: np.ndarray, heads: np.ndarray, source: int, sink: int) -> None:
         self.num_nodes, self.source, self.sink = num_nodes, source, sink
         self._forward = _Sweep(_levels(num_nodes, tails, heads), heads, tails)
-        self._backward = _Sweep(_levels(num_nodes, heads, tails), tails, heads)
 
     def earliest(self, durations: np.ndarray) -> np.ndarray:
         """Each node's earliest time (longest path from the source) under edge ``durations``
@@ -60,17 +59,6 @@ class LevelledDag:
         for edges, nodes, first in sweep.levels:
             earliest[nodes] = np.maximum.reduceat(earliest[sweep.reading[edges]] + along[edges], first)
         return earliest
-
-    def event_times(self, durations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(earliest, latest) time of every node under integer edge ``durations`` (int64);
-        ``earliest[sink]`` is the critical path length and ``latest[source]`` is 0."""
-        earliest = self.earliest(durations)
-        latest = np.full(self.num_nodes, earliest[self.sink], dtype=np.int64)
-        sweep = self._backward
-        along = durations[sweep.edges]
-        for edges, nodes, first in sweep.levels:
-            latest[nodes] = np.minimum.reduceat(latest[sweep.reading[edges]] - along[edges], first)
-        return earliest, latest
 
 
 def _levels(num_nodes: int, tails: np.ndarray, heads: np.ndarray) -> np.ndarray:

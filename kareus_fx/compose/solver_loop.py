@@ -8,8 +8,9 @@ than half of a step, and the graphs it allocates every step set off the garbage 
 the caller's whole heap. This module drives the same iteration with no graph built per step:
 
 - lowtime builds the activity-on-arc DAG once (``aon_dag_to_aoa_dag``);
-- here, over the AOA edges in lowtime's order, fixed up front: the earliest and latest event
-  times (integer durations, so exact) and the critical edges (zero total float); each critical
+- here, over the AOA edges in lowtime's order, fixed up front: the earliest event times
+  (integer durations, so exact) and the critical edges (zero total float: the tight edges on a
+  tight path to the sink, ``_AOASchedule.critical_edges``); each critical
   edge's flow bounds by lowtime's rule (``PhillipsDessouky.annotate_capacities``: the cost of
   one unit faster and of one unit slower from the operation's own cost model, rounded down to
   ``FP_ERROR``), from a table of each operation's cost at every duration it can take; and the
@@ -51,8 +52,8 @@ Minimum cut (``min_cut``):
   critical DAGs of 500 to 6500 edges).
 
 Assumption: an AOA edge is critical exactly when it has zero total float, i.e. when
-``earliest(tail) + duration == latest(head)`` (the critical-path-method definition lowtime uses).
-``tests/test_compose.py`` checks that every loop and min-cut walks the same plans step by step.
+``earliest(tail) + duration == latest(head)`` (the critical-path-method definition lowtime uses;
+``tests/test_critical_path.py`` checks every step's against it). ``tests/test_compose.py`` checks that every loop and min-cut walks the same plans step by step.
 
 Uses ``lowtime._lowtime_rs`` (the min-cut lowtime's loop calls; written against lowtime 0.3.0).
 """
