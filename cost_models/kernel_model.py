@@ -133,15 +133,32 @@ class KernelModel:
     def collective_bandwidth(self, collective: CollectiveSpec, sms: int, clock_mhz: float) -> float:
         """Bus bandwidth (bytes/s) of a collective running alone on ``sms`` SMs.
 
-        The per-SM rate and the cap are calibrated on a 2-GPU group (one peer). A CTA of a
+        On ``default_comm_sms`` SMs the collective is NCCL's (:meth:`nccl_bandwidth`). Otherwise it
+        is Kareus's MSCCL++ kernel: the per-SM rate and the cap are calibrated on a 2-GPU group (one peer). A CTA of a
         direct-access collective (MSCCL++) keeps requests in flight to every peer at once, so both
         grow as ``peers ** comm_peer_exponent``; the cap never exceeds the GPU's NVLink bandwidth.
         """
         p = self.params
+        if sms == p.default_comm_sms:
+            return self.nccl_bandwidth(collective, clock_mhz)
         peers = max(1, collective.group_size - 1) ** p.comm_peer_exponent
         per_sm = p.comm_bus_bw_per_sm_bytes_per_s * p.comm_kind_factor(collective.kind) * peers
         cap = min(p.comm_bus_bw_cap_bytes_per_s * peers, self.spec.nvlink_bandwidth_bytes_per_s)
         return smooth_min(per_sm * self.clock_scale(clock_mhz) * sms, cap, p.comm_knee)
+
+    def nccl_bandwidth(self, collective: CollectiveSpec, clock_mhz: float) -> float:
+        """Bus bandwidth (bytes/s) of NCCL's collective on ``default_comm_sms`` SMs (one CTA per channel).
+
+        NCCL's curve of bandwidth against CTAs is measured on 8 A100-SXM GPUs (calibration step 2);
+        a ring's bus bandwidth is assumed the same for the 2- and 4-GPU groups inside the node.
+        Other kinds than the measured reduce-scatter scale their per-CTA rate by their kind factor;
+        the cap is the links', the same for every kind. Kareus's MSCCL++ kernels
+        (:meth:`collective_bandwidth` on any other SM count) are calibrated separately.
+        """
+        p = self.params
+        per_cta = p.nccl_bus_bw_per_cta_bytes_per_s * p.comm_kind_factor(collective.kind) / p.comm_factor_reduce_scatter
+        cap = min(p.nccl_bus_bw_cap_bytes_per_s, self.spec.nvlink_bandwidth_bytes_per_s)
+        return smooth_min(per_cta * self.clock_scale(clock_mhz) * p.default_comm_sms, cap, p.comm_knee)
 
     def collective_time(self, collective: CollectiveSpec, sms: int, clock_mhz: float) -> float:
         """Standalone time of a collective on ``sms`` SMs: fixed latency plus bytes over bandwidth."""

@@ -207,9 +207,27 @@ def test_memory_and_collective_bandwidth_saturate_with_sms():
     assert bw[-1] <= spec.hbm_bandwidth_bytes_per_s and bw[-1] > 0.7 * spec.hbm_bandwidth_bytes_per_s
     assert bw[-1] - bw[79] < 0.1 * bw[-1]  # saturated
     coll = CollectiveSpec("all_reduce", 32 * 2**20, 2)
-    t = [km.collective_time(coll, n, FMAX) for n in range(1, 31)]
+    # Kareus's MSCCL++ kernels (every SM count but NCCL's default, test below).
+    mscclpp_sms = [n for n in range(1, 31) if n != km.params.default_comm_sms]
+    t = [km.collective_time(coll, n, FMAX) for n in mscclpp_sms]
     assert all(b < a for a, b in itertools.pairwise(t))
     assert t[0] / t[1] > 1.6 and t[-2] / t[-1] < 1.05  # halves at first, flat at the end
+
+
+def test_default_sms_collective_runs_on_nccls_measured_curve():
+    """On the default SM count a collective is NCCL's: its bus bandwidth is NanoFlow's measured
+    8-GPU curve (between the 16- and 32-CTA reduce-scatter runs at 24 CTAs), the same for every
+    group size inside the node, and not the MSCCL++ kernel's, which grows with the peers."""
+    entry = gpu_params(A100)
+    km = KernelModel(gpu_spec(A100), entry.params)
+    measured_gbps = entry.provenance["collective_shape"]["bus_bandwidth_GBps"]
+    sms = entry.params.default_comm_sms
+    rs = [km.collective_bandwidth(CollectiveSpec("reduce_scatter", 64 * 2**20, g), sms, FMAX) / 1e9 for g in (2, 4, 8)]
+    assert measured_gbps["reduce_scatter_16"] < rs[0] < measured_gbps["reduce_scatter_32"]
+    assert rs[0] == pytest.approx(rs[1], rel=1e-12) and rs[0] == pytest.approx(rs[2], rel=1e-12)
+    tp8 = CollectiveSpec("all_reduce", 128 * 2**20, 8)
+    nccl, mscclpp = km.collective_bandwidth(tp8, sms, FMAX), km.collective_bandwidth(tp8, sms - 1, FMAX)
+    assert nccl < 0.95 * mscclpp  # the MSCCL++ kernel reaches the link cap with fewer SMs
 
 
 def test_collective_and_memory_kernel_slow_each_other(sim, attn):
