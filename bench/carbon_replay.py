@@ -12,6 +12,16 @@ The job does a fixed amount of work: as many iterations as Kareus's fastest poin
   curve), moved by the same signal-budget policy at the same ``--slo``: a Chase-style policy that
   only scales the power limit.
 
+With the plan's Kareus power-limit curves (``methods.kareus.power_limits``: the max-throughput
+schedule, clocks unlocked, under each limit; ``locked_power_limits``: at its planned clocks with the
+limit on top; ``kareus_fx.plan.kareus_power_limit``):
+
+- ``kareus+carbon (clocks + power limits)``: the same policy over the union of Kareus's clock
+  points and both curves (``hours_on_power_limit_points``: how many hours ran a power-limit point);
+- ``kareus-power-limit`` / ``kareus-power-limit+carbon``: Kareus's power-limit mode alone (clocks
+  unlocked, as where a cluster forbids locks) at its highest limit and under the policy; the latter
+  against the former is ``same_knob``: the Chase-style policy's knob on Kareus's schedule.
+
 Each signal policy also gets its perfect-foresight bound (``... (foresight)``): the least-carbon
 hourly choices on the same candidates and budget knowing the whole trace
 (``kareus_fx.policies.replay.foresight_schedule``), which says how far the forecast-driven policy
@@ -126,6 +136,19 @@ def run(
     frontier = [FrontierPoint.from_plan_point(i, p) for i, p in enumerate(plan.frontier)]
     below = _below_frontier(plan, below_frontier_mhz)
     kareus = frontier + below
+    # Kareus's max-throughput schedule under each power limit, clocks unlocked (the power-limit
+    # deploy mode's frontier) and locked as planned with the limit on top, indexed after the clock
+    # points: the deployment knows which knob each point uses.
+    kareus_limits = [("unlocked", *row) for row in methods["kareus"].get("power_limits") or []] + [
+        ("locked", *row) for row in methods["kareus"].get("locked_power_limits") or []
+    ]
+    limited = [
+        FrontierPoint(index=len(kareus) + i, time_s=float(t), energy_j=float(e))
+        for i, (_, _, t, e) in enumerate(kareus_limits)
+    ]
+    both = kareus + limited
+    # Kareus's power-limit mode alone (clocks unlocked): the same knob as the Chase-style policy.
+    unlocked = [p for p, row in zip(limited, kareus_limits) if row[0] == "unlocked"]
     perseus = _points(methods["megatron+perseus"]["frontier"])
     megatron = _points(methods["megatron"]["frontier"])
     limits = methods[POWER_LIMIT_METHOD]["power_limits"]
@@ -148,13 +171,36 @@ def run(
         "perseus-static": go(perseus, FixedPoint(_fastest(perseus).index)),
         "megatron": go(megatron, FixedPoint(_fastest(megatron).index)),
         "chase-power-limit": go(power_limited, follow(power_limited)),
+        **({"kareus+carbon (clocks + power limits)": go(both, follow(both))} if limited else {}),
+        **({"kareus-power-limit": go(unlocked, FixedPoint(_fastest(unlocked).index))} if unlocked else {}),
+        **({"kareus-power-limit+carbon": go(unlocked, follow(unlocked))} if unlocked else {}),
         "kareus+carbon (foresight)": go(kareus, foresight_schedule(kareus, trace, start, work, slo)),
         "chase-power-limit (foresight)": go(power_limited, foresight_schedule(power_limited, trace, start, work, slo)),
+        **(
+            {
+                "kareus+carbon (clocks + power limits) (foresight)": go(
+                    both, foresight_schedule(both, trace, start, work, slo)
+                )
+            }
+            if limited
+            else {}
+        ),
     }
     reference, megatron_run = results["always-max-throughput"], results["megatron"]
     # Decisions are hourly, so a policy meets its slowdown budget to within one hour of the job.
     tolerance = 3600.0 / reference.time_s
     kareus_gain = _summary(results["kareus+carbon"], reference)
+    union_gain = _summary(results["kareus+carbon (clocks + power limits)"], reference) if limited else None
+    # The power-limit mode's policy against its own full-power run, as the Chase-style policy is.
+    same_knob = (
+        {
+            "kareus-power-limit+carbon vs its full power": _summary(
+                results["kareus-power-limit+carbon"], results["kareus-power-limit"]
+            )
+        }
+        if unlocked
+        else {}
+    )
     chase_gain = _summary(results["chase-power-limit"], megatron_run)
     job_days = math.ceil(len(results["kareus+carbon"].hourly_index) / DAY_H)
     time_ratios = _time_ratios(results["kareus+carbon"], kareus)
@@ -177,8 +223,23 @@ def run(
         },
         "vs_always_max_throughput": {name: _summary(r, reference) for name, r in results.items()},
         "vs_megatron": {name: _summary(r, megatron_run) for name, r in results.items()},
+        "same_knob": same_knob,
         "power_limits_w": [int(limit) for limit, _, _ in limits],
-        "frontier_shape": {"kareus": _shape(kareus, slo), "chase-power-limit": _shape(power_limited, slo)},
+        "kareus_power_limit_points": [f"{lock} {int(limit)} W" for lock, limit, _, _ in kareus_limits],
+        "frontier_shape": {
+            "kareus": _shape(kareus, slo),
+            "chase-power-limit": _shape(power_limited, slo),
+            **(
+                {"kareus-power-limit": _shape(limited, slo), "kareus clocks + power limits": _shape(both, slo)}
+                if limited
+                else {}
+            ),
+        },
+        "hours_on_power_limit_points": {
+            name: sum(i >= len(kareus) for i in results[name].hourly_index)
+            for name in results
+            if name.startswith("kareus+carbon (clocks + power limits)")
+        },
         "below_frontier": [
             {
                 "clock_mhz": clock,
@@ -198,6 +259,13 @@ def run(
         "kareus_carbon_beats_chase": (
             kareus_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
             and kareus_gain["time_increase"] <= slo + tolerance
+            and chase_gain["time_increase"] <= slo + tolerance
+        ),
+        "kareus_clocks_and_power_limits_beat_chase": None
+        if union_gain is None
+        else (
+            union_gain["carbon_reduction"] > chase_gain["carbon_reduction"]
+            and union_gain["time_increase"] <= slo + tolerance
             and chase_gain["time_increase"] <= slo + tolerance
         ),
         "hourly": {
@@ -246,7 +314,11 @@ def _power_on_hull(hull: Sequence[tuple[float, float]], speed: float) -> float:
 def _hull(points: Sequence[FrontierPoint]) -> list[tuple[float, float]]:
     """The lower convex hull of (speed, average power), both relative to the fastest point, by speed."""
     fastest = _fastest(points)
-    pairs = sorted({(fastest.time_s / p.time_s, p.average_power_w / fastest.average_power_w) for p in points})
+    lowest: dict[float, float] = {}
+    for p in points:
+        speed, power = fastest.time_s / p.time_s, p.average_power_w / fastest.average_power_w
+        lowest[speed] = min(power, lowest.get(speed, power))
+    pairs = sorted(lowest.items())
     hull: list[tuple[float, float]] = []
     for v, w in pairs:
         while len(hull) >= 2 and (hull[-1][0] - hull[-2][0]) * (w - hull[-2][1]) <= (hull[-1][1] - hull[-2][1]) * (
@@ -339,6 +411,18 @@ def _table(report: Mapping[str, Any]) -> str:
             f"-{100 * chase['carbon_reduction']:.2f}%"
         )
     lines.append(f"Kareus + carbon beats chase-power-limit: {report['kareus_carbon_beats_chase']}")
+    for name, gain in report["same_knob"].items():
+        lines.append(
+            f"{name}: time +{100 * gain['time_increase']:.2f}%, carbon -{100 * gain['carbon_reduction']:.2f}% "
+            f"(the power-limit knob on Kareus's schedule, clocks unlocked)"
+        )
+    if report["kareus_clocks_and_power_limits_beat_chase"] is not None:
+        lines.append(
+            "Kareus + carbon over clocks and power limits beats chase-power-limit: "
+            f"{report['kareus_clocks_and_power_limits_beat_chase']} (hours on power-limit points: "
+            + ", ".join(f"{n} {h}" for n, h in report["hours_on_power_limit_points"].items())
+            + ")"
+        )
     for name, shape in report["frontier_shape"].items():
         slopes = ", ".join(f"{s['slope_to_faster']:.2f}@{s['speed']:.3f}" for s in shape["hull_near_fastest"])
         lines.append(

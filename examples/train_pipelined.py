@@ -131,7 +131,15 @@ def main() -> None:
                 )
                 losses: list[torch.Tensor] = []
                 with monitor.iteration():
-                    if stage.is_first:
+                    if stage.is_first and stage.is_last:  # --pp 1: one stage takes the inputs and the labels
+                        schedule.step(
+                            batch["input_ids"],
+                            labels=batch["labels"],
+                            target=batch["labels"],
+                            losses=losses,
+                            return_outputs=False,
+                        )
+                    elif stage.is_first:
                         schedule.step(batch["input_ids"])
                     else:
                         schedule.step(
@@ -146,7 +154,7 @@ def main() -> None:
                     "time_s": monitor.measurements[-1].time_s,
                     "energy_j": monitor.measurements[-1].energy_j,
                     "requests": controller.requests[seen:],
-                    "loss": float(torch.stack(losses).mean()) if losses else None,
+                    "loss": float(torch.stack(losses).detach().mean()) if losses else None,
                 }
                 simulated_j.append(_print_iteration(iteration, report, plan, point_index))
         _print_summary(monitor, point, args.iterations, simulated_j[1:])
@@ -214,7 +222,7 @@ def _print_summary(
         energy = "n/a (no GPU and no clock requests to price)"
     print(
         f"summary over iterations 1-{iterations - 1} (iteration 0 compiles): mean {time_s * 1e3:.1f} ms per "
-        f"iteration (plan {point['time_s'] * 1e3:.2f} ms, x{time_s / point['time_s']:.0f}), energy {energy} "
+        f"iteration (plan {point['time_s'] * 1e3:.2f} ms, x{time_s / point['time_s']:.3g}), energy {energy} "
         f"(plan {point['energy_j']:.2f} J)",
         flush=True,
     )

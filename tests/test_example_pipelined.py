@@ -31,10 +31,10 @@ PLAN_ARGS = (
 ITERATIONS = 3
 
 
-@pytest.mark.slow
-def test_example_trains_through_torch_pipelining_on_the_plan(tmp_path):
+def _plan_and_train(tmp_path: Path, plan_args: str, nproc: int) -> tuple[Path, subprocess.CompletedProcess]:
+    """``kareus plan`` with ``plan_args``, then the example under torchrun on ``nproc`` CPU ranks."""
     kareus = Path(sys.executable).with_name("kareus")
-    subprocess.run([str(kareus), "plan", *PLAN_ARGS.split(), "--out", str(tmp_path)], check=True, timeout=900)
+    subprocess.run([str(kareus), "plan", *plan_args.split(), "--out", str(tmp_path)], check=True, timeout=900)
     plan_path = tmp_path / "plan.json"
     run = subprocess.run(
         [
@@ -42,7 +42,7 @@ def test_example_trains_through_torch_pipelining_on_the_plan(tmp_path):
             "-m",
             "torch.distributed.run",
             "--nproc-per-node",
-            "4",
+            str(nproc),
             str(ROOT / "examples" / "train_pipelined.py"),
             "--plan",
             str(plan_path),
@@ -55,6 +55,29 @@ def test_example_trains_through_torch_pipelining_on_the_plan(tmp_path):
         check=False,
         cwd=tmp_path,
     )
+    return plan_path, run
+
+
+@pytest.mark.slow
+def test_example_trains_a_single_stage_plan(tmp_path):
+    """--pp 1: the one stage takes the inputs and the labels (this failed before 2026-11-26)."""
+    plan_path, run = _plan_and_train(
+        tmp_path, "--model tiny-llama --tp 1 --pp 1 --microbatches 2 --mbs 2 --seq 128 --layers 2", nproc=1
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    plan = load_plan(plan_path)
+    schedule = clock_schedule(plan, plan.point_index("max-throughput"))
+    lines = [line for line in run.stdout.splitlines() if line.startswith("iter ")]
+    assert len(lines) == ITERATIONS, run.stdout
+    for line in lines:
+        clocks = ast.literal_eval(re.search(r"stage 0 clocks (\[[^\]]*\])", line).group(1))
+        assert clocks == [schedule.clock_mhz(PipelineNode(0, i, mb)) for i, mb in one_f_one_b_order(1, 2, 0)]
+        assert math.isfinite(float(re.search(r"loss (\S+)", line).group(1)))
+
+
+@pytest.mark.slow
+def test_example_trains_through_torch_pipelining_on_the_plan(tmp_path):
+    plan_path, run = _plan_and_train(tmp_path, PLAN_ARGS, nproc=4)
     assert run.returncode == 0, run.stderr[-4000:]
     plan = load_plan(plan_path)
     point = plan.point_index("max-throughput")

@@ -151,9 +151,18 @@ def test_cuda_factory_opens_the_controller_in_the_requested_mode(tiny_traced, tm
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_plan_measures_on_device_in_dry_run(tmp_path, cuda_gpu_name):
-    """A whole plan measured on this GPU; dry-run: the card's clock is never changed."""
+    """A whole plan measured on this GPU; dry-run: the card's clock is never changed.
+
+    TP1, so the plan needs 12 measurements of at least the 1-s energy window (the planner's
+    minimum): the TP2 tiny plan needs 379 (tuning 306), over 6 minutes of windows. The replay of
+    a partition with its collective on the side stream is test_device_profiler's GPU test."""
     req = PlanRequest(
-        **TINY, gpu=cuda_gpu_name, profiler="cuda", clock_mode="dry-run", device_window_s=0.2, clock_stride_mhz=150
+        **{**TINY, "tp": 1},
+        gpu=cuda_gpu_name,
+        profiler="cuda",
+        clock_mode="dry-run",
+        device_window_s=1.0,
+        clock_stride_mhz=150,
     )
     data = make_plan(req, tmp_path, progress=False).data
     assert data["profiler"] == "cuda" and data["simulated"] is False

@@ -70,3 +70,65 @@ def test_a_power_limit_slows_the_simulated_gpu_and_keys_its_own_cache():
     )
     with pytest.raises(ValueError, match="power_limit_w"):
         SimulatedProfiler("a100", power_limit_w=spec.tdp_w + 1)
+
+
+# ----- Kareus's own power-limit frontier (kareus_fx/plan/kareus_power_limit.py) -------------------------
+def _partition(type_id: str, flops: float, nbytes: float, count: int):
+    from kareus_fx.workload import CollectiveSpec, OpCost, PartitionType, SlotSpec
+
+    op = OpCost(name=type_id, target="aten.mm.default", flops=flops, bytes=nbytes)
+    return PartitionType(
+        type_id=type_id,
+        graph="forward",
+        slots=(SlotSpec((op,)), SlotSpec((op,))),
+        collective=CollectiveSpec("all_reduce", 32e6, 8),
+        count=count,
+        launch_slots=(0, 1),
+    )
+
+
+def test_under_a_limit_each_partition_throttles_on_its_own():
+    """The mechanism: a limit slows the partition drawing more than it (compute-bound) and leaves
+    the one under it (memory-bound) at its clock, where a clock lock slows both."""
+    from kareus_fx.compose.microbatch import MicrobatchPoint
+    from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
+    from kareus_fx.plan.kareus_power_limit import NodeWork, price_option
+    from kareus_fx.workload import PartitionConfig
+
+    spec = gpu_spec("a100")
+    compute, memory = _partition("C", 2e12, 5e7, 3), _partition("M", 1e7, 1e8, 3)
+    free = SimulatedProfiler("a100")
+    config = PartitionConfig(clock_mhz=spec.clock_max_mhz, comm_sms=8, launch_slot=0)
+    power = {t.type_id: free.measure(t, config).energy_j / free.measure(t, config).time_s for t in (compute, memory)}
+    assert power["C"] > power["M"]
+    limit_w = int(0.5 * (power["C"] + power["M"]))
+    capped = SimulatedProfiler("a100", power_limit_w=limit_w)
+    assert capped.measure(compute, config).time_s > 1.01 * free.measure(compute, config).time_s
+    assert capped.measure(memory, config).time_s == pytest.approx(free.measure(memory, config).time_s, rel=1e-12)
+    # price_option adds the partitions (count times), the outside work and the link wait as the planner does.
+    empty = SequentialGraph("forward", (), (), "")
+    option = MicrobatchPoint(0.0, 0.0, 0.0, 0.0, spec.clock_max_mhz, (("C", config), ("M", config)))
+    work = NodeWork(option, empty, PartitionedGraph("forward", (compute, memory), empty, ""), wait_s=0.01)
+    priced = price_option(capped, work, spec.clock_max_mhz, blocking_power_w=spec.blocking_power_w)
+    parts = [capped.measure(t, config) for t in (compute, memory)]
+    assert priced.time_s == pytest.approx(3 * sum(m.time_s for m in parts) + 0.01, rel=1e-12)
+    assert priced.energy_j == pytest.approx(
+        3 * sum(m.energy_j for m in parts) + 0.01 * spec.blocking_power_w, rel=1e-12
+    )
+
+
+def test_kareus_limits_price_its_fastest_point_locked_and_unlocked(plan):
+    """Locked at the planned clocks, the curve's TDP point is Kareus's max-throughput point
+    (the same iteration composed by a direct longest path); unlocked (every request at the
+    maximum clock, the power-limit deploy mode) it is no slower; both step down as Zeus does."""
+    method = plan.data["methods"]["kareus"]
+    tdp_w = gpu_spec(plan.gpu).tdp_w
+    fastest = min(plan.frontier, key=lambda p: (p["time_s"], p["energy_j"]))
+    locked, unlocked = method["locked_power_limits"], method["power_limits"]
+    assert locked[0][1] == pytest.approx(fastest["time_s"], rel=1e-9)
+    assert locked[0][2] == pytest.approx(fastest["energy_j"], rel=1e-9)
+    assert unlocked[0][1] <= fastest["time_s"] * (1 + 1e-9)
+    for curve in (locked, unlocked):
+        assert [row[0] for row in curve] == [int(tdp_w) - ZEUS_POWER_LIMIT_STEP_W * i for i in range(len(curve))]
+        times = [row[1] for row in curve]
+        assert times == sorted(times) and len(curve) >= 2 and times[-1] > times[0]

@@ -264,14 +264,23 @@ class Deployment:
     unsplit_at: Mapping[int, frozenset[int]] = field(init=False)
     """Per compiled point: the microbatches that run the un-split graph there."""
     clocks: Mapping[int, ClockBinding | None] = field(init=False)
-    """Per compiled point: what its clock hooks request from (``clock``'s controller)."""
+    """Per candidate point (``point_index`` without switching): what its clock hooks request from
+    (``clock``'s controller)."""
 
     def __post_init__(self) -> None:
         microbatches = self.plan.workload["microbatches"]
         self.cursor = MicrobatchCursor(self.stage, microbatches, per_block=self.plan.compile_unit == "block")
-        points = (self.point_index,) if self.switching is None else self.switching.candidate_indices
+        points = (self.point_index,) if self.switching is None else self.switching.compiled_points
         controller = None if self.clock is None else self.clock.controller
-        self.clocks = {p: clock_binding(self.plan, p, controller) for p in points}
+        if self.switching is None:
+            self.clocks = {self.point_index: clock_binding(self.plan, self.point_index, controller)}
+        else:  # per candidate: a power-limit point runs another point's variants on its own clocks
+            switching = self.switching
+            self.clocks = {
+                c: None if controller is None or not self.plan.locks_clocks else ClockBinding(controller, schedule)
+                for c in switching.candidate_indices
+                for schedule in (switching.clock_schedule(c),)
+            }
         self.unsplit_at = {
             p: frozenset(mb for mb in range(microbatches) if self._option("forward", mb, p)["sequential"])
             for p in points
@@ -294,7 +303,12 @@ class Deployment:
             self.switching.attach(self)
 
     def running_point(self) -> int:
-        """The frontier point the running iteration follows."""
+        """The frontier point whose variants the running iteration runs."""
+        return self.point_index if self.switching is None else self.switching.variant_point(self.running_candidate())
+
+    def running_candidate(self) -> int:
+        """The candidate the running iteration follows (a frontier index, or a switcher's
+        power-limit point, which runs :meth:`running_point`'s variants)."""
         return self.point_index if self.switching is None else self.switching.current_index
 
     def _option(self, name: str, microbatch: int, point: int | None = None) -> Mapping[str, Any]:
@@ -534,7 +548,7 @@ class Deployment:
                     f"counts calls and expects each microbatch's forward then its backward in order; "
                     f"drive other orders with StepContext and next_instruction()"
                 )
-            clock = clocks[point]
+            clock = clocks[self.running_candidate()]
             set_running(node, clock)
             deployed, compiled = variants[key]
             try:

@@ -19,14 +19,21 @@ def plan_num_stages(workload: Mapping[str, Any]) -> int:
     return int(workload["pp"]) * int(workload.get("virtual_stages", 1))
 
 
-def clock_schedule(plan: Plan, point_index: int) -> ClockSchedule:
-    """The plan's clock of every (stage, instruction, microbatch) at frontier point ``point_index``.
+def clock_schedule(plan: Plan, point_index: int, every_clock_mhz: int | None = None) -> ClockSchedule:
+    """The plan's clock of every (stage, instruction, microbatch) at frontier point ``point_index``
+    (``every_clock_mhz``: that clock for every instruction instead, e.g. a power-limit point's maximum).
 
     A plan that locks no clock (``--max-clock-only``) gives a schedule that requests none."""
     workload = plan.workload
+
+    def clock_of(stage: int, name: str, mb: int) -> int:
+        if every_clock_mhz is not None:
+            return every_clock_mhz
+        return int(plan.option(point_index, stage, name, mb)["clock_mhz"])
+
     return ClockSchedule.from_entries(
         (
-            (stage, name, mb, int(plan.option(point_index, stage, name, mb)["clock_mhz"]))
+            (stage, name, mb, clock_of(stage, name, mb))
             for stage in range(plan_num_stages(workload))
             for name in INSTRUCTIONS
             for mb in range(workload["microbatches"])

@@ -27,6 +27,14 @@ while it trains::
   running an instruction) is refused.
 - Clocks: the next instruction's clock hook requests the new point's clock; an active
   :class:`~kareus_fx.runtime.pipeline_hook.StepContext` gets the new point's clock schedule.
+- Power limits (``limit_candidates``, ``power_limit``): candidates may also be points of the
+  plan's Kareus power-limit curve (``methods.kareus.power_limits``, ``plan/kareus_power_limit.py``:
+  the max-throughput point's schedule, every clock request at the maximum, under one job-wide
+  limit). Such a point has index ``len(plan.frontier) + j`` (``j``: its row of the curve); it runs
+  the max-throughput point's variants, requests the maximum clock for every instruction and sets
+  its limit through the :class:`~kareus_fx.runtime.power_limit.PowerLimitController`; a clock
+  point runs under the curve's first (unlimited: the TDP) limit. A switch sets the limit only when
+  it changes, at the same iteration boundary as the clocks.
 
 Assumptions: one process drives one GPU and runs one pipeline stage (as the deployment); the
 plan is not bucketed by sequence length (a bucketed plan's buckets have their own frontiers).
@@ -43,12 +51,14 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.deploy.plan_clocks import clock_schedule
 from kareus_fx.errors import KareusError, OptionsError
 from kareus_fx.plan.plan_format import Plan, Target, load_plan
 from kareus_fx.policies.base import FrontierPoint, Observation, Policy
 from kareus_fx.runtime.collectives import prepare_comm_groups
 from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
+from kareus_fx.runtime.power_limit import PowerLimitController
 
 __all__ = ["DEFAULT_CANDIDATES", "PointSwitchError", "PointSwitcher", "Switch", "spread_candidates"]
 
@@ -116,6 +126,8 @@ class PointSwitcher:
     indices. ``target``: the compile-time target; its point is always a candidate and runs first.
     ``group``: the ranks of this pipeline (one data-parallel replica), who switch together; None:
     every rank of the job (or a single process without torch.distributed).
+    ``limit_candidates``: rows of the plan's Kareus power-limit curve to add as candidates, set
+    through ``power_limit`` (module docstring).
     """
 
     def __init__(
@@ -125,6 +137,8 @@ class PointSwitcher:
         candidates: int | Sequence[int] = DEFAULT_CANDIDATES,
         target: Target = "max-throughput",
         group: dist.ProcessGroup | None = None,
+        limit_candidates: Sequence[int] = (),
+        power_limit: PowerLimitController | None = None,
     ) -> None:
         self.plan = plan if isinstance(plan, Plan) else load_plan(plan)
         if self.plan.buckets:
@@ -139,8 +153,17 @@ class PointSwitcher:
         else:
             indices = self._checked_indices(candidates)
         frontier = self.plan.frontier
+        self.power_limit = power_limit
+        self._fastest_index = self.plan.point_index("max-throughput")
+        self._unlimited_w, self.limits_w = self._limit_points(limit_candidates)
+        """Candidate index -> (limit_w, time_s, energy_j) of each power-limit candidate. The job
+        starts on a clock point, under the limit found at the controller's open (the TDP assumed)."""
+        limited = [FrontierPoint(i, t, e) for i, (_, t, e) in self.limits_w.items()]
         self.candidates: tuple[FrontierPoint, ...] = tuple(
-            sorted((FrontierPoint.from_plan_point(i, frontier[i]) for i in indices), key=lambda p: (p.time_s, p.index))
+            sorted(
+                [*(FrontierPoint.from_plan_point(i, frontier[i]) for i in indices), *limited],
+                key=lambda p: (p.time_s, p.index),
+            )
         )
         """The points compiled, sorted by predicted time (what a policy chooses from)."""
         self.group = group
@@ -150,6 +173,34 @@ class PointSwitcher:
         self.switches: list[Switch] = []
         self._deployments: list[_Attached] = []
         self._started_s = time.monotonic()
+
+    def _limit_points(self, rows: Sequence[int]) -> tuple[int | None, dict[int, tuple[int, float, float]]]:
+        """The curve's first (unlimited: the TDP) limit, and candidate index -> (limit_w, time_s,
+        energy_j) of each of ``rows`` of the plan's Kareus power-limit curve (None, {} without rows)."""
+        if not rows:
+            return None, {}
+        curve = self.plan.data["methods"].get("kareus", {}).get("power_limits")
+        if not curve:
+            raise OptionsError(
+                f"the plan {self.plan.source} has no Kareus power-limit curve (methods.kareus.power_limits): it "
+                f"was made before kareus-fx priced one, or measured on a GPU; re-run `kareus plan` with the "
+                f"simulated profiler, or switch clock points only (no limit_candidates)"
+            )
+        bad = [j for j in rows if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j < len(curve)]
+        if bad:
+            raise PointSwitchError(
+                f"limit_candidates must be rows of the plan's Kareus power-limit curve (0..{len(curve) - 1}: "
+                f"{[int(row[0]) for row in curve]} W), got {list(rows)!r}"
+            )
+        if self.power_limit is None:
+            raise OptionsError(
+                "limit_candidates need a power_limit controller to set them: pass "
+                "power_limit=PowerLimitController.open('real' | 'dry-run', gpu_index=LOCAL_RANK)"
+            )
+        size = len(self.plan.frontier)
+        return int(curve[0][0]), {
+            size + j: (int(curve[j][0]), float(curve[j][1]), float(curve[j][2])) for j in sorted(set(rows))
+        }
 
     def _checked_indices(self, indices: Sequence[int]) -> tuple[int, ...]:
         size = len(self.plan.frontier)
@@ -182,10 +233,29 @@ class PointSwitcher:
             f"compiled before training: pass it in PointSwitcher(candidates=[...]) and restart"
         )
 
-    def clock_schedule(self, index: int | None = None) -> ClockSchedule:
-        """The clock schedule of candidate ``index`` (default: the current point), e.g. for a StepContext."""
+    @property
+    def compiled_points(self) -> tuple[int, ...]:
+        """The frontier points whose variants the candidates run (what a deployment compiles)."""
+        return tuple(sorted({self.variant_point(i) for i in self.candidate_indices}))
 
-        return clock_schedule(self.plan, self.point(self.current_index if index is None else index).index)
+    def variant_point(self, index: int) -> int:
+        """The frontier point whose variants candidate ``index`` runs: itself, or for a power-limit
+        point the max-throughput point."""
+        return self._fastest_index if self.point(index).index in self.limits_w else index
+
+    def limit_w(self, index: int | None = None) -> int | None:
+        """The power limit candidate ``index`` (default: the current point) runs under: its own,
+        the unlimited one for a clock point; None without power-limit candidates."""
+        index = self.current_index if index is None else index
+        return self.limits_w[index][0] if index in self.limits_w else self._unlimited_w
+
+    def clock_schedule(self, index: int | None = None) -> ClockSchedule:
+        """The clock schedule of candidate ``index`` (default: the current point), e.g. for a
+        StepContext: a power-limit point's is the maximum clock for every instruction."""
+        point = self.point(self.current_index if index is None else index).index
+        if point in self.limits_w:
+            return clock_schedule(self.plan, self._fastest_index, gpu_spec(self.plan.gpu).clock_max_mhz)
+        return clock_schedule(self.plan, point)
 
     def plan_for(self, path: Path | None) -> Plan:
         """The plan to deploy; option ``plan``, when given, must be the same plan."""
@@ -204,7 +274,7 @@ class PointSwitcher:
         self, groups: Iterable[dist.ProcessGroup | None] = (), *, timeout_s: float | None = None
     ) -> frozenset[int]:
         """:func:`~kareus_fx.deploy.deployment.prepare_collectives` for every candidate point."""
-        sm_counts = frozenset().union(*(self.plan.comm_sm_counts(i) for i in self.candidate_indices))
+        sm_counts = frozenset().union(*(self.plan.comm_sm_counts(i) for i in self.compiled_points))
         prepare_comm_groups(sm_counts, groups, timeout_s)
         return sm_counts
 
@@ -245,6 +315,9 @@ class PointSwitcher:
         self.iteration += 1
         if point.index != self.current_index:
             self.switches.append(Switch(self.iteration, self.current_index, point.index))
+            limit_w = self.limit_w(point.index)
+            if self.power_limit is not None and limit_w is not None and limit_w != self.limit_w():
+                self.power_limit.set_limit_w(limit_w)
             self.current_index = point.index
             context = active_step_context()
             if context is not None:

@@ -178,7 +178,10 @@ class Method(SchemaModel):
     chosen_power_limit_w: Number | None = None
     """Megatron-LM + power limit only: the job-wide limit Zeus's selector picks (its frontier)."""
     power_limits: list[list[Number]] | None = None
-    """Megatron-LM + power limit only: ``[power_limit_w, time_s, energy_j]`` at every limit tried."""
+    """``[power_limit_w, time_s, energy_j]`` at every limit tried: Megatron-LM + power limit's curve,
+    or on ``kareus`` its max-throughput schedule with clocks unlocked under each limit."""
+    locked_power_limits: list[list[Number]] | None = None
+    """``kareus`` only: its max-throughput point, clocks locked as planned, under each limit."""
 
     @field_validator("frontier")
     @classmethod

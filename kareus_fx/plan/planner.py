@@ -55,7 +55,7 @@ from kareus_fx.compose.iteration import (
     count_solver_steps,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
-from kareus_fx.compose.pipeline import INSTRUCTIONS, CompositionError, check_interleaving
+from kareus_fx.compose.pipeline import INSTRUCTIONS, CompositionError, PipelineNode, check_interleaving
 from kareus_fx.compose.slack import with_reclaimed_fastest
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
@@ -72,6 +72,7 @@ from kareus_fx.plan.graph_workload import (
     partitioned_graphs,
     sequential_graphs,
 )
+from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curve
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, block_dump, extend_dump, slice_pays
 from kareus_fx.plan.methods import (
     BASELINES,
@@ -824,6 +825,11 @@ class _Composed:
     profiler cannot price power limits."""
     power_limit_choice: PowerLimitPoint | None
     """The limit Zeus's selector picks on that curve (None without a curve)."""
+    kareus_power_limits: list[PowerLimitPoint]
+    """Kareus's max-throughput schedule under each job-wide power limit (``kareus_power_limit.py``);
+    empty when the profiler cannot price power limits."""
+    kareus_locked_power_limits: list[PowerLimitPoint]
+    """The same with each instruction's clock locked as the point plans it, the limit on top."""
 
 
 def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress) -> _Composed:
@@ -938,6 +944,12 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
     curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
+    kareus_curves = {
+        lock: _kareus_power_limit_curve(
+            req, traced, stage_group, waits_s, spec, iteration["kareus"], local_to_plan, scale, lock
+        )
+        for lock in (False, True)
+    }
     chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp * req.dp) if curve else None
     if chosen is not None:
         metrics[POWER_LIMIT_METHOD] = frontier_metrics(
@@ -950,6 +962,54 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         energy_scale=scale,
         power_limits=curve,
         power_limit_choice=chosen,
+        kareus_power_limits=kareus_curves[False],
+        kareus_locked_power_limits=kareus_curves[True],
+    )
+
+
+def _kareus_power_limit_curve(
+    req: PlanRequest,
+    traced: Sequence[StageGraphs],
+    stage_group: Mapping[int, int],
+    waits_s: Mapping[tuple[int, GraphName], float],
+    spec: GPUSpec,
+    kareus: IterationFrontier,
+    local_to_plan: Mapping[LocalKey, str],
+    energy_scale: float,
+    lock_clocks: bool,
+) -> list[PowerLimitPoint]:
+    """Kareus's max-throughput point's schedule under each job-wide power limit, clocks unlocked
+    or ``lock_clocks`` as planned (``kareus_power_limit.py``); empty for a profiler that cannot
+    price a power limit."""
+    if req.profiler != "simulated":
+        return []
+    gpu = canonical_gpu_name(req.gpu)
+    fastest = min(kareus.points, key=lambda p: (p.time_s, p.energy_j))
+
+    def work(node: PipelineNode, option: MicrobatchPoint) -> NodeWork:
+        stage = traced[stage_group[node.stage]]
+        partitioned = stage.partitioned and stage.partitioned.get(node.instruction)
+        return NodeWork(
+            option=option,
+            sequential=stage.sequential[node.instruction],
+            partitioned=None
+            if not partitioned
+            else _with_plan_ids(partitioned, stage_group[node.stage], local_to_plan),
+            wait_s=waits_s[(node.stage, node.instruction)],
+        )
+
+    return kareus_power_limit_curve(
+        {node: work(node, option) for node, option in kareus.plan(fastest).items()},
+        lambda limit_w: SimulatedProfiler(gpu, power_limit_w=limit_w),
+        lock_clocks=lock_clocks,
+        tdp_w=spec.tdp_w,
+        max_clock_mhz=spec.clock_max_mhz,
+        lowest_clock_mhz=spec.tuning_clock_min_mhz,
+        pp=req.pp,
+        microbatches=req.microbatches,
+        blocking_power_w=spec.blocking_power_w,
+        energy_scale=energy_scale,
+        virtual_stages=req.virtual_stages,
     )
 
 
@@ -1251,6 +1311,13 @@ def _plan_data(
             "chosen_power_limit_w": chosen.power_limit_w,
             "power_limits": [[p.power_limit_w, p.time_s, p.energy_j] for p in composed.power_limits],
         }
+    if composed.kareus_power_limits:
+        methods["kareus"]["power_limits"] = [
+            [p.power_limit_w, p.time_s, p.energy_j] for p in composed.kareus_power_limits
+        ]
+        methods["kareus"]["locked_power_limits"] = [
+            [p.power_limit_w, p.time_s, p.energy_j] for p in composed.kareus_locked_power_limits
+        ]
     live = req.model == LIVE_GRAPH_MODEL
     layers = req.layers if live else _model_layers(req)
     stage_layers = (

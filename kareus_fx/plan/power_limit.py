@@ -37,6 +37,7 @@ __all__ = [
     "curve_of_plan",
     "iteration_of",
     "limit_for_target",
+    "limit_grid",
     "power_limit_curve",
     "zeus_choice",
 ]
@@ -94,12 +95,24 @@ def power_limit_curve(
     ``floor_time_s`` is the un-capped iteration at the lowest tuning clock, where the grid stops
     (see the module docstring). ``energy_scale`` turns one traced rank's energy into the plan's
     scope (its tensor- and context-parallel ranks)."""
+    return limit_grid(
+        lambda limit_w: iteration_of(
+            measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale, virtual_stages
+        ),
+        tdp_w=tdp_w,
+        floor_time_s=floor_time_s,
+    )
+
+
+def limit_grid(
+    iteration_at: Callable[[int], tuple[float, float]], *, tdp_w: float, floor_time_s: float
+) -> list[PowerLimitPoint]:
+    """``iteration_at(limit_w)`` (time_s, energy_j) at each limit from ``tdp_w`` down in Zeus's
+    25 W steps, up to the first limit slower than ``floor_time_s`` (module docstring)."""
     points: list[PowerLimitPoint] = []
     limit_w = int(tdp_w)
     while limit_w > 0:
-        time_s, energy_j = iteration_of(
-            measure_at(limit_w), pp, microbatches, blocking_power_w, energy_scale, virtual_stages
-        )
+        time_s, energy_j = iteration_at(limit_w)
         if points and time_s > floor_time_s:
             break
         points.append(PowerLimitPoint(limit_w, time_s, energy_j))

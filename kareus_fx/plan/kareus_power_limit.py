@@ -1,0 +1,137 @@
+"""Kareus's own power-limit frontier: its max-throughput schedule under each job-wide power limit.
+
+Where a cluster forbids locking clocks but allows power limits (issue 31, item 3), Kareus still
+controls what a clock lock does not: the nanobatch split, each collective's SM count and launch
+slot. This prices Kareus's max-throughput point's schedule (per pipeline instruction and
+microbatch, the option that point runs: split or sequential, per partition type's configuration)
+with every clock request at the GPU's maximum (no lock: the GPU boosts as far as the limit lets
+it) under each limit from the TDP down in Zeus's 25 W steps (:func:`~kareus_fx.plan.power_limit.limit_grid`).
+
+What differs from a clock point, in the simulated GPU: a clock point locks one clock per
+instruction for all its partitions; under a power limit each measured unit throttles on its own
+(the simulator's power cap, the same one the planner prices Kareus's options under at the TDP):
+every partition (its kernels and its overlapped collective) and the work outside partitions as
+one sequence. A compute-bound partition, drawing more than the limit, slows down; a memory-bound
+or communication-bound one keeps its clock. So a limit spends a slowdown where it saves the most
+power, at the granularity of a partition (milliseconds), finer than the clock grid and finer
+than an instruction. (On the simulated A100 at its maximum clock nearly every busy partition
+already draws the TDP, so a lower limit throttles them all alike; on the README's plan both curves
+lie above Kareus's clock frontier: ``bench/carbon_replay.py`` reports the hull of the union.)
+
+Assumptions: one limit for every GPU of the job; the GPU's power management holds a partition's
+average power to the limit (real power management acts over windows of tens of milliseconds, so
+on a GPU the throttle would blur across neighbouring partitions: a simulated, not measured,
+advantage); the link waits between stages cost the blocking power as in every other method; the
+grid stops at the first limit slower than the same schedule un-capped at the lowest tuning clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kareus_fx.compose.microbatch import MicrobatchPoint
+from kareus_fx.compose.pipeline import PipelineNode, build_pipeline_dag, iteration_energy_j, makespan_s
+from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
+from kareus_fx.plan.power_limit import PowerLimitPoint, limit_grid
+from kareus_fx.workload import Measurement, SequenceProfiler
+
+__all__ = ["NodeWork", "kareus_power_limit_curve", "price_option", "schedule_iteration"]
+
+
+@dataclass(frozen=True)
+class NodeWork:
+    """One pipeline instruction of the schedule: the option it runs and the graphs that option runs."""
+
+    option: MicrobatchPoint
+    sequential: SequentialGraph
+    """The instruction's un-split graph (run when ``option`` is sequential)."""
+    partitioned: PartitionedGraph | None
+    """Its nanobatched graph, partition types named as ``option.configs`` names them."""
+    wait_s: float
+    """The link wait the planner adds to the instruction (a send at the blocking power)."""
+
+
+def _add(total: Measurement, part: Measurement, times: int = 1) -> Measurement:
+    return Measurement(
+        total.time_s + times * part.time_s,
+        total.energy_j + times * part.energy_j,
+        total.dynamic_energy_j + times * part.dynamic_energy_j,
+        total.static_energy_j + times * part.static_energy_j,
+    )
+
+
+def price_option(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int, blocking_power_w: float) -> Measurement:
+    """``work``'s option with every clock request at ``clock_mhz`` on ``profiler`` (under its
+    power limit, if it has one), as the planner prices an option: the work outside partitions as
+    one sequence plus each partition type ``count`` times; the link wait at the blocking power."""
+    option = work.option
+    if option.configs is None:
+        total = profiler.measure_sequence(work.sequential.ops, work.sequential.collectives, clock_mhz)
+    else:
+        if work.partitioned is None:
+            raise ValueError("a nanobatched option needs its partitioned graph")
+        outside = work.partitioned.outside
+        total = profiler.measure_sequence(outside.ops, outside.collectives, clock_mhz)
+        for ptype in work.partitioned.ptypes:
+            config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
+            total = _add(total, profiler.measure(ptype, config), ptype.count)
+    wait_j = blocking_power_w * work.wait_s
+    return Measurement(
+        total.time_s + work.wait_s, total.energy_j + wait_j, total.dynamic_energy_j, total.static_energy_j + wait_j
+    )
+
+
+def schedule_iteration(
+    costs: Mapping[PipelineNode, Measurement],
+    pp: int,
+    microbatches: int,
+    blocking_power_w: float,
+    energy_scale: float,
+    virtual_stages: int = 1,
+) -> tuple[float, float]:
+    """(time_s, energy_j) of the 1F1B (interleaved over ``virtual_stages``) iteration whose every
+    instruction costs ``costs[node]``: the critical path, and every GPU at the blocking power when
+    idle (the composer's accounting), times ``energy_scale`` (the plan's ranks per traced rank)."""
+    dag = build_pipeline_dag(pp, microbatches, virtual_stages)
+    time_s = makespan_s(dag, {node: costs[node].time_s for node in dag})
+    busy_s = sum(costs[node].time_s for node in dag)
+    busy_j = sum(costs[node].energy_j for node in dag)
+    return time_s, energy_scale * iteration_energy_j(pp, time_s, busy_s, busy_j, blocking_power_w)
+
+
+def kareus_power_limit_curve(
+    schedule: Mapping[PipelineNode, NodeWork],
+    profiler_at: Callable[[int | None], SequenceProfiler],
+    *,
+    lock_clocks: bool,
+    tdp_w: float,
+    max_clock_mhz: int,
+    lowest_clock_mhz: int,
+    pp: int,
+    microbatches: int,
+    blocking_power_w: float,
+    energy_scale: float,
+    virtual_stages: int = 1,
+) -> list[PowerLimitPoint]:
+    """``schedule`` (every instruction of the iteration) under each power limit (module
+    docstring): every clock request at ``max_clock_mhz`` (clocks unlocked: the power-limit deploy
+    mode), or with ``lock_clocks`` each instruction at its option's clock with the limit on top.
+    ``profiler_at(limit_w)`` prices under that limit (None: no limit)."""
+
+    def iteration_at(limit_w: int | None, clock_mhz: int | None) -> tuple[float, float]:
+        profiler = profiler_at(limit_w)
+        priced: dict[tuple[int, str, object, int], Measurement] = {}
+        costs: dict[PipelineNode, Measurement] = {}
+        for node, work in schedule.items():
+            clock = work.option.clock_mhz if clock_mhz is None else clock_mhz
+            key = (node.stage, node.instruction, work.option.configs, clock)
+            if key not in priced:
+                priced[key] = price_option(profiler, work, clock, blocking_power_w)
+            costs[node] = priced[key]
+        return schedule_iteration(costs, pp, microbatches, blocking_power_w, energy_scale, virtual_stages)
+
+    floor_s, _ = iteration_at(None, lowest_clock_mhz)
+    requested = None if lock_clocks else max_clock_mhz
+    return limit_grid(lambda limit_w: iteration_at(limit_w, requested), tdp_w=tdp_w, floor_time_s=floor_s)
