@@ -32,6 +32,7 @@ Sections, each independent (a failure is recorded with its error and the next on
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import statistics
@@ -53,7 +54,9 @@ def _median_ms(run: Callable[[], object], warmup: int = 3, repeats: int = 10) ->
     return statistics.median(timed_runs(run, torch.device("cuda"), warmup=warmup, repeats=repeats)) * 1e3
 
 
+@functools.cache
 def _nvml() -> Any:
+    """pynvml, initialised once, and GPU 0's handle."""
     import pynvml
 
     pynvml.nvmlInit()

@@ -212,8 +212,8 @@ class Simulator:
     ) -> Prediction:
         """Non-partitioned work: ``ops`` in order, then each collective alone (``comm_sms`` each)."""
         clock, sms = self._defaults(clock_mhz, comm_sms)
-        ops, collectives = list(ops), list(collectives)
-        return self._finish(lambda f: self._sequence_run(ops, collectives, f, sms), clock)
+        kernels, collectives = fused_kernels(ops), list(collectives)  # fused once, run at every searched clock
+        return self._finish(lambda f: self._sequence_run(kernels, collectives, f, sms), clock)
 
     def predict_microbatch(
         self,
@@ -226,7 +226,7 @@ class Simulator:
         """A whole microbatch in sequential mode at one clock: every partition type ``count`` times
         (computation, then its collective alone), plus the non-partitioned ops and collectives."""
         clock, sms = self._defaults(clock_mhz, comm_sms)
-        ptypes, other_ops, other_collectives = list(ptypes), list(other_ops), list(other_collectives)
+        ptypes, other_kernels, other_collectives = list(ptypes), fused_kernels(other_ops), list(other_collectives)
 
         def run(f: float) -> _Run:
             terms, exposed = ZERO_TERMS, 0.0
@@ -235,7 +235,7 @@ class Simulator:
                 part = self._timeline(structure, pt.collective, f, sms, len(structure.kernels), None, 0.0, 1.0, False)
                 terms = terms + part.terms.scaled(pt.count)
                 exposed += part.exposed_comm_s * pt.count
-            rest = self._sequence_run(other_ops, other_collectives, f, sms)
+            rest = self._sequence_run(other_kernels, other_collectives, f, sms)
             return _Run(terms + rest.terms, exposed + rest.exposed_comm_s)
 
         return self._finish(run, clock)
@@ -556,13 +556,14 @@ class Simulator:
         return EnergyTerms(time_s, scale * time_s, scale * busy_s, v * v * flops, hbm_bytes, link_bytes, clock * time_s)
 
     def _sequence_run(
-        self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock: float, sms: int
+        self, kernels: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock: float, sms: int
     ) -> _Run:
-        """Ops in order on every SM, then each collective alone on ``sms`` SMs."""
+        """Kernels (``fused_kernels`` of the ops) in order on every SM, then each collective alone
+        on ``sms`` SMs. The caller fuses once: a throttled run is simulated at many clocks."""
         sm_count = self.spec.sm_count
         gap = self.params.kernel_overhead_s
         t = busy = flops = nbytes = link = exposed = 0.0
-        for op in fused_kernels(ops):
+        for op in kernels:
             ph = self._phase(op, sm_count, clock)
             t += gap + ph.time_s
             busy += ph.busy_frac * ph.time_s

@@ -45,12 +45,18 @@ def fused_kernels(ops: Sequence[OpCost]) -> tuple[OpCost, ...]:
     """The kernels ``ops`` run as: consecutive ops of one kernel become one ``OpCost`` (the first
     op's name and target, the summed FLOPs and bytes); an op without a kernel id stays itself."""
     kernels: list[OpCost] = []
+    first: OpCost | None = None  # the current kernel's first op, its sums so far and whether it grew
+    flops = nbytes = 0.0
+    grew = False
     for op in ops:
-        last = kernels[-1] if kernels else None
-        if last is not None and op.kernel is not None and last.kernel == op.kernel:
-            kernels[-1] = dataclasses.replace(last, flops=last.flops + op.flops, bytes=last.bytes + op.bytes)
-        else:
-            kernels.append(op)
+        if first is not None and op.kernel is not None and first.kernel == op.kernel:
+            flops, nbytes, grew = flops + op.flops, nbytes + op.bytes, True
+            continue
+        if first is not None:
+            kernels.append(dataclasses.replace(first, flops=flops, bytes=nbytes) if grew else first)
+        first, flops, nbytes, grew = op, op.flops, op.bytes, False
+    if first is not None:
+        kernels.append(dataclasses.replace(first, flops=flops, bytes=nbytes) if grew else first)
     return tuple(kernels)
 
 
@@ -126,6 +132,23 @@ class Measurement:
     energy_j: float
     dynamic_energy_j: float
     static_energy_j: float
+
+    def plus(self, part: Measurement, times: int = 1) -> Measurement:
+        """This execution followed by ``times`` runs of ``part``."""
+        return Measurement(
+            self.time_s + times * part.time_s,
+            self.energy_j + times * part.energy_j,
+            self.dynamic_energy_j + times * part.dynamic_energy_j,
+            self.static_energy_j + times * part.static_energy_j,
+        )
+
+    def with_link_wait(self, wait_s: float, blocking_power_w: float) -> Measurement:
+        """This execution followed by a link wait of ``wait_s`` at the blocking power (static:
+        the GPU waits, it computes nothing)."""
+        wait_j = blocking_power_w * wait_s
+        return Measurement(
+            self.time_s + wait_s, self.energy_j + wait_j, self.dynamic_energy_j, self.static_energy_j + wait_j
+        )
 
 
 class MeasurementFailedError(KareusError, RuntimeError):

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
+
+# Inductor's C++ code for this CPU, unvectorised: the kareus graphs run on GPUs through Triton, and
+# no test checks Inductor's CPU vector code. Vectorised code generation (vector and tiling variants
+# of every kernel) took 103 of the 272 profiled Inductor seconds of test_dynamic_shapes[automatic]
+# (20 s unvectorised; Inductor in all 187 s), and the ISA probe (g++ builds of test programs) cost
+# each compiling process 1.3 s (load 5) to 6.5 s (load 11). Set before torch's Inductor config is
+# imported; gloo ranks inherit it (their forkserver starts from this process).
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 import pytest
 import torch

@@ -7,6 +7,7 @@ import itertools
 import random
 from pathlib import Path
 
+import networkx as nx
 import pytest
 
 from kareus_fx.compose import (
@@ -27,7 +28,13 @@ from kareus_fx.compose import (
     write_perseus_plan,
     write_perseus_profile,
 )
-from kareus_fx.compose.pipeline import iteration_energy_j, makespan_s
+from kareus_fx.compose.pipeline import (
+    build_pipeline_dag,
+    iteration_energy_j,
+    makespan_s,
+    pipeline_dag,
+    pipeline_makespan_s,
+)
 from kareus_fx.workload import Measurement, PartitionConfig
 
 DATA = Path(__file__).parent / "data"
@@ -275,6 +282,20 @@ def test_1f1b_dag_shape_and_makespan():
         build_1f1b_dag(0, 4)
     with pytest.raises(CompositionError):
         one_f_one_b_order(2, 2, 5)
+
+
+@pytest.mark.parametrize(("ranks", "microbatches", "chunks"), [(3, 4, 1), (4, 8, 2), (2, 1, 1)])
+def test_levelled_makespan_is_networkx_makespan_to_the_bit(ranks, microbatches, chunks):
+    rng = random.Random(ranks * 100 + microbatches)
+    per_key = {(s, i): rng.uniform(0.01, 0.3) for s in range(ranks * chunks) for i in ("forward", "backward")}
+    dag = build_pipeline_dag(ranks, microbatches, chunks)
+    expected = makespan_s(dag, {n: per_key[(n.stage, n.instruction)] for n in dag})
+    assert pipeline_makespan_s(ranks, microbatches, chunks, lambda n: per_key[(n.stage, n.instruction)]) == expected
+    shared = pipeline_dag(ranks, microbatches, chunks)
+    assert shared is pipeline_dag(ranks, microbatches, chunks)  # built once
+    assert list(shared.nodes) == list(dag.nodes) and list(shared.edges) == list(dag.edges)
+    with pytest.raises(nx.NetworkXError):  # frozen: callers share it
+        shared.add_edge(PipelineNode(0, "forward", 0), PipelineNode(0, "backward", 0))
 
 
 # ----------------------------------------------------------------------------- iteration
@@ -758,7 +779,9 @@ def test_solve_pool_gives_each_methods_frontier_as_in_this_process():
     by_name["one clock"] = {key: opts[:1] for key, opts in by_name["two clocks"].items()}
     kwargs = {"blocking_power_w": 80.0, "max_solver_steps": 40}
     here = compose_iterations(by_name, 4, processes=1, **kwargs)
-    pooled = compose_iterations(by_name, 4, processes=2, **kwargs)
+    ran: list[str] = []
+    pooled = compose_iterations(by_name, 4, processes=3, meanwhile=lambda: ran.append("meanwhile"), **kwargs)
+    assert ran == ["meanwhile"]
     assert list(pooled) == list(by_name)
     for name in by_name:
         assert len(pooled[name].trace) == len(here[name].trace)

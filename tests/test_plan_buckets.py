@@ -1,10 +1,11 @@
 """Bucketed plans (issue 21): one plan holding a frontier per sequence-length bucket, deployed
 per call on a graph whose sequence length is symbolic.
 
-The plan is made once per module by the real planner for tiny-llama, TP=2, 2 layers, fp32, with
+The plan is made once per module by the real planner for tiny-llama, TP=2, 1 layer, fp32, with
 buckets of 128 and 256 tokens. Each bucket's options are then replaced by one option with a clock
 of its own (bucket 128: 1200 MHz, bucket 256: 990 MHz) and every partition type sequential, so
-the dry-run clock controller's requests tell which bucket ran each call.
+the dry-run clock controller's requests tell which bucket ran each call. One decoder layer:
+which bucket a call runs, and parity, do not depend on depth (the deployed model takes the plan's).
 
 Parity tolerance: rtol=1e-5, atol=1e-6 (fp32), as tests/test_parity.py.
 """
@@ -22,7 +23,7 @@ from eager_parity import assert_matches_eager, eager_reference, mark_sequence_dy
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, load_plan, validate_plan, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 1, "mbs": 2, "layers": 2}
+WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 1, "mbs": 2, "layers": 1}
 BUCKET_CLOCKS_MHZ = {128: 1200, 256: 990}
 
 
@@ -100,7 +101,7 @@ def _deployed_model(plan_path):
     model = build_model(
         WORKLOAD["model"],
         ParallelLayout.from_default_group(tp=2, cp=1),
-        num_layers=WORKLOAD["layers"],
+        num_layers=load_plan(plan_path).workload["layers"],
         dtype=torch.float32,
     )
     model.init_weights(seed=0)

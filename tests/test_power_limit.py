@@ -132,3 +132,47 @@ def test_kareus_limits_price_its_fastest_point_locked_and_unlocked(plan):
         assert [row[0] for row in curve] == [int(tdp_w) - ZEUS_POWER_LIMIT_STEP_W * i for i in range(len(curve))]
         times = [row[1] for row in curve]
         assert times == sorted(times) and len(curve) >= 2 and times[-1] > times[0]
+
+
+def test_kareus_limit_curve_prices_shared_stage_graphs_once_with_each_stages_wait():
+    """Stages that share their graphs are priced once per limit, option and clock, each with its own
+    link wait: the curve equals pricing every instruction on its own over the networkx DAG."""
+    from kareus_fx.compose.microbatch import MicrobatchPoint
+    from kareus_fx.compose.pipeline import build_pipeline_dag, iteration_energy_j, makespan_s
+    from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
+    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curve, price_option
+    from kareus_fx.plan.power_limit import limit_grid
+    from kareus_fx.workload import PartitionConfig
+
+    spec = gpu_spec("a100")
+    config = PartitionConfig(clock_mhz=spec.clock_max_mhz, comm_sms=8, launch_slot=0)
+    empty = SequentialGraph("forward", (), (), "")
+    shared = PartitionedGraph("forward", (_partition("C", 2e12, 5e7, 3),), empty, "")
+    option = MicrobatchPoint(0.0, 0.0, 0.0, 0.0, spec.clock_max_mhz, (("C", config),))
+    pp, microbatches, scale = 3, 4, 8.0
+    dag = build_pipeline_dag(pp, microbatches)
+    schedule = {node: NodeWork(option, empty, shared, wait_s=0.001 * (1 + node.stage)) for node in dag}
+    curve = kareus_power_limit_curve(
+        schedule,
+        lambda limit_w: SimulatedProfiler("a100", power_limit_w=limit_w),
+        lock_clocks=False,
+        tdp_w=spec.tdp_w,
+        max_clock_mhz=spec.clock_max_mhz,
+        lowest_clock_mhz=spec.tuning_clock_min_mhz,
+        pp=pp,
+        microbatches=microbatches,
+        blocking_power_w=spec.blocking_power_w,
+        energy_scale=scale,
+    )
+
+    def direct(limit_w, clock_mhz):
+        profiler = SimulatedProfiler("a100", power_limit_w=limit_w)
+        costs = {n: price_option(profiler, work, clock_mhz, spec.blocking_power_w) for n, work in schedule.items()}
+        time_s = makespan_s(dag, {n: c.time_s for n, c in costs.items()})
+        busy_s, busy_j = sum(costs[n].time_s for n in dag), sum(costs[n].energy_j for n in dag)
+        return time_s, scale * iteration_energy_j(pp, time_s, busy_s, busy_j, spec.blocking_power_w)
+
+    floor_s, _ = direct(None, spec.tuning_clock_min_mhz)
+    expected = limit_grid(lambda limit_w: direct(limit_w, spec.clock_max_mhz), tdp_w=spec.tdp_w, floor_time_s=floor_s)
+    assert curve == expected
+    assert len(curve) >= 2

@@ -24,6 +24,9 @@ in C++) fails its call with :class:`TraceWorkerError`, naming it; this process r
 left, and nothing waits on the dead worker.
 ``processes <= 1`` or a single call runs everything here, one after another.
 
+Garbage collection: the calls run with this process's heap frozen (``kareus_fx.plan.heap``; a forked
+worker inherits that), so a trace's collections do not walk torch's and the planner's objects.
+
 Warnings: a worker records the warnings its call issues (those its filters let through: this
 process's when forked) and this process issues them again
 (their category, text and place) once its calls are done, each distinct one once over the
@@ -49,6 +52,7 @@ from typing import Generic, TypeVar
 import torch
 
 from kareus_fx.errors import KareusError
+from kareus_fx.plan.heap import heap_frozen
 
 __all__ = ["TraceWorkerError", "run_calls", "start_method"]
 
@@ -64,6 +68,11 @@ def run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
     processes at once (see the module docstring). ``calls`` must pickle (module-level functions,
     ``functools.partial`` of them); each result must pickle too."""
     _no_tqdm_monitor()
+    with heap_frozen():  # this process's heap, out of every process's collections (kareus_fx.plan.heap)
+        return _run_calls(calls, processes)
+
+
+def _run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
     workers = min(processes, len(calls)) - 1
     if workers < 1:
         return [call() for call in calls]

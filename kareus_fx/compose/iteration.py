@@ -70,7 +70,6 @@ model energy (what the Perseus artifact reports).
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import warnings
@@ -96,11 +95,12 @@ from kareus_fx.compose.pipeline import (
     CompositionError,
     Instruction,
     PipelineNode,
-    build_pipeline_dag,
     iteration_energy_j,
-    makespan_s,
+    pipeline_dag,
+    pipeline_makespan_s,
 )
 from kareus_fx.compose.solver_loop import MIN_CUTS, MinCut, run_phillips_dessouky
+from kareus_fx.plan.heap import heap_frozen
 
 __all__ = [
     "ConvexPiecewiseLinearModel",
@@ -254,22 +254,6 @@ def _quiet_lowtime() -> Iterator[None]:
             lt_logger.setLevel(level)
 
 
-@contextmanager
-def _heap_frozen() -> Iterator[None]:
-    """Keep the objects that exist before the solve out of the garbage collector's scans during it
-    (``gc.freeze``): each solver step allocates, and every full collection would otherwise walk
-    the caller's whole heap (after tracing, Dynamo's and torch's objects: about 10 % of a large
-    solve). Only where nobody else has frozen objects (unfreezing would undo theirs)."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 def _finite_or_none(value: object) -> int | float | None:
     """``value`` when it is a finite int or float, else None."""
     return value if isinstance(value, (int, float)) and math.isfinite(value) else None
@@ -338,16 +322,17 @@ def _candidates(items: tuple[Any, ...], unit_time_s: float) -> CandidateExecutio
 
 
 def _quantized_span(
-    pipeline: nx.DiGraph, options: Mapping[tuple[int, Instruction], tuple[Any, ...]], unit: float
+    pipeline: tuple[int, int, int], options: Mapping[tuple[int, Instruction], tuple[Any, ...]], unit: float
 ) -> int:
     """Solver steps at quantum ``unit`` (an upper bound: lowtime may stop earlier): quantized
-    critical path of the slowest plan minus that of the fastest."""
+    critical path of the slowest plan minus that of the fastest, over the pipeline of
+    ``pipeline`` = (ranks, microbatches, virtual stages)."""
     ranges = {}
     for key, items in options.items():
         quant_times = [o.quant_time for o in _candidates(items, unit).options]
         ranges[key] = (min(quant_times), max(quant_times))
-    slowest = makespan_s(pipeline, {n: ranges[(n.stage, n.instruction)][1] for n in pipeline})
-    fastest = makespan_s(pipeline, {n: ranges[(n.stage, n.instruction)][0] for n in pipeline})
+    slowest = pipeline_makespan_s(*pipeline, lambda n: ranges[(n.stage, n.instruction)][1])
+    fastest = pipeline_makespan_s(*pipeline, lambda n: ranges[(n.stage, n.instruction)][0])
     return int(slowest - fastest)
 
 
@@ -373,7 +358,7 @@ def choose_unit_time_s(
         raise CompositionError(f"max_solver_steps must be an integer >= 1, got {max_steps!r}")
     _check_unit_time(min_unit_time_s)
     num_stages, normalized = _normalize_options(options, min_unit_time_s, virtual_stages)
-    pipeline = build_pipeline_dag(num_stages // virtual_stages, num_microbatches, virtual_stages)
+    pipeline = (num_stages // virtual_stages, num_microbatches, virtual_stages)
     shortest_s = min(float(o.time_s) for items in normalized.values() for o in items)
     fine_steps = _quantized_span(pipeline, normalized, min_unit_time_s)
     unit = min_unit_time_s * max(1.0, fine_steps / max_steps)
@@ -401,8 +386,7 @@ def count_solver_steps(
     """At most how many solver steps :func:`compose_iteration` takes at quantum ``unit_time_s``."""
     _check_unit_time(unit_time_s)
     num_stages, normalized = _normalize_options(options, unit_time_s, virtual_stages)
-    pipeline = build_pipeline_dag(num_stages // virtual_stages, num_microbatches, virtual_stages)
-    return _quantized_span(pipeline, normalized, unit_time_s)
+    return _quantized_span((num_stages // virtual_stages, num_microbatches, virtual_stages), normalized, unit_time_s)
 
 
 def _check_unit_time(unit_time_s: Any) -> None:
@@ -500,7 +484,7 @@ def compose_iteration(
         coarsened = unit_time_s > min(fine_unit_time_s, DEFAULT_UNIT_TIME_S)
     num_stages, normalized = _normalize_options(options, unit_time_s, virtual_stages)
     num_gpus = num_stages // virtual_stages
-    pipeline = build_pipeline_dag(num_gpus, num_microbatches, virtual_stages)
+    pipeline = pipeline_dag(num_gpus, num_microbatches, virtual_stages)
 
     specs = {
         key: _operation_spec(items, unit_time_s, blocking_power_w, cost_model, f"stage {key[0]} {key[1]}")
@@ -563,7 +547,7 @@ def compose_iteration(
         steps = ((r.quant_time * unit_time_s, r.cost) for r in run_phillips_dessouky(dag, min_cut=min_cut))
     else:
         steps = ((r.real_time, r.cost) for r in PhillipsDessouky(dag).run())
-    with _quiet_lowtime(), _heap_frozen(), _progress(progress, max_quant - min_quant) as advance:
+    with _quiet_lowtime(), heap_frozen(), _progress(progress, max_quant - min_quant) as advance:
         for solver_time_s, solver_cost in steps:
             trace.append(evaluate(solver_time_s, solver_cost))
             advance()

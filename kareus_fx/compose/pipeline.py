@@ -25,18 +25,25 @@ stages: the rank's consecutive instructions, forward ``(g, m) -> (g + 1, m)`` an
 ``(g + 1, m) -> (g, m)``; ``V = 1`` is plain 1F1B (:func:`build_1f1b_dag`).
 
 The DAG here is plain data (networkx with :class:`PipelineNode` nodes); ``iteration.py`` puts
-lowtime operations on it.
+lowtime operations on it. The planner asks for the same pipeline's DAG and critical path many
+times (each method's quantum search, each solve, each power limit: building the 70B PP10 x 128
+DAG takes about 0.3 s and a networkx longest path about 0.1 s), so :func:`pipeline_dag` keeps
+each size's DAG, frozen, and :func:`pipeline_makespan_s` its longest path levelled in numpy
+(``critical_path.NodeWeightedDag``: the same float sums as :func:`makespan_s`).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 import networkx as nx
+import numpy as np
 
+from kareus_fx.compose.critical_path import NodeWeightedDag
 from kareus_fx.errors import KareusError
 
 Instruction = Literal["forward", "backward"]
@@ -170,6 +177,35 @@ def build_pipeline_dag(num_ranks: int, num_microbatches: int, virtual_stages: in
     if not nx.is_directed_acyclic_graph(dag):  # a schedule that would deadlock: a bug here, not bad input
         raise AssertionError(f"interleaved 1F1B order for {num_ranks} ranks x {virtual_stages} chunks deadlocks")
     return dag
+
+
+@functools.lru_cache(maxsize=8)
+def pipeline_dag(num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> nx.DiGraph:
+    """:func:`build_pipeline_dag`'s DAG, built once per size and frozen (``nx.freeze``: callers
+    share it, so none may change it; its node order is a fresh build's)."""
+    return nx.freeze(build_pipeline_dag(num_ranks, num_microbatches, virtual_stages))
+
+
+@functools.lru_cache(maxsize=8)
+def _levelled(num_ranks: int, num_microbatches: int, virtual_stages: int) -> tuple[list[PipelineNode], NodeWeightedDag]:
+    """The pipeline's nodes (topological order) and its node-weighted DAG over their indices."""
+    dag = pipeline_dag(num_ranks, num_microbatches, virtual_stages)
+    nodes = list(nx.topological_sort(dag))
+    index = {node: i for i, node in enumerate(nodes)}
+    return nodes, NodeWeightedDag([[index[p] for p in dag.predecessors(node)] for node in nodes])
+
+
+def pipeline_makespan_s(
+    num_ranks: int,
+    num_microbatches: int,
+    virtual_stages: int,
+    duration_s: Callable[[PipelineNode], float],
+) -> float:
+    """:func:`makespan_s` of the pipeline's DAG when each node takes ``duration_s(node)``; the
+    same sums and maxima, so the same float (``tests/test_compose.py`` compares them)."""
+    nodes, levelled = _levelled(num_ranks, num_microbatches, virtual_stages)
+    durations = np.fromiter((duration_s(node) for node in nodes), dtype=np.float64, count=len(nodes))
+    return levelled.longest_path(durations) if nodes else 0.0
 
 
 def makespan_s(dag: nx.DiGraph, durations_s: Mapping[PipelineNode, float]) -> float:

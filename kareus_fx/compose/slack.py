@@ -31,7 +31,7 @@ import numpy as np
 
 from kareus_fx.compose.iteration import IterationFrontier, IterationPoint
 from kareus_fx.compose.microbatch import pareto_front
-from kareus_fx.compose.pipeline import build_pipeline_dag, iteration_energy_j
+from kareus_fx.compose.pipeline import iteration_energy_j, pipeline_dag
 
 __all__ = ["reclaim_slack", "with_reclaimed_fastest"]
 
@@ -68,7 +68,7 @@ def reclaim_slack(frontier: IterationFrontier, point: IterationPoint) -> Iterati
     """``point``'s plan with every instruction's slack spent on its cheapest fitting option
     (module docstring): no slower, no costlier, re-evaluated exactly. ``solver_*`` are NaN
     when it changed (it is no longer a solver plan); ``point`` itself when nothing fits better."""
-    dag = build_pipeline_dag(frontier.num_gpus, frontier.num_microbatches, frontier.virtual_stages)
+    dag = pipeline_dag(frontier.num_gpus, frontier.num_microbatches, frontier.virtual_stages)
     nodes = frontier.nodes
     index = {node: i for i, node in enumerate(nodes)}
     preds = [[index[p] for p in dag.predecessors(node)] for node in nodes]

@@ -100,7 +100,7 @@ class _AOASchedule:
 
     def __init__(self, aoa: nx.DiGraph, attr_name: str) -> None:
         self.node_ids = list(aoa.nodes)
-        position = {node: i for i, node in enumerate(self.node_ids)}
+        self.position = position = {node: i for i, node in enumerate(self.node_ids)}
         edges = list(aoa.edges(data=attr_name))
         self.edge_ends = [(position[u], position[v]) for u, v, _ in edges]
         self.edge_ids = [(u, v) for u, v, _ in edges]
@@ -118,7 +118,9 @@ class _AOASchedule:
         self.durations = [0 if op.is_dummy else op.duration for op in self.ops]
         self.duration_array = np.asarray(self.durations, dtype=np.int64)
         """``durations`` as an array (kept equal)."""
-        self.costs = {e: self.ops[e].get_cost() for e in self.real}
+        self.real_costs = [self.ops[e].get_cost() for e in self.real]
+        """Each real operation's current cost, in ``real``'s order (summed in that order each step)."""
+        self.real_slot = {e: k for k, e in enumerate(self.real)}
         # Per edge: its duration range and its cost at every duration in it (dummies: none).
         dummy = np.array([op.is_dummy for op in self.ops], dtype=bool)
         self.min_durations = np.array([0 if op.is_dummy else op.min_duration for op in self.ops], dtype=np.int64)
@@ -133,7 +135,7 @@ class _AOASchedule:
         """Edges whose flow is unbounded whatever their duration: dummies and one-duration operations."""
 
     def total_cost(self) -> float:
-        return sum(self.costs[e] for e in self.real)
+        return sum(self.real_costs)
 
     def critical_edges(self) -> tuple[list[int], int]:
         """The zero-float edges (in graph order) and the critical path length."""
@@ -258,13 +260,12 @@ class _AOASchedule:
     def reduce_durations(self, critical: list[int], s_set: set[int], t_set: set[int]) -> float:
         """Speed up the critical edges from ``s_set`` to ``t_set`` and slow down those back by one
         unit (``reduce_durations``); the cost change, inf where an operation is at its limit."""
-        speed_up, slow_down = [], []
-        for e in critical:
-            u, v = self.edge_ids[e]
-            if u in s_set and v in t_set:
-                speed_up.append(e)
-            elif u in t_set and v in s_set:
-                slow_down.append(e)
+        edges = np.asarray(critical, dtype=np.int64)
+        in_s, in_t = self._membership(s_set), self._membership(t_set)
+        tails, heads = self.tails[edges], self.heads[edges]
+        forward = in_s[tails] & in_t[heads]
+        speed_up = edges[forward].tolist()  # in ``critical``'s order, as lowtime walks them
+        slow_down = edges[~forward & in_t[tails] & in_s[heads]].tolist()
         if not speed_up:
             return 0.0
         cost_change = 0.0
@@ -289,7 +290,13 @@ class _AOASchedule:
         op.duration = duration  # lowtime's setter also picks the knob (assigned_knob)
         self.durations[e] = duration
         self.duration_array[e] = duration
-        self.costs[e] = op.get_cost()
+        self.real_costs[self.real_slot[e]] = op.get_cost()
+
+    def _membership(self, nodes: set[int]) -> np.ndarray:
+        """Per node position, whether the node is in ``nodes``."""
+        inside = np.zeros(len(self.node_ids), dtype=bool)
+        inside[[self.position[node] for node in nodes]] = True
+        return inside
 
 
 class _NoFiniteCut(Exception):

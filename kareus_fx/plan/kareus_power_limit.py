@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kareus_fx.compose.microbatch import MicrobatchPoint
-from kareus_fx.compose.pipeline import PipelineNode, build_pipeline_dag, iteration_energy_j, makespan_s
+from kareus_fx.compose.pipeline import PipelineNode, iteration_energy_j, pipeline_dag, pipeline_makespan_s
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
 from kareus_fx.plan.power_limit import PowerLimitPoint, limit_grid
 from kareus_fx.workload import Measurement, SequenceProfiler
@@ -53,34 +53,26 @@ class NodeWork:
     """The link wait the planner adds to the instruction (a send at the blocking power)."""
 
 
-def _add(total: Measurement, part: Measurement, times: int = 1) -> Measurement:
-    return Measurement(
-        total.time_s + times * part.time_s,
-        total.energy_j + times * part.energy_j,
-        total.dynamic_energy_j + times * part.dynamic_energy_j,
-        total.static_energy_j + times * part.static_energy_j,
-    )
-
-
 def price_option(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int, blocking_power_w: float) -> Measurement:
     """``work``'s option with every clock request at ``clock_mhz`` on ``profiler`` (under its
     power limit, if it has one), as the planner prices an option: the work outside partitions as
     one sequence plus each partition type ``count`` times; the link wait at the blocking power."""
+    return _price_graphs(profiler, work, clock_mhz).with_link_wait(work.wait_s, blocking_power_w)
+
+
+def _price_graphs(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int) -> Measurement:
+    """``work``'s option on ``profiler`` without its link wait (:func:`price_option`)."""
     option = work.option
     if option.configs is None:
-        total = profiler.measure_sequence(work.sequential.ops, work.sequential.collectives, clock_mhz)
-    else:
-        if work.partitioned is None:
-            raise ValueError("a nanobatched option needs its partitioned graph")
-        outside = work.partitioned.outside
-        total = profiler.measure_sequence(outside.ops, outside.collectives, clock_mhz)
-        for ptype in work.partitioned.ptypes:
-            config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
-            total = _add(total, profiler.measure(ptype, config), ptype.count)
-    wait_j = blocking_power_w * work.wait_s
-    return Measurement(
-        total.time_s + work.wait_s, total.energy_j + wait_j, total.dynamic_energy_j, total.static_energy_j + wait_j
-    )
+        return profiler.measure_sequence(work.sequential.ops, work.sequential.collectives, clock_mhz)
+    if work.partitioned is None:
+        raise ValueError("a nanobatched option needs its partitioned graph")
+    outside = work.partitioned.outside
+    total = profiler.measure_sequence(outside.ops, outside.collectives, clock_mhz)
+    for ptype in work.partitioned.ptypes:
+        config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
+        total = total.plus(profiler.measure(ptype, config), ptype.count)
+    return total
 
 
 def schedule_iteration(
@@ -94,8 +86,8 @@ def schedule_iteration(
     """(time_s, energy_j) of the 1F1B (interleaved over ``virtual_stages``) iteration whose every
     instruction costs ``costs[node]``: the critical path, and every GPU at the blocking power when
     idle (the composer's accounting), times ``energy_scale`` (the plan's ranks per traced rank)."""
-    dag = build_pipeline_dag(pp, microbatches, virtual_stages)
-    time_s = makespan_s(dag, {node: costs[node].time_s for node in dag})
+    dag = pipeline_dag(pp, microbatches, virtual_stages)  # built once per size (compose/pipeline.py)
+    time_s = pipeline_makespan_s(pp, microbatches, virtual_stages, lambda node: costs[node].time_s)
     busy_s = sum(costs[node].time_s for node in dag)
     busy_j = sum(costs[node].energy_j for node in dag)
     return time_s, energy_scale * iteration_energy_j(pp, time_s, busy_s, busy_j, blocking_power_w)
@@ -122,13 +114,19 @@ def kareus_power_limit_curve(
 
     def iteration_at(limit_w: int | None, clock_mhz: int | None) -> tuple[float, float]:
         profiler = profiler_at(limit_w)
+        # Priced once per graph, option and clock: the stages of one distinct stage share their
+        # graph objects (``sequential``; ``partitioned`` follows from it), only the wait differs.
+        graphs: dict[tuple[int, object, int], Measurement] = {}
         priced: dict[tuple[int, str, object, int], Measurement] = {}
         costs: dict[PipelineNode, Measurement] = {}
         for node, work in schedule.items():
             clock = work.option.clock_mhz if clock_mhz is None else clock_mhz
             key = (node.stage, node.instruction, work.option.configs, clock)
             if key not in priced:
-                priced[key] = price_option(profiler, work, clock, blocking_power_w)
+                shared = (id(work.sequential), work.option.configs, clock)
+                if shared not in graphs:
+                    graphs[shared] = _price_graphs(profiler, work, clock)
+                priced[key] = graphs[shared].with_link_wait(work.wait_s, blocking_power_w)
             costs[node] = priced[key]
         return schedule_iteration(costs, pp, microbatches, blocking_power_w, energy_scale, virtual_stages)
 

@@ -54,15 +54,6 @@ def _prefetch(profiler: object, **batch: object) -> None:
         prefetch(**batch)
 
 
-def _add(a: Measurement, b: Measurement, times: int = 1) -> Measurement:
-    return Measurement(
-        time_s=a.time_s + times * b.time_s,
-        energy_j=a.energy_j + times * b.energy_j,
-        dynamic_energy_j=a.dynamic_energy_j + times * b.dynamic_energy_j,
-        static_energy_j=a.static_energy_j + times * b.static_energy_j,
-    )
-
-
 def sequential_measurements(
     profiler: SequenceProfiler, graph: SequentialGraph, clocks_mhz: Sequence[int]
 ) -> dict[int, Measurement]:
@@ -98,7 +89,7 @@ def nanobatching_measurements(
             config = nanobatching_config(clock, default_comm_sms)
             m = profiler.measure(ptype, config)
             per_type[ptype.type_id].append((config, m))
-            total = _add(total, m, ptype.count)
+            total = total.plus(m, ptype.count)
         totals[clock] = total
     return totals, per_type
 

@@ -921,11 +921,18 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         unit_s = unit_for(max_steps, shortest_s / 2)
     nodes = 2 * req.num_stages * req.microbatches
     processes = parallel_processes(len(by_method)) if nodes >= PARALLEL_COMPOSE_MIN_NODES else 1
+    scale = float(req.tp * req.cp * req.dp)  # every rank of a stage, in every replica
+    curve: list[PowerLimitPoint] = []
+
+    def price_power_limits() -> None:  # while the workers solve (it needs no frontier)
+        curve.extend(_power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale))
+
     iteration = compose_iterations(
         by_method,
         req.microbatches,
         processes=processes,
         progress=progress,
+        meanwhile=price_power_limits,
         blocking_power_w=spec.blocking_power_w,
         unit_time_s=unit_s,
         max_solver_steps=max_steps,
@@ -939,11 +946,9 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     iteration["kareus"] = _with_baseline_plans(
         iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]}
     )
-    scale = float(req.tp * req.cp * req.dp)  # every rank of a stage, in every replica
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
-    curve = _power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
     kareus_curves = {
         lock: _kareus_power_limit_curve(
             req, traced, stage_group, waits_s, spec, iteration["kareus"], local_to_plan, scale, lock
@@ -1048,21 +1053,19 @@ def _power_limit_curve(
 
     def measure_at(limit_w: int | None, clock_mhz: int = spec.clock_max_mhz) -> dict[tuple[int, str], Measurement]:
         profiler = SimulatedProfiler(gpu, power_limit_w=limit_w)
+        # once per distinct stage (its stages run the same graphs), deterministic
+        by_group = {
+            (g, name): profiler.measure_sequence(
+                graphs.sequential[name].ops, graphs.sequential[name].collectives, clock_mhz
+            )
+            for g, graphs in enumerate(traced)
+            for name in ("forward", "backward")
+        }
         nodes = {}
         for s in range(req.num_stages):
             for name in ("forward", "backward"):
-                m = profiler.measure_sequence(
-                    traced[stage_group[s]].sequential[name].ops,
-                    traced[stage_group[s]].sequential[name].collectives,
-                    clock_mhz,
-                )
-                wait_s = waits_s[(s, name)]
-                nodes[(s, name)] = Measurement(
-                    m.time_s + wait_s,
-                    m.energy_j + spec.blocking_power_w * wait_s,
-                    m.dynamic_energy_j,
-                    m.static_energy_j + spec.blocking_power_w * wait_s,
-                )
+                m = by_group[(stage_group[s], name)]
+                nodes[(s, name)] = m.with_link_wait(waits_s[(s, name)], spec.blocking_power_w)
         return nodes
 
     floor_s, _ = iteration_of(

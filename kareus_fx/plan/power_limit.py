@@ -26,7 +26,7 @@ from typing import Any
 
 from zeus.optimizer.power_limit import PowerLimitMeasurement, ZeusCost
 
-from kareus_fx.compose.pipeline import build_pipeline_dag, iteration_energy_j, makespan_s
+from kareus_fx.compose.pipeline import iteration_energy_j, pipeline_makespan_s
 from kareus_fx.errors import KareusError
 from kareus_fx.workload import Measurement
 
@@ -71,8 +71,7 @@ def iteration_of(
 ) -> tuple[float, float]:
     """(time_s, energy_j) of the 1F1B (interleaved 1F1B over ``virtual_stages`` chunks per GPU)
     iteration whose every microbatch runs ``nodes`` (keyed by global stage)."""
-    dag = build_pipeline_dag(pp, microbatches, virtual_stages)
-    time_s = makespan_s(dag, {node: nodes[(node.stage, node.instruction)].time_s for node in dag})
+    time_s = pipeline_makespan_s(pp, microbatches, virtual_stages, lambda n: nodes[(n.stage, n.instruction)].time_s)
     busy_s = microbatches * sum(m.time_s for m in nodes.values())
     busy_j = microbatches * sum(m.energy_j for m in nodes.values())
     return time_s, energy_scale * iteration_energy_j(pp, time_s, busy_s, busy_j, blocking_power_w)
