@@ -46,9 +46,10 @@ Joules = Number
 SignedNumber = Annotated[int | float, finite(-MAX_MAGNITUDE)]
 Bound = Literal["compute", "memory"]
 Library = Literal["nccl", "mscclpp"]
-"""``kareus_fx.workload.CommLibrary``. Plans older than the field read with the old meaning: every
-collective of a partition configuration priced as Kareus's tuned kernel, "mscclpp"; the
-sequential work (``configs`` None) as NCCL's, which it always ran on."""
+"""``kareus_fx.workload.CommLibrary``. A plan older than the field reads with its old meaning: the
+version that wrote it priced every partition configuration's collective as Kareus's tuned kernel,
+so its configurations read as "mscclpp". (On a GPU both run on CTA-limited NCCL communicators
+today: ``kareus_fx.runtime.collectives``; the field says which library the plan priced.)"""
 OLD_LIBRARY: Library = "mscclpp"
 """The library of a configuration in a plan older than the field."""
 
