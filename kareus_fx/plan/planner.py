@@ -1251,7 +1251,10 @@ def _option_record(point: MicrobatchPoint) -> dict[str, Any]:
         "sequential": point.sequential,
         "configs": None
         if point.configs is None
-        else {tid: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot} for tid, c in point.configs},
+        else {
+            tid: {"comm_sms": c.comm_sms, "launch_slot": c.launch_slot, "comm_library": c.comm_library}
+            for tid, c in point.configs
+        },
         "time_s": point.time_s,
         "energy_j": point.energy_j,
         "dynamic_energy_j": point.dynamic_energy_j,
