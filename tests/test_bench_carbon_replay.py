@@ -15,6 +15,7 @@ import carbon_replay
 
 from kareus_fx.plan.plan_format import load_plan
 from kareus_fx.policies.base import FrontierPoint
+from kareus_fx.policies.replay import ReplayResult
 
 
 def test_the_daily_swing_is_the_mean_daily_range_over_the_daily_mean():
@@ -50,3 +51,31 @@ def test_points_below_the_frontier_are_slower_than_its_least_energy_point(small_
     assert below[0].time_s >= least_energy["time_s"] * (1 - 1e-12)
     assert math.isfinite(below[0].energy_j) and below[0].energy_j > 0
     assert carbon_replay._below_frontier(plan, []) == []
+
+
+def _run(time_h: float, carbon_kg: float) -> ReplayResult:
+    return ReplayResult(time_s=3600.0 * time_h, energy_j=1.0, carbon_g=1e3 * carbon_kg)
+
+
+def test_each_verdict_compares_the_knobs_against_its_own_reference():
+    # Kareus's schedule: the clock policy cuts 7 % from its fastest point, the power-limit knob 5 % from its own
+    # full power; Megatron-LM's power-limit policy cuts 8 % from Megatron-LM, yet emits more and runs longer.
+    results = {
+        "always-max-throughput": _run(100, 100),
+        "kareus+carbon": _run(103, 93),
+        "kareus-power-limit": _run(100, 110),
+        "kareus-power-limit+carbon": _run(103, 104.5),
+        "megatron": _run(113, 130),
+        "chase-power-limit": _run(116, 119.6),
+    }
+    verdicts = carbon_replay._verdicts(results, results["always-max-throughput"], results["megatron"], 0.031)
+    assert verdicts == {
+        "on_the_same_schedule": True,
+        "each_on_its_own_schedule": False,
+        "clocks_and_power_limits_each_on_its_own_schedule": None,
+        "less_carbon_and_time_than_power_limit_on_megatron": True,
+    }
+    # A policy over its slowdown budget never wins, however much it cuts.
+    results["kareus+carbon"] = _run(104, 80)
+    verdicts = carbon_replay._verdicts(results, results["always-max-throughput"], results["megatron"], 0.031)
+    assert verdicts["on_the_same_schedule"] is False
