@@ -19,7 +19,8 @@ plan of 14 partition types). The fuzzed HTML gets stand-in images that check eve
 segment the simulator produced is finite and ordered; ``test_extreme_valid_plan_renders_real_html``
 renders real images for plans at the schema's bounds.
 
-Hypothesis runs derandomized (the same examples every run) with no example database.
+Hypothesis runs derandomized (the same examples every run, whatever else the run imported: see
+``no_local_constants``) with no example database.
 """
 
 from __future__ import annotations
