@@ -270,6 +270,8 @@ def fit_collective_shape(prior: SimParams) -> tuple[dict[str, float], dict[str, 
     ar8 = 2.0 / (1.0 / rs8 + 1.0 / ag8)
     values = {
         "comm_knee": float(sol.x[2]),
+        "nccl_bus_bw_per_cta_bytes_per_s": float(sol.x[0]),
+        "nccl_bus_bw_cap_bytes_per_s": float(sol.x[1]),
         "comm_factor_reduce_scatter": float(rs8 / ar8),
         "comm_factor_all_gather": float(ag8 / ar8),
         "comm_factor_all_to_all": float(ag8 / ar8),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.cost_models.sim_params import SimParams
-from kareus_fx.workload import CollectiveSpec
+from kareus_fx.workload import CollectiveSpec, CommLibrary
 
 
 def smooth_min(x: float, cap: float, sharpness: float) -> float:
@@ -130,23 +130,45 @@ class KernelModel:
         factor = 2.0 * (g - 1) / g if collective.kind == "all_reduce" else (g - 1) / g
         return factor * collective.bytes
 
-    def collective_bandwidth(self, collective: CollectiveSpec, sms: int, clock_mhz: float) -> float:
-        """Bus bandwidth (bytes/s) of a collective running alone on ``sms`` SMs.
+    def collective_bandwidth(
+        self, collective: CollectiveSpec, sms: int, clock_mhz: float, library: CommLibrary = "mscclpp"
+    ) -> float:
+        """Bus bandwidth (bytes/s) of a collective running alone on ``sms`` SMs with ``library``.
 
-        The per-SM rate and the cap are calibrated on a 2-GPU group (one peer). A CTA of a
+        ``"nccl"``: NCCL's measured curve (:meth:`nccl_bandwidth`). ``"mscclpp"``: Kareus's MSCCL++
+        kernel: the per-SM rate and the cap are calibrated on a 2-GPU group (one peer). A CTA of a
         direct-access collective (MSCCL++) keeps requests in flight to every peer at once, so both
         grow as ``peers ** comm_peer_exponent``; the cap never exceeds the GPU's NVLink bandwidth.
         """
+        if library == "nccl":
+            return self.nccl_bandwidth(collective, sms, clock_mhz)
         p = self.params
         peers = max(1, collective.group_size - 1) ** p.comm_peer_exponent
         per_sm = p.comm_bus_bw_per_sm_bytes_per_s * p.comm_kind_factor(collective.kind) * peers
         cap = min(p.comm_bus_bw_cap_bytes_per_s * peers, self.spec.nvlink_bandwidth_bytes_per_s)
         return smooth_min(per_sm * self.clock_scale(clock_mhz) * sms, cap, p.comm_knee)
 
-    def collective_time(self, collective: CollectiveSpec, sms: int, clock_mhz: float) -> float:
+    def nccl_bandwidth(self, collective: CollectiveSpec, ctas: int, clock_mhz: float) -> float:
+        """Bus bandwidth (bytes/s) of NCCL's collective on ``ctas`` CTAs (one per channel; the
+        baselines run ``default_comm_sms``, NCCL's default channel count).
+
+        NCCL's curve of bandwidth against CTAs is measured on 8 A100-SXM GPUs (calibration step 2);
+        a ring's bus bandwidth is assumed the same for the 2- and 4-GPU groups inside the node.
+        Other kinds than the measured reduce-scatter scale their per-CTA rate by their kind factor;
+        the cap is the links', the same for every kind. Kareus's MSCCL++ kernels
+        (:meth:`collective_bandwidth` with ``"mscclpp"``) are calibrated separately.
+        """
+        p = self.params
+        per_cta = p.nccl_bus_bw_per_cta_bytes_per_s * p.comm_kind_factor(collective.kind) / p.comm_factor_reduce_scatter
+        cap = min(p.nccl_bus_bw_cap_bytes_per_s, self.spec.nvlink_bandwidth_bytes_per_s)
+        return smooth_min(per_cta * self.clock_scale(clock_mhz) * ctas, cap, p.comm_knee)
+
+    def collective_time(
+        self, collective: CollectiveSpec, sms: int, clock_mhz: float, library: CommLibrary = "mscclpp"
+    ) -> float:
         """Standalone time of a collective on ``sms`` SMs: fixed latency plus bytes over bandwidth."""
         bus = self.bus_bytes(collective)
         if bus <= 0.0:
             return 0.0
         # A fused collective is one kernel (paper section 4.5): one latency for all its parts.
-        return self.params.comm_latency_s + bus / self.collective_bandwidth(collective, sms, clock_mhz)
+        return self.params.comm_latency_s + bus / self.collective_bandwidth(collective, sms, clock_mhz, library)

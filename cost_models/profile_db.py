@@ -8,11 +8,13 @@ measurement behind, and the next run reuses them.
 A configuration that cannot run (the profiler raised
 :class:`~kareus_fx.workload.MeasurementFailedError`: out of memory, a collective timed out) is
 stored once in the ``failures`` table with its reason, under the same key; :class:`CachedProfiler`
-raises it again from there, so no run measures it again. Schema version 2 added that table; a
-version-1 file is migrated in place when opened (its measurements are kept).
+raises it again from there, so no run measures it again. Schema version 2 added that table;
+version 3 added the collective library to the key. Older files are migrated in place when opened
+(their rows are kept, read as what they were: ``"mscclpp"``, the tuned kernel every earlier
+version priced and keyed a partition configuration as).
 
 Key: (profiler kind, GPU name, partition-type fingerprint, clock MHz, comm SMs, launch slot;
--1 for sequential). The fingerprint is a stable hash of the partition type's structure (each
+-1 for sequential; collective library, ``"nccl"`` or ``"mscclpp"``: rows of the two never mix). The fingerprint is a stable hash of the partition type's structure (each
 slot's ops as target, FLOPs and bytes; the collective), not of its names or count, so the same
 structure found in another layer, model run or process maps to the same rows.
 
@@ -40,6 +42,7 @@ from kareus_fx.capture.validated_input import MAX_MAGNITUDE, Number, SchemaModel
 from kareus_fx.errors import KareusError
 from kareus_fx.workload import (
     CollectiveSpec,
+    CommLibrary,
     Measurement,
     MeasurementFailedError,
     OpCost,
@@ -48,13 +51,15 @@ from kareus_fx.workload import (
     SequenceProfiler,
 )
 
-SCHEMA_VERSION = 2
-_MIGRATES_FROM = (1,)  # versions whose files gain the failures table when opened
+SCHEMA_VERSION = 3
+_MIGRATES_FROM = (1, 2)  # versions whose files gain the failures table and the library column when opened
+_OLD_LIBRARY = "mscclpp"
+"""The library of a row written before the column (module docstring)."""
 _SEQUENTIAL = -1
 _MAX_TRIES = 20
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
-KEY_COLUMNS = ("profiler", "gpu", "fingerprint", "clock_mhz", "comm_sms", "launch_slot")
+KEY_COLUMNS = ("profiler", "gpu", "fingerprint", "clock_mhz", "comm_sms", "launch_slot", "comm_library")
 MEASUREMENT_COLUMNS: tuple[tuple[str, str, Any], ...] = (
     ("profiler", "TEXT NOT NULL", StrictStr),
     ("gpu", "TEXT NOT NULL", StrictStr),
@@ -62,6 +67,7 @@ MEASUREMENT_COLUMNS: tuple[tuple[str, str, Any], ...] = (
     ("clock_mhz", "INTEGER NOT NULL", Annotated[StrictInt, int_range(1, 100_000)]),
     ("comm_sms", "INTEGER NOT NULL", Annotated[StrictInt, int_range(1, 100_000)]),
     ("launch_slot", "INTEGER NOT NULL", Annotated[StrictInt, int_range(_SEQUENTIAL, 100_000)]),
+    ("comm_library", "TEXT NOT NULL", CommLibrary),
     ("time_s", "REAL NOT NULL", Number),
     ("energy_j", "REAL NOT NULL", Number),
     ("dynamic_energy_j", "REAL NOT NULL", Annotated[int | float, finite(-MAX_MAGNITUDE)]),
@@ -85,7 +91,9 @@ _TABLE_COLUMNS = {
     "partition_types": ("fingerprint", "type_id", "structure"),
     "failures": (*KEY_COLUMNS, "reason", "created_unix_s"),
 }
-_TABLES_OF_VERSION_1 = ("measurements", "partition_types")
+_TABLES_OF_VERSION = {1: ("measurements", "partition_types"), 2: ("measurements", "partition_types", "failures")}
+_OLD_COLUMNS = {table: tuple(c for c in columns if c != "comm_library") for table, columns in _TABLE_COLUMNS.items()}
+"""Columns of versions 1 and 2: the same, less the library."""
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS measurements (
     {", ".join(f"{name} {sql}" for name, sql, _ in MEASUREMENT_COLUMNS)},
@@ -98,9 +106,10 @@ CREATE TABLE IF NOT EXISTS failures (
     clock_mhz INTEGER NOT NULL,
     comm_sms INTEGER NOT NULL,
     launch_slot INTEGER NOT NULL,
+    comm_library TEXT NOT NULL,
     reason TEXT NOT NULL,
     created_unix_s REAL NOT NULL,
-    PRIMARY KEY (profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot)
+    PRIMARY KEY ({", ".join(KEY_COLUMNS)})
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS partition_types (
     fingerprint TEXT PRIMARY KEY,
@@ -110,6 +119,7 @@ CREATE TABLE IF NOT EXISTS partition_types (
 """
 _SELECT_MEASUREMENT = f"SELECT {', '.join(MEASUREMENT_FIELDS)} FROM measurements"
 _WHERE_KEY = " WHERE " + " AND ".join(f"{name}=?" for name in KEY_COLUMNS)
+_ORDER = " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot, comm_library"
 
 
 def structure_of(ptype: PartitionType) -> dict[str, Any]:
@@ -206,8 +216,10 @@ class ProfileDB:
             self._refuse(f"not a kareus profile database (another program's tables: {', '.join(sorted(tables))})")
         if version not in (0, SCHEMA_VERSION, *_MIGRATES_FROM):
             self._refuse(f"schema version {version}; this kareus-fx reads version {SCHEMA_VERSION}")
-        for table, columns in _TABLE_COLUMNS.items():
-            if version == SCHEMA_VERSION or (version in _MIGRATES_FROM and table in _TABLES_OF_VERSION_1):
+        for table, current in _TABLE_COLUMNS.items():
+            migrating = version in _MIGRATES_FROM and table in _TABLES_OF_VERSION[version]
+            columns = _OLD_COLUMNS[table] if migrating else current
+            if version == SCHEMA_VERSION or migrating:
                 found = tuple(row[1] for row in cur.execute(f"PRAGMA table_info({table})"))
                 if found != columns:
                     self._refuse(
@@ -219,9 +231,19 @@ class ProfileDB:
         version = cur.execute("PRAGMA user_version").fetchone()[0]
         self._check_tables(cur, version)  # again, in the write transaction: another process may have set it up
         if version != SCHEMA_VERSION:  # new, or migrated: CREATE IF NOT EXISTS adds what is missing
+            keyed = [t for t in ("measurements", "failures") if t in _TABLES_OF_VERSION.get(version, ())]
+            for table in keyed:  # the key gains the library: SQLite rebuilds a table to change its key
+                cur.execute(f"ALTER TABLE {table} RENAME TO {table}_before_library")
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     cur.execute(statement)
+            for table in keyed:
+                old = ", ".join(_OLD_COLUMNS[table])
+                cur.execute(
+                    f"INSERT INTO {table} ({old}, comm_library) SELECT {old}, ? FROM {table}_before_library",
+                    (_OLD_LIBRARY,),
+                )
+                cur.execute(f"DROP TABLE {table}_before_library")
             cur.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _write(self, work) -> Any:
@@ -235,7 +257,7 @@ class ProfileDB:
     @staticmethod
     def _key(profiler: str, gpu: str, fp: str, config: PartitionConfig) -> tuple:
         slot = _SEQUENTIAL if config.launch_slot is None else int(config.launch_slot)
-        return (profiler, gpu, fp, int(config.clock_mhz), int(config.comm_sms), slot)
+        return (profiler, gpu, fp, int(config.clock_mhz), int(config.comm_sms), slot, config.comm_library)
 
     def _measurement(self, key: tuple, values: tuple) -> Measurement:
         """A row's measurement, validated (:class:`MeasurementRow`)."""
@@ -315,8 +337,7 @@ class ProfileDB:
         """The reason stored for a configuration that failed, or None."""
         with self._lock:
             row = self._conn.execute(
-                "SELECT reason FROM failures WHERE profiler=? AND gpu=? AND fingerprint=? AND clock_mhz=? "
-                "AND comm_sms=? AND launch_slot=?",
+                "SELECT reason FROM failures" + _WHERE_KEY,
                 self._key(profiler, gpu, fp, config),
             ).fetchone()
         return None if row is None else str(row[0])
@@ -333,7 +354,7 @@ class ProfileDB:
                 (fp, ptype.type_id, json.dumps(structure_of(ptype), separators=(",", ":"))),
             )
             cur.execute(
-                "INSERT OR IGNORE INTO failures VALUES (?,?,?,?,?,?,?,?)",
+                f"INSERT OR IGNORE INTO failures VALUES ({', '.join('?' * len(_TABLE_COLUMNS['failures']))})",
                 (*self._key(profiler, gpu, fp, config), reason, time.time()),
             )
 
@@ -342,12 +363,12 @@ class ProfileDB:
 
     def failures(self, profiler: str | None = None) -> list[tuple[str, PartitionConfig, str]]:
         """Stored failures, optionally of one profiler: (fingerprint, config, reason)."""
-        sql, args = "SELECT fingerprint, clock_mhz, comm_sms, launch_slot, reason FROM failures", []
+        sql, args = "SELECT fingerprint, clock_mhz, comm_sms, launch_slot, comm_library, reason FROM failures", []
         if profiler is not None:
             sql, args = sql + " WHERE profiler=?", [profiler]
         with self._lock:
-            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot", args).fetchall()
-        return [(r[0], PartitionConfig(r[1], r[2], None if r[3] == _SEQUENTIAL else r[3]), r[4]) for r in rows]
+            rows = self._conn.execute(sql + _ORDER, args).fetchall()
+        return [(r[0], PartitionConfig(r[1], r[2], None if r[3] == _SEQUENTIAL else r[3], r[4]), r[5]) for r in rows]
 
     def measurements(
         self, profiler: str | None = None, gpu: str | None = None, fp: str | None = None
@@ -362,14 +383,14 @@ class ProfileDB:
         if where:
             sql += " WHERE " + " AND ".join(where)
         with self._lock:
-            rows = self._conn.execute(sql + " ORDER BY fingerprint, clock_mhz, comm_sms, launch_slot", args).fetchall()
+            rows = self._conn.execute(sql + _ORDER, args).fetchall()
         n = len(KEY_COLUMNS)
         return [
             (
                 r[0],
                 r[1],
                 r[2],
-                PartitionConfig(r[3], r[4], None if r[5] == _SEQUENTIAL else r[5]),
+                PartitionConfig(r[3], r[4], None if r[5] == _SEQUENTIAL else r[5], r[6]),
                 self._measurement(r[:n], r[n:]),
             )
             for r in rows
@@ -450,7 +471,7 @@ def _check_header(path: Path) -> None:
 def measurement_key(profiler: str, gpu: str, fp: str, config: PartitionConfig) -> str:
     """One text for a measurement's database key (the queue's and the log's item key)."""
     slot = _SEQUENTIAL if config.launch_slot is None else int(config.launch_slot)
-    return f"{profiler}|{gpu}|{fp}|{int(config.clock_mhz)}|{int(config.comm_sms)}|{slot}"
+    return f"{profiler}|{gpu}|{fp}|{int(config.clock_mhz)}|{int(config.comm_sms)}|{slot}|{config.comm_library}"
 
 
 @dataclass

@@ -91,6 +91,15 @@ class SimParams:
     (NVIDIA/nccl issue 689). NCCL sets up 24 channels on 8 A100-SXM GPUs behind NVSwitch
     (NVIDIA/nccl-tests issue 100, the ``Channel 23/24`` log lines). A prior, not a fit: assumed the
     same for the 2- and 4-GPU groups inside a node, whose per-GPU NVLink bandwidth is the same."""
+    nccl_bus_bw_per_cta_bytes_per_s: float = 12e9
+    """Reduce-scatter bus bandwidth per CTA of NCCL (``default_comm_sms`` collectives: the baselines',
+    and Kareus's outside its tuned partitions, which Kareus runs with MSCCL++, paper section 5).
+    Fitted to NanoFlow's NCCL runs on 8 A100-SXM GPUs with 8, 16 and 32 CTAs (calibration step 2).
+    Other kinds scale by their kind factor; a ring's bus bandwidth does not depend on the group size
+    (an assumption: the data hold 8-GPU groups only)."""
+    nccl_bus_bw_cap_bytes_per_s: float = 210e9
+    """NCCL's bus bandwidth with many CTAs (the links' limit, the same for every kind); fitted with
+    ``nccl_bus_bw_per_cta_bytes_per_s``."""
     # Power (energy = static + busy + SM-active + per-FLOP + per-byte terms).
     busy_power_w: float = 25.0
     """Power above static while the GPU runs a workload (clocks, uncore), at max clock and voltage."""
@@ -163,6 +172,8 @@ def derive_params(base: SimParams, base_spec: GPUSpec, target: GPUSpec) -> SimPa
         mem_bw_per_sm_bytes_per_s=base.mem_bw_per_sm_bytes_per_s * bw_per_sm,
         comm_bus_bw_per_sm_bytes_per_s=base.comm_bus_bw_per_sm_bytes_per_s * link,
         comm_bus_bw_cap_bytes_per_s=base.comm_bus_bw_cap_bytes_per_s * link,
+        nccl_bus_bw_per_cta_bytes_per_s=base.nccl_bus_bw_per_cta_bytes_per_s * link,
+        nccl_bus_bw_cap_bytes_per_s=base.nccl_bus_bw_cap_bytes_per_s * link,
         busy_power_w=base.busy_power_w * headroom,
         sm_active_power_w=base.sm_active_power_w * headroom,
         flop_energy_j=base.flop_energy_j * headroom / flops_ratio,

@@ -3,7 +3,8 @@
 Two lanes on one GPU, the way the paper's Figure 3 draws them:
 - the compute lane runs the partition's kernels in slot order, each after a fixed launch gap (the
   ops of one fused kernel, ``OpCost.kernel``, run as one kernel);
-- the communication lane runs the collective, started when the compute lane reaches the launch
+- the communication lane runs the collective (with its ``comm_library``: NCCL's measured curve or
+  the MSCCL++ kernel's, :meth:`KernelModel.collective_bandwidth`), started when the compute lane reaches the launch
   slot (``launch_slot=None``: after the last slot, i.e. sequential execution: the collective
   alone with its SMs while the other SMs idle).
 
@@ -47,7 +48,15 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec
 from kareus_fx.cost_models.kernel_model import KernelModel
 from kareus_fx.cost_models.power_model import ZERO_TERMS, EnergyTerms, PowerModel
 from kareus_fx.cost_models.sim_params import SimParams, gpu_params
-from kareus_fx.workload import CollectiveSpec, Measurement, OpCost, PartitionConfig, PartitionType, fused_kernels
+from kareus_fx.workload import (
+    CollectiveSpec,
+    CommLibrary,
+    Measurement,
+    OpCost,
+    PartitionConfig,
+    PartitionType,
+    fused_kernels,
+)
 
 _INF = math.inf
 _CACHE_LIMIT = 100_000
@@ -198,9 +207,10 @@ class Simulator:
                 comm_rate_scale,
                 timeline,
                 tail_s,
+                config.comm_library,
             )
 
-        key = (id(structure), config.comm_sms, first, join, launch_gap_s, comm_rate_scale, tail_s)
+        key = (id(structure), config.comm_sms, config.comm_library, first, join, launch_gap_s, comm_rate_scale, tail_s)
         return self._finish(run, float(config.clock_mhz), key)
 
     def predict_sequence(
@@ -209,11 +219,13 @@ class Simulator:
         collectives: Sequence[CollectiveSpec] = (),
         clock_mhz: float | None = None,
         comm_sms: int | None = None,
+        comm_library: CommLibrary = "nccl",
     ) -> Prediction:
-        """Non-partitioned work: ``ops`` in order, then each collective alone (``comm_sms`` each)."""
+        """Non-partitioned work: ``ops`` in order, then each collective alone (``comm_sms`` each,
+        with ``comm_library``: NCCL's default channels unless told otherwise)."""
         clock, sms = self._defaults(clock_mhz, comm_sms)
         kernels, collectives = fused_kernels(ops), list(collectives)  # fused once, run at every searched clock
-        return self._finish(lambda f: self._sequence_run(kernels, collectives, f, sms), clock)
+        return self._finish(lambda f: self._sequence_run(kernels, collectives, f, sms, comm_library), clock)
 
     def predict_microbatch(
         self,
@@ -222,6 +234,7 @@ class Simulator:
         comm_sms: int | None = None,
         other_ops: Sequence[OpCost] = (),
         other_collectives: Sequence[CollectiveSpec] = (),
+        comm_library: CommLibrary = "nccl",
     ) -> Prediction:
         """A whole microbatch in sequential mode at one clock: every partition type ``count`` times
         (computation, then its collective alone), plus the non-partitioned ops and collectives."""
@@ -232,10 +245,12 @@ class Simulator:
             terms, exposed = ZERO_TERMS, 0.0
             for pt in ptypes:
                 structure = self._structure(pt)
-                part = self._timeline(structure, pt.collective, f, sms, len(structure.kernels), None, 0.0, 1.0, False)
+                part = self._timeline(
+                    structure, pt.collective, f, sms, len(structure.kernels), None, 0.0, 1.0, False, 0.0, comm_library
+                )
                 terms = terms + part.terms.scaled(pt.count)
                 exposed += part.exposed_comm_s * pt.count
-            rest = self._sequence_run(other_kernels, other_collectives, f, sms)
+            rest = self._sequence_run(other_kernels, other_collectives, f, sms, comm_library)
             return _Run(terms + rest.terms, exposed + rest.exposed_comm_s)
 
         return self._finish(run, clock)
@@ -422,6 +437,7 @@ class Simulator:
         comm_rate_scale: float,
         record: bool,
         tail_s: float = 0.0,
+        library: CommLibrary = "mscclpp",
     ) -> _Run:
         """Compute lane (kernels in order, each after its launch gap) and comm lane (the collective,
         launched when the lane reaches kernel ``first``). The lane may not start kernel ``join``
@@ -430,7 +446,9 @@ class Simulator:
         p = self.params
         sm_count = self.spec.sm_count
         bus = self.kernels.bus_bytes(coll)
-        bandwidth = self.kernels.collective_bandwidth(coll, comm_sms, clock) * comm_rate_scale if bus > 0 else 0.0
+        bandwidth = (
+            self.kernels.collective_bandwidth(coll, comm_sms, clock, library) * comm_rate_scale if bus > 0 else 0.0
+        )
         lane = self._lane(structure, clock, comm_sms, tail_s)
         kernels = structure.kernels
         kernel_of = lane.kernel_of
@@ -556,10 +574,15 @@ class Simulator:
         return EnergyTerms(time_s, scale * time_s, scale * busy_s, v * v * flops, hbm_bytes, link_bytes, clock * time_s)
 
     def _sequence_run(
-        self, kernels: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock: float, sms: int
+        self,
+        kernels: Sequence[OpCost],
+        collectives: Sequence[CollectiveSpec],
+        clock: float,
+        sms: int,
+        library: CommLibrary = "nccl",
     ) -> _Run:
         """Kernels (``fused_kernels`` of the ops) in order on every SM, then each collective alone
-        on ``sms`` SMs. The caller fuses once: a throttled run is simulated at many clocks."""
+        on ``sms`` SMs with ``library``. The caller fuses once: a throttled run is simulated at many clocks."""
         sm_count = self.spec.sm_count
         gap = self.params.kernel_overhead_s
         t = busy = flops = nbytes = link = exposed = 0.0
@@ -570,7 +593,7 @@ class Simulator:
             flops += op.flops
             nbytes += op.bytes
         for coll in collectives:
-            dur = self.kernels.collective_time(coll, sms, clock)
+            dur = self.kernels.collective_time(coll, sms, clock, library)
             bus = self.kernels.bus_bytes(coll)
             t += dur
             exposed += dur

@@ -111,13 +111,26 @@ class PartitionType:
     """Indices into ``slots`` at which the collective may start (appendix C excludes the rest)."""
 
 
+CommLibrary = Literal["nccl", "mscclpp"]
+"""The collective library a partition's collective runs with (paper section 5): ``"nccl"`` for the
+baselines and for Kareus's collectives outside tuned partitions (NCCL's default channels, or a CTA
+limit), ``"mscclpp"`` for Kareus's tuned, SM-limited collectives. The two price differently (NCCL's
+measured curve of bandwidth against CTAs; the MSCCL++ kernel's calibrated one) and are measured
+apart (the profile database keys them)."""
+COMM_LIBRARIES: tuple[CommLibrary, ...] = ("nccl", "mscclpp")
+
+
 @dataclass(frozen=True)
 class PartitionConfig:
-    """One schedule of a partition. ``launch_slot=None`` means sequential execution."""
+    """One schedule of a partition. ``launch_slot=None`` means sequential execution.
+
+    ``comm_library`` defaults to ``"mscclpp"``: a configuration of Kareus's search space. The
+    baselines' schedules (default SMs, NCCL) name ``"nccl"``."""
 
     clock_mhz: int
     comm_sms: int
     launch_slot: int | None
+    comm_library: CommLibrary = "mscclpp"
 
     @property
     def sequential(self) -> bool:

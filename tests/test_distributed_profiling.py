@@ -264,7 +264,8 @@ def test_a_peer_dying_mid_measurement_raises_a_typed_error_within_the_timeout(tm
 
 def test_measurement_keys_are_the_profile_database_keys():
     assert (
-        measurement_key("cpu-replay", GPU, "abc", PartitionConfig(1410, 16, None)) == f"cpu-replay|{GPU}|abc|1410|16|-1"
+        measurement_key("cpu-replay", GPU, "abc", PartitionConfig(1410, 16, None))
+        == f"cpu-replay|{GPU}|abc|1410|16|-1|mscclpp"
     )
 
 

@@ -104,7 +104,7 @@ def test_a_version_1_database_is_migrated_and_keeps_its_rows(tmp_path):
         db.put_failure("synthetic", "A100", MEDIUM, PartitionConfig(1410, 16, None), OOM, fp="abc")
         assert db.get_failure("synthetic", "A100", "abc", PartitionConfig(1410, 16, None)) == OOM
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     conn.close()
 
 

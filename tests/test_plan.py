@@ -159,7 +159,7 @@ def test_small_plan_reports_what_its_profiling_costs_on_the_device(small_plan):
     sequences = profiling["measurements"] - stored
     assert sequences > 0 and sequences % 18 == 0
     # Nanobatching's configuration of each type at each of 18 clocks (NCCL's default SMs, the collective
-    # launched first) is stored once; where the tuner measured the same one it counts as tuning.
+    # launched first) is stored once, under NCCL: the tuner's configurations are MSCCL++'s, never the same key.
     from kareus_fx.cost_models.sim_params import gpu_params
 
     split = profiling["by_purpose"]
@@ -167,11 +167,13 @@ def test_small_plan_reports_what_its_profiling_costs_on_the_device(small_plan):
     default_sms = gpu_params("A100-SXM4-40GB").params.default_comm_sms
     with sqlite3.connect(small_plan / "work" / "profile.sqlite") as conn:
         nanobatching_configs = conn.execute(
-            "SELECT COUNT(*) FROM measurements WHERE comm_sms = ? AND launch_slot = 0", (default_sms,)
+            "SELECT COUNT(*) FROM measurements WHERE comm_sms = ? AND launch_slot = 0 AND comm_library = 'nccl'",
+            (default_sms,),
         ).fetchone()[0]
-    assert nanobatching_configs == 18 * len(types)
+        libraries = {row[0] for row in conn.execute("SELECT DISTINCT comm_library FROM measurements")}
+    assert nanobatching_configs == 18 * len(types) and libraries == {"nccl", "mscclpp"}
     assert split["sequences"] == sequences and split["tuning"] + split["nanobatching"] == stored
-    assert 0 < split["nanobatching"] <= 18 * len(types) and split["tuning"] >= stored - 18 * len(types)
+    assert split["nanobatching"] == 18 * len(types) and split["tuning"] == stored - 18 * len(types)
     assert profiling["duplicates"] == 0 and profiling["groups"] == 1 and profiling["gpus_per_group"] == 8
     assert profiling["wall_s_on_device"] == pytest.approx(profiling["measurements"] * (5.0 + 5.0))
     assert profiling["gpu_hours"] == pytest.approx(profiling["wall_s_on_device"] * 8 / 3600)

@@ -90,13 +90,27 @@ def test_round_trip_and_target_selection(tmp_path):
     assert plan.point_index({"deadline_s": 8.0}) == 1  # least energy within the deadline
     assert plan.point_index({"energy_budget_j": 50.0}) == 1
     assert plan.option(1, 0, "backward", 0)["clock_mhz"] == 1200
-    assert plan.option(1, 0, "backward", 1)["configs"] == {"T0": {"comm_sms": 12, "launch_slot": 1}}
+    # a plan without the library field reads as the version that wrote it meant it: the tuned kernel
+    assert plan.option(1, 0, "backward", 1)["configs"] == {
+        "T0": {"comm_sms": 12, "launch_slot": 1, "comm_library": "mscclpp"}
+    }
     with pytest.raises(PlanFormatError, match="deadline"):
         plan.point_index({"deadline_s": 1.0})
     with pytest.raises(PlanFormatError, match="energy budget"):
         plan.point_index({"energy_budget_j": 1.0})
     with pytest.raises(PlanFormatError, match="target must be"):
         plan.point_index("fastest")
+
+
+def test_a_configs_collective_library_round_trips(tmp_path):
+    """A plan names each type's library; NCCL (the baselines') and the tuned kernel both read back."""
+    data = _hand_plan()
+    data["microbatch_options"]["0/forward"][0]["configs"] = {
+        "T0": {"comm_sms": 24, "launch_slot": 0, "comm_library": "nccl"}
+    }
+    plan = load_plan(write_plan(tmp_path / "plan.json", data))
+    assert plan.option(0, 0, "forward", 0)["configs"]["T0"]["comm_library"] == "nccl"
+    assert plan.option(0, 0, "backward", 0)["configs"]["T0"]["comm_library"] == "mscclpp"
 
 
 def test_corrupt_json_is_a_validation_error_naming_the_file(tmp_path):
@@ -144,6 +158,10 @@ def _broken(edit):
             "unknown partition type 'T7'",
         ),
         (lambda d: d["microbatch_options"]["0/forward"][1].update(sequential=False), "configs must be null exactly"),
+        (
+            lambda d: d["microbatch_options"]["0/forward"][0]["configs"]["T0"].update(comm_library="rccl"),
+            r"configs.T0.comm_library",
+        ),
     ],
 )
 def test_validation_names_the_broken_field(edit, message):

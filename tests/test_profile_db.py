@@ -88,6 +88,51 @@ def test_put_get_roundtrip_and_first_writer_wins(tmp_path: Path):
         assert db.count() == 2
 
 
+def test_the_collective_library_is_part_of_the_key(tmp_path: Path):
+    """NCCL's and MSCCL++'s measurements of the same (clock, SMs, slot) never mix."""
+    pt = kareus_attention_tp2()
+    mscclpp, nccl = PartitionConfig(1410, 24, 0), PartitionConfig(1410, 24, 0, "nccl")
+    with ProfileDB(tmp_path / "p.sqlite") as db:
+        db.put("sim", "A100", pt, mscclpp, _m(1.0))
+        assert db.get("sim", "A100", pt, nccl) is None
+        db.put("sim", "A100", pt, nccl, _m(2.0))
+        assert db.get("sim", "A100", pt, mscclpp) == _m(1.0) and db.get("sim", "A100", pt, nccl) == _m(2.0)
+        assert {r[3] for r in db.measurements()} == {mscclpp, nccl}
+        db.put_failure("sim", "A100", pt, PartitionConfig(1410, 3, 0, "nccl"), "timed out")
+        assert db.get_failure("sim", "A100", fingerprint(pt), PartitionConfig(1410, 3, 0)) is None
+        assert db.failures() == [(fingerprint(pt), PartitionConfig(1410, 3, 0, "nccl"), "timed out")]
+
+
+def test_a_version_2_database_keeps_its_rows_as_the_tuned_kernels(tmp_path: Path):
+    """A file written before the library column: its rows and failures read as MSCCL++ (what
+    every earlier version priced a partition configuration as), NCCL rows are measured anew."""
+    import sqlite3
+
+    path = tmp_path / "v2.sqlite"
+    conn = sqlite3.connect(path)
+    key = "profiler TEXT NOT NULL, gpu TEXT NOT NULL, fingerprint TEXT NOT NULL, clock_mhz INTEGER NOT NULL, "
+    key += "comm_sms INTEGER NOT NULL, launch_slot INTEGER NOT NULL"
+    pk = "PRIMARY KEY (profiler, gpu, fingerprint, clock_mhz, comm_sms, launch_slot)"
+    conn.executescript(f"""
+        CREATE TABLE measurements ({key}, time_s REAL NOT NULL, energy_j REAL NOT NULL,
+            dynamic_energy_j REAL NOT NULL, static_energy_j REAL NOT NULL, created_unix_s REAL NOT NULL,
+            {pk}) WITHOUT ROWID;
+        CREATE TABLE failures ({key}, reason TEXT NOT NULL, created_unix_s REAL NOT NULL, {pk}) WITHOUT ROWID;
+        CREATE TABLE partition_types (fingerprint TEXT PRIMARY KEY, type_id TEXT NOT NULL,
+            structure TEXT NOT NULL) WITHOUT ROWID;
+        INSERT INTO measurements VALUES ('sim', 'A100', 'abc', 1410, 24, 0, 1.0, 10.0, 4.0, 6.0, 0.0);
+        INSERT INTO failures VALUES ('sim', 'A100', 'abc', 1410, 3, 0, 'oom', 0.0);
+        PRAGMA user_version = 2;
+    """)
+    conn.close()
+    with ProfileDB(path) as db:
+        assert db.get("sim", "A100", "abc", PartitionConfig(1410, 24, 0)) == _m(1.0)
+        assert db.get("sim", "A100", "abc", PartitionConfig(1410, 24, 0, "nccl")) is None
+        assert db.get_failure("sim", "A100", "abc", PartitionConfig(1410, 3, 0)) == "oom"
+    with ProfileDB(path) as db:  # reopened: version 3, same rows
+        assert db.count() == 1 and db.failures() == [("abc", PartitionConfig(1410, 3, 0, "mscclpp"), "oom")]
+
+
 def test_cached_profiler_counts_hits_and_misses(tmp_path: Path):
     pt = llama_attention_partition()
     inner = CountingProfiler()

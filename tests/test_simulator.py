@@ -207,9 +207,44 @@ def test_memory_and_collective_bandwidth_saturate_with_sms():
     assert bw[-1] <= spec.hbm_bandwidth_bytes_per_s and bw[-1] > 0.7 * spec.hbm_bandwidth_bytes_per_s
     assert bw[-1] - bw[79] < 0.1 * bw[-1]  # saturated
     coll = CollectiveSpec("all_reduce", 32 * 2**20, 2)
-    t = [km.collective_time(coll, n, FMAX) for n in range(1, 31)]
+    t = [km.collective_time(coll, n, FMAX) for n in range(1, 31)]  # Kareus's MSCCL++ kernel (the default)
     assert all(b < a for a, b in itertools.pairwise(t))
     assert t[0] / t[1] > 1.6 and t[-2] / t[-1] < 1.05  # halves at first, flat at the end
+
+
+def test_nccl_collective_runs_on_nccls_measured_curve():
+    """An NCCL collective's bus bandwidth is NanoFlow's measured 8-GPU curve (between the 16- and
+    32-CTA reduce-scatter runs at 24 CTAs), the same for every group size inside the node, and not
+    the MSCCL++ kernel's, which grows with the peers and reaches the link cap on the same SMs."""
+    entry = gpu_params(A100)
+    km = KernelModel(gpu_spec(A100), entry.params)
+    measured_gbps = entry.provenance["collective_shape"]["bus_bandwidth_GBps"]
+    sms = entry.params.default_comm_sms
+    rs = [
+        km.collective_bandwidth(CollectiveSpec("reduce_scatter", 64 * 2**20, g), sms, FMAX, "nccl") / 1e9
+        for g in (2, 4, 8)
+    ]
+    assert measured_gbps["reduce_scatter_16"] < rs[0] < measured_gbps["reduce_scatter_32"]
+    assert rs[0] == pytest.approx(rs[1], rel=1e-12) and rs[0] == pytest.approx(rs[2], rel=1e-12)
+    tp8 = CollectiveSpec("all_reduce", 128 * 2**20, 8)
+    nccl, mscclpp = km.collective_bandwidth(tp8, sms, FMAX, "nccl"), km.collective_bandwidth(tp8, sms, FMAX, "mscclpp")
+    assert nccl < 0.95 * mscclpp  # the MSCCL++ kernel reaches the link cap with these SMs, NCCL does not
+
+
+def test_partition_config_library_prices_the_collective(sim, attn):
+    """The same (clock, SMs, slot) with NCCL and with MSCCL++ are two configurations: a TP8
+    collective on 24 SMs is slower on NCCL (the baselines' library) than on Kareus's tuned kernel,
+    and a sequence runs NCCL unless told otherwise."""
+    tp8 = replace(attn, collective=CollectiveSpec("all_reduce", 128 * 2**20, 8))
+    sms = sim.params.default_comm_sms
+    nccl = sim.predict(tp8, PartitionConfig(FMAX, sms, None, "nccl")).exposed_comm_s  # sequential: all exposed
+    mscclpp = sim.predict(tp8, PartitionConfig(FMAX, sms, None, "mscclpp")).exposed_comm_s
+    assert nccl > 1.1 * mscclpp
+    assert PartitionConfig(FMAX, sms, None).comm_library == "mscclpp"
+    ops, colls = [op for slot in tp8.slots for op in slot.ops], [tp8.collective]
+    default = sim.predict_sequence(ops, colls, FMAX).measurement.time_s
+    assert default == sim.predict_sequence(ops, colls, FMAX, comm_library="nccl").measurement.time_s
+    assert default > sim.predict_sequence(ops, colls, FMAX, comm_library="mscclpp").measurement.time_s
 
 
 def test_collective_and_memory_kernel_slow_each_other(sim, attn):
@@ -224,7 +259,7 @@ def test_collective_and_memory_kernel_slow_each_other(sim, attn):
 def test_sequential_is_compute_then_collective_alone(sim, attn):
     ops = [op for slot in attn.slots for op in slot.ops]
     seq = sim.predict(attn, PartitionConfig(1200, 8, None)).measurement
-    parts = sim.predict_sequence(ops, [attn.collective], 1200, comm_sms=8).measurement
+    parts = sim.predict_sequence(ops, [attn.collective], 1200, comm_sms=8, comm_library="mscclpp").measurement
     assert seq.time_s == pytest.approx(parts.time_s, rel=1e-9)
     assert seq.energy_j == pytest.approx(parts.energy_j, rel=1e-9)
     only_ops = sim.predict_sequence(ops, (), 1200).measurement
@@ -237,8 +272,8 @@ def test_microbatch_sums_partitions_and_other_work(sim):
     mlp = llama_mlp_partition(count=28)
     head = [OpCost("lm_head", "aten.mm.default", 2.0 * 16384 * 3072 * 32064, 2.0 * (16384 * 3072 + 3072 * 32064))]
     mb = sim.predict_microbatch([attn, mlp], 1200, comm_sms=8, other_ops=head).measurement
-    a = sim.predict(attn, PartitionConfig(1200, 8, None)).measurement
-    m = sim.predict(mlp, PartitionConfig(1200, 8, None)).measurement
+    a = sim.predict(attn, PartitionConfig(1200, 8, None, "nccl")).measurement  # un-split: NCCL
+    m = sim.predict(mlp, PartitionConfig(1200, 8, None, "nccl")).measurement
     h = sim.predict_sequence(head, (), 1200).measurement
     assert mb.time_s == pytest.approx(28 * (a.time_s + m.time_s) + h.time_s, rel=1e-9)
     assert mb.energy_j == pytest.approx(28 * (a.energy_j + m.energy_j) + h.energy_j, rel=1e-9)

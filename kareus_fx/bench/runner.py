@@ -45,6 +45,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from kareus_fx.errors import KareusError
+from kareus_fx.plan.plan_schema import comm_library_of
 from kareus_fx.plan.presets import PRESETS
 
 __all__ = [
@@ -254,7 +255,7 @@ def _tuner_quality(plan: Mapping[str, Any], dump_root: Path, clock_stride_mhz: i
         tuning = record["tuning"]
         points = [
             MeasuredPoint(
-                PartitionConfig(p["clock_mhz"], p["comm_sms"], p["launch_slot"]),
+                PartitionConfig(p["clock_mhz"], p["comm_sms"], p["launch_slot"], comm_library_of(p)),
                 Measurement(p["time_s"], p["energy_j"], p["dynamic_energy_j"], p["static_energy_j"]),
                 p["found_by"],
                 0,

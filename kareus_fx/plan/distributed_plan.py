@@ -152,7 +152,17 @@ class Catalog:
         fp = fingerprint(ptype)
         if fp not in self._tid:
             raise OptionsError(f"partition type {ptype.type_id} is not one of the plan's types")
-        return fp, config, {"fp": fp, "clock": config.clock_mhz, "sms": config.comm_sms, "slot": config.launch_slot}
+        return (
+            fp,
+            config,
+            {
+                "fp": fp,
+                "clock": config.clock_mhz,
+                "sms": config.comm_sms,
+                "slot": config.launch_slot,
+                "library": config.comm_library,
+            },
+        )
 
     def sequence(
         self, ops: Sequence[OpCost], collectives: Sequence[CollectiveSpec], clock_mhz: int
@@ -160,8 +170,8 @@ class Catalog:
         fp = sequence_fingerprint(ops, collectives)
         if fp not in self.sequences:
             raise OptionsError("a sequence that is not one of the plan's graphs was asked for")
-        config = PartitionConfig(clock_mhz, self.sequence_sms, None)
-        return fp, config, {"fp": fp, "clock": clock_mhz, "sms": self.sequence_sms, "slot": None}
+        config = PartitionConfig(clock_mhz, self.sequence_sms, None, "nccl")
+        return fp, config, {"fp": fp, "clock": clock_mhz, "sms": self.sequence_sms, "slot": None, "library": "nccl"}
 
     def key(self, fp: str, config: PartitionConfig) -> str:
         return measurement_key(self.kind, self.gpu, fp, config)
@@ -227,7 +237,12 @@ class QueueServer:
             return False
         measurement = self._measure(item.key, item.payload)
         fp = item.payload["fp"]
-        config = PartitionConfig(int(item.payload["clock"]), int(item.payload["sms"]), item.payload["slot"])
+        config = PartitionConfig(
+            int(item.payload["clock"]),
+            int(item.payload["sms"]),
+            item.payload["slot"],
+            item.payload.get("library", "mscclpp"),  # queued before the field: the old meaning
+        )
         type_id, structure = self.worker.catalog.describe(fp)
         _, inserted = self.db.insert(
             self.worker.catalog.kind, self.worker.catalog.gpu, fp, type_id, structure, config, measurement

@@ -7,8 +7,8 @@ microbatch may do:
   maximum clock: one option.
 - ``megatron+perseus``: the same at every tuning clock (Perseus picks one per microbatch).
 - ``nanobatching``: the nanobatched graph with every collective issued as soon as possible (launch
-  slot 0 of its partition) with the default SM count, at the maximum clock; the work outside
-  partitions runs sequentially.
+  slot 0 of its partition) with the default SM count on NCCL, at the maximum clock; the work outside
+  partitions runs sequentially (NCCL, as every collective outside Kareus's tuned partitions).
 - ``nanobatching+perseus``: the same at every tuning clock.
 - ``kareus``: the microbatch frontier of the tuned partition frontiers (one clock per microbatch,
   one configuration per partition type, section 4.4) with the sequential microbatch as a
@@ -63,8 +63,8 @@ def sequential_measurements(
 
 
 def nanobatching_config(clock_mhz: int, default_comm_sms: int) -> PartitionConfig:
-    """The nanobatching baseline's schedule of every partition: collective first, default SMs."""
-    return PartitionConfig(clock_mhz=clock_mhz, comm_sms=default_comm_sms, launch_slot=0)
+    """The nanobatching baseline's schedule of every partition: collective first, default SMs, NCCL."""
+    return PartitionConfig(clock_mhz=clock_mhz, comm_sms=default_comm_sms, launch_slot=0, comm_library="nccl")
 
 
 def nanobatching_measurements(

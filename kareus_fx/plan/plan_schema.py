@@ -14,7 +14,8 @@ clock range, fewer SMs than it has), which is what the simulator and the runtime
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, NoReturn
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import StrictBool, StrictInt, StrictStr, field_validator
 
@@ -33,7 +34,7 @@ from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.errors import UnknownGPUError
 from kareus_fx.workload import GraphName
 
-__all__ = ["BUCKET_FIELDS", "INSTRUCTIONS", "Bucket", "PlanFile", "cross_check", "instruction_key"]
+__all__ = ["BUCKET_FIELDS", "INSTRUCTIONS", "Bucket", "PlanFile", "comm_library_of", "cross_check", "instruction_key"]
 
 INSTRUCTIONS: tuple[GraphName, ...] = ("forward", "backward")
 Clock = Annotated[StrictInt, int_range(1, 100_000)]
@@ -44,6 +45,20 @@ Seconds = Number
 Joules = Number
 SignedNumber = Annotated[int | float, finite(-MAX_MAGNITUDE)]
 Bound = Literal["compute", "memory"]
+Library = Literal["nccl", "mscclpp"]
+"""``kareus_fx.workload.CommLibrary``. A plan older than the field reads with its old meaning: the
+version that wrote it priced every partition configuration's collective as Kareus's tuned kernel,
+so its configurations read as "mscclpp". (On a GPU both run on CTA-limited NCCL communicators
+today: ``kareus_fx.runtime.collectives``; the field says which library the plan priced.)"""
+OLD_LIBRARY: Library = "mscclpp"
+"""The library of a configuration in a plan older than the field."""
+
+
+def comm_library_of(record: Mapping[str, Any]) -> Library:
+    """The collective library of a validated frontier point or type configuration; a plan older
+    than the field: ``"mscclpp"``, what the version that wrote it priced every partition's collective as."""
+    library: Library = record.get("comm_library", OLD_LIBRARY)
+    return library
 
 
 def instruction_key(stage: int, instruction: str) -> str:
@@ -112,6 +127,7 @@ class TypePoint(SchemaModel):
     clock_mhz: Clock
     comm_sms: SMs
     launch_slot: Slot | None
+    comm_library: Library = OLD_LIBRARY
     time_s: Annotated[int | float, finite(low_inclusive=False)]
     energy_j: Joules
     dynamic_energy_j: Joules | None = None
@@ -150,6 +166,8 @@ class TypeConfig(SchemaModel):
     comm_sms: SMs
     launch_slot: Slot | None
     """None: that type runs sequentially."""
+    comm_library: Library = OLD_LIBRARY
+    """A plan older than the field: :data:`OLD_LIBRARY`."""
 
 
 class MicrobatchOption(SchemaModel):

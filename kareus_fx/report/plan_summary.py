@@ -28,6 +28,7 @@ from rich.table import Table
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.plan.plan_format import INSTRUCTIONS, Plan, instruction_key
+from kareus_fx.plan.plan_schema import comm_library_of
 from kareus_fx.report.dump_summary import short_op_name, short_ops_text
 from kareus_fx.report.plan_report import metrics_table, report_html
 from kareus_fx.report.timeline_plot import TimelinePanel, timeline_png
@@ -274,10 +275,12 @@ def type_schedules(plan: Plan, point_index: int, default_comm_sms: int) -> dict[
             option = plan.data["microbatch_options"][key][index]
             if option["configs"] is None:
                 for tid in types_of_graph.get(key, ()):
-                    counts.setdefault(tid, Counter())[PartitionConfig(option["clock_mhz"], default_comm_sms, None)] += 1
+                    counts.setdefault(tid, Counter())[
+                        PartitionConfig(option["clock_mhz"], default_comm_sms, None, "nccl")
+                    ] += 1
                 continue
             for tid, cfg in option["configs"].items():
-                config = PartitionConfig(option["clock_mhz"], cfg["comm_sms"], cfg["launch_slot"])
+                config = PartitionConfig(option["clock_mhz"], cfg["comm_sms"], cfg["launch_slot"], comm_library_of(cfg))
                 counts.setdefault(tid, Counter())[config] += 1
     schedules = {}
     for tid, counter in counts.items():
@@ -356,7 +359,7 @@ def timelines_html(plan: Plan, point_index: int) -> str:
     sim = Simulator(plan.gpu)
     default_sms = sim.params.default_comm_sms
     schedules = type_schedules(plan, point_index, default_sms)
-    sequential = PartitionConfig(int(sim.spec.clock_max_mhz), default_sms, None)
+    sequential = PartitionConfig(int(sim.spec.clock_max_mhz), default_sms, None, "nccl")
     parts = [
         f"<p>Each partition type re-simulated on the simulated {html.escape(plan.gpu)} from the plan's "
         f"record (a slot's FLOPs and bytes are split evenly over its ops: exact for single-op slots, "
@@ -405,7 +408,7 @@ def timelines_html(plan: Plan, point_index: int) -> str:
 
 def _schedule_text(config: PartitionConfig) -> str:
     where = "sequential" if config.launch_slot is None else f"launch at slot {config.launch_slot}"
-    return f"{config.clock_mhz} MHz, {config.comm_sms} comm SMs, {where}"
+    return f"{config.clock_mhz} MHz, {config.comm_sms} comm SMs ({config.comm_library}), {where}"
 
 
 def _prediction_text(prediction: Any) -> str:
@@ -416,7 +419,10 @@ def _prediction_text(prediction: Any) -> str:
 def _measured_note(record: Mapping[str, Any], config: PartitionConfig, rebuilt_time_s: float) -> str:
     """How the rebuilt type's prediction compares with the plan's number for the same config."""
     for point in record["frontier"]:
-        if PartitionConfig(point["clock_mhz"], point["comm_sms"], point["launch_slot"]) == config:
+        point_config = PartitionConfig(
+            point["clock_mhz"], point["comm_sms"], point["launch_slot"], comm_library_of(point)
+        )
+        if point_config == config:
             off = rebuilt_time_s / point["time_s"] - 1.0
             return (
                 f"The plan's tuner measured {point['time_s'] * 1e6:.1f} µs for this schedule; the rebuilt "

@@ -216,12 +216,18 @@ def converged(rel_improvements: Sequence[float], window: int, threshold: float) 
 
 
 def _config_to_dict(cfg: PartitionConfig) -> dict[str, Any]:
-    return {"clock_mhz": cfg.clock_mhz, "comm_sms": cfg.comm_sms, "launch_slot": cfg.launch_slot}
+    return {
+        "clock_mhz": cfg.clock_mhz,
+        "comm_sms": cfg.comm_sms,
+        "launch_slot": cfg.launch_slot,
+        "comm_library": cfg.comm_library,
+    }
 
 
 def _config_from_dict(d: Mapping[str, Any]) -> PartitionConfig:
     slot = d["launch_slot"]
-    return PartitionConfig(int(d["clock_mhz"]), int(d["comm_sms"]), None if slot is None else int(slot))
+    library = d.get("comm_library", "mscclpp")  # written before the field: the tuned kernels'
+    return PartitionConfig(int(d["clock_mhz"]), int(d["comm_sms"]), None if slot is None else int(slot), library)
 
 
 @dataclass(frozen=True)
