@@ -1,7 +1,8 @@
 """``kareus inspect`` on plans and dumps: text, self-contained HTML, and ``--diff``.
 
-One small plan (tiny-llama, TP2 PP2, 4 layers, 4 microbatches, simulated GPU) is built once for the module; its
-planner work directory also holds the graph dumps the dump tests read.
+The session's small plan (conftest's ``small_real_plan``: tiny-llama TP2 PP2, 2 layers, 2 microbatches,
+simulated GPU, shared with the other tests of plan readers); its planner work directory also holds
+the graph dumps the dump tests read.
 
 The HTML is checked by parsing it (every tag closed in order, images decode as PNGs of a sane
 size). Rendering it in headless Chromium (the issue's "opens without errors" and screenshot
@@ -29,14 +30,9 @@ VOID_TAGS = {"img", "meta", "br", "hr", "input", "link", "col", "area", "base", 
 
 
 @pytest.fixture(scope="module")
-def planned(tmp_path_factory):
+def planned(small_real_plan):
     """(plan.json path, planner work directory) of a tiny-llama plan."""
-    from kareus_fx.plan.planner import PlanRequest, make_plan
-
-    root = tmp_path_factory.mktemp("plan")
-    request = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=4, mbs=4, seq=64, layers=4)
-    outcome = make_plan(request, root / "work", progress=False)
-    return write_plan(root / "plan.json", outcome.data), root / "work"
+    return small_real_plan
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +170,10 @@ def test_diff_reports_a_changed_configuration(planned, tmp_path, capsys):
     assert main(["inspect", "--diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert "[max-throughput configuration]" in out
-    assert f"0/forward microbatches 0-3: clock {clock} -> {clock - 30} MHz" in out
+    every = f"0-{original['workload']['microbatches'] - 1}"
+    assert f"0/forward microbatches {every}: clock {clock} -> {clock - 30} MHz" in out
     assert (
-        f"0/forward microbatches 0-3 {type_id}: {clock} MHz, 8 SMs, slot 0 -> {clock - 30} MHz, 12 SMs, slot 0"
+        f"0/forward microbatches {every} {type_id}: {clock} MHz, 8 SMs, slot 0 -> {clock - 30} MHz, 12 SMs, slot 0"
     ) in out
     assert "1/forward" not in out and "0/backward" not in out  # untouched steps are not reported
 

@@ -27,22 +27,21 @@ import traceback
 
 import pytest
 import torch
-from conftest import train_microbatches
+from conftest import TINY_TP2_WORKLOAD, train_microbatches
 from dist_harness import PRELOAD, _free_port
 from test_codegen import _scheduled_plan
 
-WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2, "mbs": 2, "seq": 256, "layers": 1}
+WORKLOAD = TINY_TP2_WORKLOAD
 TIMEOUT_S = 20.0
 DEFAULT_MHZ = 1410
 
 
 @pytest.fixture(scope="module")
-def plan_path(tmp_path_factory):
-    from kareus_fx.plan.planner import PlanRequest, make_plan
-
+def plan_path(tmp_path_factory, tiny_tp2_plan_data):
+    """The session's plan of WORKLOAD (conftest's ``tiny_tp2_plan_data``: the same request) with
+    variants scheduled (``_scheduled_plan`` edits a copy)."""
     work = tmp_path_factory.mktemp("peer-plan")
-    outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"), work / "work", progress=False)
-    _scheduled_plan(outcome.data, work / "plan.json")
+    _scheduled_plan(tiny_tp2_plan_data, work / "plan.json")
     return work / "plan.json"
 
 
