@@ -140,7 +140,7 @@ def test_kareus_limit_curve_prices_shared_stage_graphs_once_with_each_stages_wai
     from kareus_fx.compose.microbatch import MicrobatchPoint
     from kareus_fx.compose.pipeline import build_pipeline_dag, iteration_energy_j, makespan_s
     from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curve, price_option
+    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curves, price_option
     from kareus_fx.plan.power_limit import limit_grid
     from kareus_fx.workload import PartitionConfig
 
@@ -152,10 +152,10 @@ def test_kareus_limit_curve_prices_shared_stage_graphs_once_with_each_stages_wai
     pp, microbatches, scale = 3, 4, 8.0
     dag = build_pipeline_dag(pp, microbatches)
     schedule = {node: NodeWork(option, empty, shared, wait_s=0.001 * (1 + node.stage)) for node in dag}
-    curve = kareus_power_limit_curve(
+    curve = kareus_power_limit_curves(
         schedule,
         lambda limit_w: SimulatedProfiler("a100", power_limit_w=limit_w),
-        lock_clocks=False,
+        lock_modes=(False,),
         tdp_w=spec.tdp_w,
         max_clock_mhz=spec.clock_max_mhz,
         lowest_clock_mhz=spec.tuning_clock_min_mhz,
@@ -163,7 +163,7 @@ def test_kareus_limit_curve_prices_shared_stage_graphs_once_with_each_stages_wai
         microbatches=microbatches,
         blocking_power_w=spec.blocking_power_w,
         energy_scale=scale,
-    )
+    )[False]
 
     def direct(limit_w, clock_mhz):
         profiler = SimulatedProfiler("a100", power_limit_w=limit_w)
@@ -184,7 +184,7 @@ def test_kareus_limit_curves_together_equal_separate_curves():
     from kareus_fx.compose.microbatch import MicrobatchPoint
     from kareus_fx.compose.pipeline import build_pipeline_dag
     from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curve, kareus_power_limit_curves
+    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curves
     from kareus_fx.workload import PartitionConfig
 
     spec = gpu_spec("a100")
@@ -216,7 +216,8 @@ def test_kareus_limit_curves_together_equal_separate_curves():
 
     together = kareus_power_limit_curves(schedule, profiler_at, lock_modes=(False, True), **common)
     separate = {
-        lock: kareus_power_limit_curve(schedule, profiler_at, lock_clocks=lock, **common) for lock in (False, True)
+        lock: kareus_power_limit_curves(schedule, profiler_at, lock_modes=(lock,), **common)[lock]
+        for lock in (False, True)
     }
     assert together == separate
     assert together[False] != together[True]

@@ -37,7 +37,7 @@ from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
 from kareus_fx.plan.power_limit import PowerLimitPoint, limit_grid
 from kareus_fx.workload import Measurement, SequenceProfiler
 
-__all__ = ["NodeWork", "kareus_power_limit_curve", "kareus_power_limit_curves", "price_option", "schedule_iteration"]
+__all__ = ["NodeWork", "kareus_power_limit_curves", "price_option", "schedule_iteration"]
 
 
 @dataclass(frozen=True)
@@ -93,39 +93,6 @@ def schedule_iteration(
     return time_s, energy_scale * iteration_energy_j(pp, time_s, busy_s, busy_j, blocking_power_w)
 
 
-def kareus_power_limit_curve(
-    schedule: Mapping[PipelineNode, NodeWork],
-    profiler_at: Callable[[int | None], SequenceProfiler],
-    *,
-    lock_clocks: bool,
-    tdp_w: float,
-    max_clock_mhz: int,
-    lowest_clock_mhz: int,
-    pp: int,
-    microbatches: int,
-    blocking_power_w: float,
-    energy_scale: float,
-    virtual_stages: int = 1,
-) -> list[PowerLimitPoint]:
-    """``schedule`` (every instruction of the iteration) under each power limit (module
-    docstring): every clock request at ``max_clock_mhz`` (clocks unlocked: the power-limit deploy
-    mode), or with ``lock_clocks`` each instruction at its option's clock with the limit on top.
-    ``profiler_at(limit_w)`` prices under that limit (None: no limit)."""
-    return kareus_power_limit_curves(
-        schedule,
-        profiler_at,
-        lock_modes=(lock_clocks,),
-        tdp_w=tdp_w,
-        max_clock_mhz=max_clock_mhz,
-        lowest_clock_mhz=lowest_clock_mhz,
-        pp=pp,
-        microbatches=microbatches,
-        blocking_power_w=blocking_power_w,
-        energy_scale=energy_scale,
-        virtual_stages=virtual_stages,
-    )[lock_clocks]
-
-
 def kareus_power_limit_curves(
     schedule: Mapping[PipelineNode, NodeWork],
     profiler_at: Callable[[int | None], SequenceProfiler],
@@ -140,8 +107,12 @@ def kareus_power_limit_curves(
     energy_scale: float,
     virtual_stages: int = 1,
 ) -> dict[bool, list[PowerLimitPoint]]:
-    """:func:`kareus_power_limit_curve` for each ``lock_clocks`` in ``lock_modes``, equal to
-    separate calls; the un-capped floor (the same for both) is priced once. Each curve prices on
+    """``schedule`` (every instruction of the iteration) under each power limit (module
+    docstring), one curve per ``lock_clocks`` in ``lock_modes``: every clock request at
+    ``max_clock_mhz`` (``False``, clocks unlocked: the power-limit deploy mode), or each instruction
+    at its option's clock with the limit on top (``True``). ``profiler_at(limit_w)`` prices under
+    that limit (None: no limit). Equal to one call per mode; the un-capped floor (the same for
+    both) is priced once. Each curve prices on
     profilers of its own, as a separate call does: the simulated GPU caches a throttled clock
     per schedule and reuses it for other requested clocks, so pricing one limit's locked clocks
     after its maximum clock moved the locked curve's times by up to 7e-5 (relative) on the 70B
