@@ -90,6 +90,7 @@ from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
+from kareus_fx.plan.step_tail import StepTail, step_tail, with_step_tail
 from kareus_fx.runtime.clock_backends import parse_clock_mode
 from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
@@ -1018,6 +1019,10 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     iteration["kareus"] = _with_baseline_plans(
         iteration, {(s, name): baseline_offsets[(stage_group[s], name)] for s, name in by_method["kareus"]}
     )
+    tail = _step_tail(req, spec)
+    if tail is not None:  # the gradient sync and optimizer step after the last microbatch, every method alike
+        iteration = {m: with_step_tail(it, tail) for m, it in iteration.items()}
+        curve[:] = _with_tail_points(curve, tail, scale)
     fronts = {m: [(p.time_s, p.energy_j * scale) for p in it.points] for m, it in iteration.items()}
     megatron = min(fronts["megatron"])
     metrics = {m: frontier_metrics(front, megatron, fronts["megatron+perseus"]) for m, front in fronts.items()}
@@ -1033,6 +1038,8 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         scale,
         processes=processes if workers_start == "fork" else 1,
     )
+    if tail is not None:
+        kareus_curves = {lock: _with_tail_points(points, tail, scale) for lock, points in kareus_curves.items()}
     chosen = zeus_choice(curve, gpus=req.tp * req.cp * req.pp * req.dp) if curve else None
     if chosen is not None:
         metrics[POWER_LIMIT_METHOD] = frontier_metrics(
@@ -1177,6 +1184,32 @@ def _power_limit_curve(
         energy_scale=energy_scale,
         virtual_stages=req.virtual_stages,
     )
+
+
+def _step_tail(req: PlanRequest, spec: GPUSpec) -> StepTail | None:
+    """The work after the last microbatch (``step_tail.py``) on the simulated GPU; None for a
+    measured profiler (it measures the microbatches' graphs, not the optimizer) or a live graph
+    (no model config to count parameters)."""
+    if req.profiler != "simulated" or req.model == LIVE_GRAPH_MODEL:
+        return None
+    from kareus_fx.models import get_config
+
+    cfg = get_config(req.model)
+    layers = (
+        list(req.stage_layers)
+        if isinstance(req.stage_layers, tuple)
+        else even_layer_counts(_model_layers(req), req.num_stages)
+    )
+    simulator = SimulatedProfiler(spec.name).simulator
+    return step_tail(simulator, cfg, layers, tp=req.tp, cp=req.cp, dp=req.dp, pp=req.pp)
+
+
+def _with_tail_points(points: Sequence[PowerLimitPoint], tail: StepTail, scale: float) -> list[PowerLimitPoint]:
+    """Power-limit curve points lengthened by ``tail`` (energies over all GPUs: ``scale`` x one pipeline's)."""
+    return [
+        dataclasses.replace(p, time_s=p.time_s + tail.time_s, energy_j=p.energy_j + tail.energy_j * scale)
+        for p in points
+    ]
 
 
 def _send_recv_s(

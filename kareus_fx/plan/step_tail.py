@@ -1,0 +1,205 @@
+"""Megatron-LM's per-iteration work after the last microbatch: gradient sync and the optimizer step.
+
+The iteration composer prices the pipeline's microbatches (and the sends between stages). After
+the last backward, Megatron-LM's ``train_step`` does, on every GPU, once per iteration:
+
+1. ``finalize_model_grads``: the gradient all-reduce over the data-parallel x context-parallel
+   group (the ranks that hold the same weights), then, with tied embeddings and a pipeline, the
+   all-reduce of the word embedding's gradient between the first stage (input embedding) and the
+   last (its copy as the output layer).
+2. ``clip_grad_norm``: the L2 norm of the gradients (one read of them) and an all-reduce of that
+   one number over the model-parallel group (a latency).
+3. ``optimizer.step``: Adam over the fp32 master weights (apex/TE ``multi_tensor_adam``), the copy
+   of the updated master weights into the bf16 model weights, and the zeroing of the gradient
+   buffer for the next iteration.
+
+Every method runs it alike (the same weights, the same step), so it adds the same time to each;
+it shrinks every reduction a little and sets the iteration's absolute scale. Assumptions, each a
+stated fact of Megatron-LM or the hardware, none fitted:
+
+- Gradients are accumulated and all-reduced in fp32 (Megatron-LM's ``--bf16`` sets
+  ``accumulate_allreduce_grads_in_fp32``), 4 bytes per parameter; the word embedding's gradient
+  (``main_grad``) too.
+- Bytes moved per parameter by the memory-bound step, each pass one kernel over the rank's
+  parameters: the norm reads the fp32 gradient (4); Adam reads gradient, master weight and both
+  moments and writes weight and moments (28); the copy reads the fp32 weight and writes the bf16
+  one (6); the zeroing writes the fp32 gradient (4). Gradient clipping's scaling pass runs only
+  when the norm exceeds the threshold (data-dependent) and is not priced. No distributed
+  optimizer (Megatron-LM's default): every rank steps all of its parameters.
+- Parameters per GPU: a decoder layer's projections and MLP (``1/tp`` each), its norms whole; the
+  first pipeline rank holds the word embedding (``1/tp``), the last the final norm and the output
+  layer (``1/tp``; with tied embeddings a copy of the embedding when the pipeline has more than
+  one rank). Biases: none (Llama, Qwen3).
+- Placement (Megatron-LM's rank order tensor, context, data, pipeline): the data x context group of
+  a stage is ``tp x cp x dp`` consecutive ranks, inside a node when they fit in one; the embedding
+  group joins rank ``r`` of the first stage with rank ``r`` of the last, across nodes where their
+  ranks' nodes differ (``stage_transfer``'s rule). Inside a node a collective runs NCCL on its
+  default channels (the simulator's ``nccl`` curve); across nodes a ring all-reduce's bus bytes go
+  at the GPU's share of the node network (line rate, as the stage sends), costing the blocking
+  power while it runs.
+- The step runs at the maximum clock (no method scales the optimizer's clock). Ranks wait for each
+  other at the grad-norm all-reduce: the tail lasts the slowest rank's sync, the norm's latency,
+  then the slowest rank's step; a rank idles the rest of it at the blocking power.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kareus_fx.compose.iteration import IterationFrontier
+from kareus_fx.cost_models.hardware import GPUSpec
+from kareus_fx.cost_models.simulator import Simulator
+from kareus_fx.errors import OptionsError
+from kareus_fx.models.configs import ModelConfig
+from kareus_fx.workload import CollectiveSpec, OpCost
+
+__all__ = [
+    "GRAD_BYTES_PER_PARAM",
+    "STEP_PASSES_BYTES_PER_PARAM",
+    "StepTail",
+    "rank_parameters",
+    "step_tail",
+    "with_step_tail",
+]
+
+GRAD_BYTES_PER_PARAM = 4
+"""fp32 gradients (``accumulate_allreduce_grads_in_fp32``)."""
+STEP_PASSES_BYTES_PER_PARAM: Mapping[str, int] = {
+    "grad_norm": 4,
+    "adam": 28,
+    "copy_to_model_weights": 6,
+    "zero_grad_buffer": 4,
+}
+"""HBM bytes per parameter of each memory-bound pass of the step (module docstring)."""
+
+
+@dataclass(frozen=True)
+class StepTail:
+    """The per-iteration work after the last microbatch, priced on the simulated GPU."""
+
+    time_s: float
+    energy_j: float
+    """Over one GPU per pipeline rank (as :class:`~kareus_fx.compose.iteration.IterationPoint`'s
+    ``energy_j``; the plan scales it by ``tp x cp x dp``)."""
+    parts_s: Mapping[str, float]
+    """The slowest rank's seconds per part: ``grad_sync``, ``embedding_grad_sync``,
+    ``grad_norm_reduce``, ``optimizer``."""
+    parameters_per_gpu: tuple[float, ...]
+    """Parameters each pipeline rank's GPU steps."""
+
+
+def _layer_parameters(cfg: ModelConfig, tp: int) -> float:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    attention = h * hd * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o and k, v
+    mlp = 3 * h * cfg.ffn_size  # gate, up, down
+    norms = 2 * h + (2 * hd if cfg.qk_norm else 0)
+    return (attention + mlp) / tp + norms
+
+
+def rank_parameters(cfg: ModelConfig, stage_layers: Sequence[int], tp: int, ranks: int) -> tuple[float, ...]:
+    """Parameters on one GPU of each pipeline rank; global stage ``s`` (of ``stage_layers``) runs
+    on rank ``s mod ranks`` (interleaved 1F1B's placement; one stage per rank without it)."""
+    if len(stage_layers) % ranks:
+        raise OptionsError(f"{len(stage_layers)} stages do not spread evenly over {ranks} pipeline ranks")
+    params = [0.0] * ranks
+    for s, layers in enumerate(stage_layers):
+        params[s % ranks] += layers * _layer_parameters(cfg, tp)
+    embedding = cfg.vocab_size * cfg.hidden_size / tp
+    params[0] += embedding
+    if ranks > 1 or not cfg.tie_embeddings:
+        params[-1] += embedding  # the output layer (with tied embeddings: Megatron-LM's copy on the last stage)
+    params[-1] += cfg.hidden_size  # final norm
+    return tuple(params)
+
+
+def _across_nodes(first_rank: int, last_rank: int, spec: GPUSpec) -> bool:
+    if spec.gpus_per_node is None:
+        raise OptionsError(
+            f"no node network is known for the {spec.name} (gpus_per_node): the gradient sync cannot be "
+            f"placed; plan for a GPU with a node entry in gpu_specs"
+        )
+    return first_rank // spec.gpus_per_node != last_rank // spec.gpus_per_node
+
+
+def _network_share_bytes_per_s(spec: GPUSpec) -> float:
+    if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
+        raise OptionsError(
+            f"no node network bandwidth is known for the {spec.name}: a gradient all-reduce across nodes "
+            f"cannot be priced; plan for a GPU with a node entry in gpu_specs"
+        )
+    return spec.node_network_bytes_per_s / spec.gpus_per_node
+
+
+def _all_reduce(simulator: Simulator, nbytes: float, group: int, spans_nodes: bool) -> tuple[float, float]:
+    """Seconds and joules (one GPU) of an all-reduce of ``nbytes`` over ``group`` ranks."""
+    if group <= 1 or nbytes <= 0.0:
+        return 0.0, 0.0
+    spec, params = simulator.spec, simulator.params
+    if spans_nodes:
+        bus_bytes = 2.0 * (group - 1) / group * nbytes
+        time_s = params.comm_latency_s + bus_bytes / _network_share_bytes_per_s(spec)
+        return time_s, time_s * spec.blocking_power_w
+    collective = CollectiveSpec(kind="all_reduce", bytes=nbytes, group_size=group)
+    m = simulator.predict_sequence((), (collective,), clock_mhz=spec.clock_max_mhz, comm_library="nccl").measurement
+    return m.time_s, m.energy_j
+
+
+def step_tail(
+    simulator: Simulator,
+    cfg: ModelConfig,
+    stage_layers: Sequence[int],
+    *,
+    tp: int,
+    cp: int,
+    dp: int,
+    pp: int,
+) -> StepTail:
+    """Time and energy of the work after the last microbatch (module docstring) on ``simulator``'s
+    GPU, for ``cfg`` split into ``stage_layers`` over ``pp`` pipeline ranks of ``tp x cp`` GPUs,
+    ``dp`` replicas."""
+    spec = simulator.spec
+    params = rank_parameters(cfg, stage_layers, tp, pp)
+    per_rank = tp * cp * dp  # GPUs of a pipeline rank, in every replica
+    sync_spans = per_rank > (spec.gpus_per_node or per_rank)
+    tied = cfg.tie_embeddings and pp > 1
+    embedding_spans = tied and _across_nodes(0, (pp - 1) * per_rank, spec)
+    embedding_bytes = cfg.vocab_size * cfg.hidden_size / tp * GRAD_BYTES_PER_PARAM
+    embedding = _all_reduce(simulator, embedding_bytes, 2, embedding_spans) if tied else (0.0, 0.0)
+    norm_s = simulator.params.comm_latency_s if pp * tp > 1 else 0.0
+    sync: list[tuple[float, float]] = []
+    step: list[tuple[float, float]] = []
+    for r, n in enumerate(params):
+        grad = _all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, cp * dp, sync_spans)
+        on_edge = r in (0, pp - 1)
+        sync.append((grad[0] + (embedding[0] if on_edge else 0.0), grad[1] + (embedding[1] if on_edge else 0.0)))
+        ops = [OpCost(name, "optimizer", 0.0, b * n, bound="memory") for name, b in STEP_PASSES_BYTES_PER_PARAM.items()]
+        m = simulator.predict_sequence(ops, (), clock_mhz=spec.clock_max_mhz).measurement
+        step.append((m.time_s, m.energy_j))
+    sync_s = max(t for t, _ in sync)
+    step_s = max(t for t, _ in step)
+    time_s = sync_s + norm_s + step_s
+    busy = [(s_t + o_t, s_e + o_e) for (s_t, s_e), (o_t, o_e) in zip(sync, step)]
+    energy_j = sum(e + (time_s - t) * spec.blocking_power_w for t, e in busy)
+    slowest_grad = max(_all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, cp * dp, sync_spans)[0] for n in params)
+    parts = {
+        "grad_sync": slowest_grad,
+        "embedding_grad_sync": embedding[0],
+        "grad_norm_reduce": norm_s,
+        "optimizer": step_s,
+    }
+    return StepTail(time_s=time_s, energy_j=energy_j, parts_s=parts, parameters_per_gpu=params)
+
+
+def with_step_tail(frontier: IterationFrontier, tail: StepTail) -> IterationFrontier:
+    """``frontier`` with every plan's time and energy lengthened by ``tail`` (the same for every
+    plan: the step does not depend on the microbatches' schedule). The solver's own numbers
+    (``solver_time_s``, ``solver_energy_j``) stay the pipeline's."""
+
+    def longer(points):
+        return tuple(
+            dataclasses.replace(p, time_s=p.time_s + tail.time_s, energy_j=p.energy_j + tail.energy_j) for p in points
+        )
+
+    return dataclasses.replace(frontier, points=longer(frontier.points), trace=longer(frontier.trace))
