@@ -48,7 +48,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kareus_fx.compose.iteration import IterationFrontier
+from kareus_fx.compose.iteration import IterationFrontier, IterationPoint
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import OptionsError
@@ -168,23 +168,19 @@ def step_tail(
     embedding_bytes = cfg.vocab_size * cfg.hidden_size / tp * GRAD_BYTES_PER_PARAM
     embedding = _all_reduce(simulator, embedding_bytes, 2, embedding_spans) if tied else (0.0, 0.0)
     norm_s = simulator.params.comm_latency_s if pp * tp > 1 else 0.0
-    sync: list[tuple[float, float]] = []
+    grad = [_all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, cp * dp, sync_spans) for n in params]
+    sync = [(t, e) if r not in (0, pp - 1) else (t + embedding[0], e + embedding[1]) for r, (t, e) in enumerate(grad)]
     step: list[tuple[float, float]] = []
-    for r, n in enumerate(params):
-        grad = _all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, cp * dp, sync_spans)
-        on_edge = r in (0, pp - 1)
-        sync.append((grad[0] + (embedding[0] if on_edge else 0.0), grad[1] + (embedding[1] if on_edge else 0.0)))
+    for n in params:
         ops = [OpCost(name, "optimizer", 0.0, b * n, bound="memory") for name, b in STEP_PASSES_BYTES_PER_PARAM.items()]
         m = simulator.predict_sequence(ops, (), clock_mhz=spec.clock_max_mhz).measurement
         step.append((m.time_s, m.energy_j))
-    sync_s = max(t for t, _ in sync)
     step_s = max(t for t, _ in step)
-    time_s = sync_s + norm_s + step_s
-    busy = [(s_t + o_t, s_e + o_e) for (s_t, s_e), (o_t, o_e) in zip(sync, step)]
-    energy_j = sum(e + (time_s - t) * spec.blocking_power_w for t, e in busy)
-    slowest_grad = max(_all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, cp * dp, sync_spans)[0] for n in params)
+    time_s = max(t for t, _ in sync) + norm_s + step_s
+    # every rank: its own sync and step, idle at the blocking power for the rest of the tail
+    energy_j = sum(se + oe + (time_s - st - ot) * spec.blocking_power_w for (st, se), (ot, oe) in zip(sync, step))
     parts = {
-        "grad_sync": slowest_grad,
+        "grad_sync": max(t for t, _ in grad),
         "embedding_grad_sync": embedding[0],
         "grad_norm_reduce": norm_s,
         "optimizer": step_s,
@@ -197,7 +193,7 @@ def with_step_tail(frontier: IterationFrontier, tail: StepTail) -> IterationFron
     plan: the step does not depend on the microbatches' schedule). The solver's own numbers
     (``solver_time_s``, ``solver_energy_j``) stay the pipeline's."""
 
-    def longer(points):
+    def longer(points: tuple[IterationPoint, ...]) -> tuple[IterationPoint, ...]:
         return tuple(
             dataclasses.replace(p, time_s=p.time_s + tail.time_s, energy_j=p.energy_j + tail.energy_j) for p in points
         )

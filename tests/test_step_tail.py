@@ -1,0 +1,92 @@
+"""Megatron-LM's per-iteration work after the last microbatch (``kareus_fx.plan.step_tail``)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kareus_fx.compose.iteration import IterationFrontier, IterationPoint
+from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
+from kareus_fx.errors import OptionsError
+from kareus_fx.models.configs import get_config
+from kareus_fx.plan.step_tail import STEP_PASSES_BYTES_PER_PARAM, rank_parameters, step_tail, with_step_tail
+
+QWEN = get_config("qwen3-1.7b")
+EMBEDDING = QWEN.vocab_size * QWEN.hidden_size
+
+
+@pytest.fixture(scope="module")
+def simulator():
+    return SimulatedProfiler("A100-SXM4-40GB").simulator
+
+
+def test_parameters_match_the_published_counts() -> None:
+    # Qwen3-1.7B's model card: 1.7B parameters, 1.4B without the (tied) embedding.
+    (whole,) = rank_parameters(QWEN, [28], tp=1, ranks=1)
+    assert whole == pytest.approx(1.72e9, rel=0.01)
+    assert whole - EMBEDDING == pytest.approx(1.41e9, rel=0.01)
+    # A pipeline: the last rank holds its own copy of the tied embedding (Megatron-LM's output layer),
+    # and tensor parallelism shards everything but the norms.
+    first, last = rank_parameters(QWEN, [16, 12], tp=4, ranks=2)
+    assert first + last == pytest.approx((whole + EMBEDDING) / 4, rel=1e-3)
+    assert first - last == pytest.approx(4 * (whole - EMBEDDING) / 28 / 4, rel=0.01)
+    # Interleaved: global stage s on rank s mod ranks.
+    assert rank_parameters(QWEN, [8, 6, 8, 6], tp=4, ranks=2) == pytest.approx((first, last))
+    with pytest.raises(OptionsError, match="spread evenly"):
+        rank_parameters(QWEN, [10, 9, 9], tp=4, ranks=2)
+
+
+def test_one_gpu_pays_only_the_optimizer_at_hbm_bandwidth(simulator) -> None:
+    tail = step_tail(simulator, QWEN, [28], tp=1, cp=1, dp=1, pp=1)
+    assert tail.parts_s["grad_sync"] == tail.parts_s["embedding_grad_sync"] == tail.parts_s["grad_norm_reduce"] == 0.0
+    (params,) = tail.parameters_per_gpu
+    moved = params * sum(STEP_PASSES_BYTES_PER_PARAM.values())
+    hbm = simulator.spec.hbm_bandwidth_bytes_per_s
+    # memory-bound: at most the spec's bandwidth, at least 80 % of it
+    assert moved / hbm < tail.time_s < moved / (0.8 * hbm)
+    assert tail.time_s == pytest.approx(tail.parts_s["optimizer"])
+    assert tail.energy_j > tail.time_s * simulator.spec.blocking_power_w
+
+
+def test_embedding_sync_crosses_nodes_at_the_gpus_network_share(simulator) -> None:
+    spec = simulator.spec
+    across = step_tail(simulator, QWEN, [16, 12], tp=8, cp=1, dp=1, pp=2)  # 16 GPUs: stages on two nodes
+    inside = step_tail(simulator, QWEN, [16, 12], tp=4, cp=1, dp=1, pp=2)  # 8 GPUs: one node
+    fp32_grad = EMBEDDING / 8 * 4
+    share = spec.node_network_bytes_per_s / spec.gpus_per_node  # 400 Gbps over 8 A100s: 6.25 GB/s
+    assert across.parts_s["embedding_grad_sync"] == pytest.approx(
+        simulator.params.comm_latency_s + fp32_grad / share, rel=1e-9
+    )
+    assert across.parts_s["embedding_grad_sync"] > 10 * inside.parts_s["embedding_grad_sync"] > 0.0
+    # the context-parallel pair all-reduces every gradient (inside the node), the TP-only job none
+    cp2 = step_tail(simulator, QWEN, [16, 12], tp=4, cp=2, dp=1, pp=2)
+    assert across.parts_s["grad_sync"] == 0.0 < cp2.parts_s["grad_sync"]
+    assert cp2.time_s == pytest.approx(sum(cp2.parts_s.values()), rel=1e-9)
+    # each rank idles the part of the tail it does not work at the blocking power, never less
+    assert cp2.energy_j >= 2 * cp2.time_s * spec.blocking_power_w
+
+
+def test_with_step_tail_lengthens_every_plan_alike(simulator) -> None:
+    tail = step_tail(simulator, QWEN, [16, 12], tp=8, cp=1, dp=1, pp=2)
+    points = tuple(
+        IterationPoint(t, e, t, e, choices=np.zeros(4, dtype=np.uint32)) for t, e in ((1.0, 50.0), (1.2, 40.0))
+    )
+    front = IterationFrontier(
+        num_stages=2,
+        num_microbatches=1,
+        blocking_power_w=85.0,
+        unit_time_s=1e-3,
+        cost_model="exponential",
+        nodes=(),
+        options={},
+        points=points,
+        trace=points[::-1],
+    )
+    longer = with_step_tail(front, tail)
+    for before, after in zip((*front.points, *front.trace), (*longer.points, *longer.trace)):
+        assert after.time_s - before.time_s == pytest.approx(tail.time_s)
+        assert after.energy_j - before.energy_j == pytest.approx(tail.energy_j)
+        assert (after.solver_time_s, after.solver_energy_j) == (before.solver_time_s, before.solver_energy_j)
+    assert math.isclose(longer.points[0].time_s, 1.0 + tail.time_s)
