@@ -30,10 +30,10 @@ def test_the_boundary_tensor_is_the_stage_output_of_the_traced_dump(small_real_p
 def test_a_stage_boundary_between_p4d_nodes_runs_at_the_gpus_share_of_400_gbps():
     assert A100.gpus_per_node == 8 and A100.node_network_bytes_per_s == 400e9 / 8
     per_gpu = 400e9 / 8 / 8  # 6.25 GB/s
-    gather = QWEN_TP8_BYTES * 7 / 8 / A100.nvlink_bandwidth_bytes_per_s
-    # TP8 x PP2: each stage fills a node; each rank sends 1/8 of the activation.
-    assert link_wait_s(QWEN_TP8_BYTES, 8, 1, 0, A100) == pytest.approx(QWEN_TP8_BYTES / 8 / per_gpu + gather)
-    assert link_wait_s(QWEN_TP8_BYTES, 8, 1, 0, A100) == pytest.approx(3.17e-3, rel=0.01)
+    # TP8 x PP2: each stage fills a node; each rank sends the whole activation (Megatron-core, no
+    # sequence parallelism: no scatter-gather across the TP ranks), all 8 at once over the node's link.
+    assert link_wait_s(QWEN_TP8_BYTES, 8, 1, 0, A100) == pytest.approx(QWEN_TP8_BYTES / per_gpu)
+    assert link_wait_s(QWEN_TP8_BYTES, 8, 1, 0, A100) == pytest.approx(21.5e-3, rel=0.01)
     # TP2 x PP2 fits in one node: the send runs over NVLink, about 40x faster.
     inside = link_wait_s(QWEN_TP8_BYTES, 2, 1, 0, A100)
     assert inside == pytest.approx(QWEN_TP8_BYTES / A100.nvlink_bandwidth_bytes_per_s)

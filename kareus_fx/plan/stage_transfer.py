@@ -12,11 +12,14 @@ Assumptions (each a stated physical fact, none fitted):
 
 - The boundary tensor is the first output of the stage's traced forward graph (its hidden states;
   the other outputs are saved activations), at the traced rank's shape and dtype. It is
-  replicated across the tensor-parallel group (no sequence parallelism in the reference models)
-  and holds the rank's ``seq / cp`` tokens.
-- Megatron-LM's scatter-gather of that tensor: each of the ``tp`` ranks sends ``1/tp`` of it, and the
-  receiving stage all-gathers it over NVLink (a ring: ``(tp - 1)/tp`` of the bytes at the GPU's
-  NVLink bandwidth).
+  replicated across the tensor-parallel group (no sequence parallelism in the reference models,
+  nor on the paper's testbed: ``sequence_parallel: false`` in its NeMo configs,
+  ml-energy/kareus ``tests/artifact/conf/megatron_*_config.yaml``) and holds the rank's
+  ``seq / cp`` tokens.
+- Megatron-core's send/recv (the testbed ran NeMo with ``mcore_gpt: true``): every one of the ``tp``
+  ranks sends the whole tensor to its peer in the next stage (``get_tensor_shapes`` divides the
+  sequence by ``tp`` only under sequence parallelism). Megatron-LM's older scatter-gather (each
+  rank sending ``1/tp`` and the receiver all-gathering over NVLink) is not in Megatron-core.
 - Rank order tensor, context, pipeline (one data-parallel replica, as planned): stage ``s`` holds
   ranks ``s * tp * cp`` onward, on node ``rank // gpus_per_node``. A boundary between two nodes
   runs over the node network, each GPU at its share (``node_network_bytes_per_s / gpus_per_node``,
@@ -70,9 +73,7 @@ def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec,
                 f"across nodes cannot price its send/recv; plan for a GPU with a node entry in gpu_specs"
             )
         per_gpu_bytes_per_s = spec.node_network_bytes_per_s / spec.gpus_per_node
-    send_s = sent_bytes / tp / per_gpu_bytes_per_s
-    gather_s = sent_bytes * (tp - 1) / tp / spec.nvlink_bandwidth_bytes_per_s
-    return send_s + gather_s
+    return sent_bytes / per_gpu_bytes_per_s
 
 
 def stage_transfer_s(

@@ -25,7 +25,10 @@ stated fact of Megatron-LM or the hardware, none fitted:
   moments and writes weight and moments (28); the copy reads the fp32 weight and writes the bf16
   one (6); the zeroing writes the fp32 gradient (4). Gradient clipping's scaling pass runs only
   when the norm exceeds the threshold (data-dependent) and is not priced. No distributed
-  optimizer (Megatron-LM's default): every rank steps all of its parameters.
+  optimizer (Megatron-LM's default): every rank steps all of its parameters. (The paper's testbed
+  ran NeMo's ``mcore_distributed_optim``, which shards the step over the data x context group:
+  on its CP2 rows a reduce-scatter and an all-gather instead of the all-reduce and half the step,
+  about 5 ms less of a 64 ms tail on Qwen CP2 x TP4 mbs16; not priced.)
 - Parameters per GPU: a decoder layer's projections and MLP (``1/tp`` each), its norms whole; the
   first pipeline rank holds the word embedding (``1/tp``), the last the final norm and the output
   layer (``1/tp``; with tied embeddings a copy of the embedding when the pipeline has more than
