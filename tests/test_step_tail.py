@@ -90,3 +90,19 @@ def test_with_step_tail_lengthens_every_plan_alike(simulator) -> None:
         assert after.energy_j - before.energy_j == pytest.approx(tail.energy_j)
         assert (after.solver_time_s, after.solver_energy_j) == (before.solver_time_s, before.solver_energy_j)
     assert math.isclose(longer.points[0].time_s, 1.0 + tail.time_s)
+
+
+def test_a_simulated_plan_records_the_tail_in_every_frontier(small_real_plan, simulator) -> None:
+    from kareus_fx.plan.plan_format import load_plan
+
+    plan = load_plan(small_real_plan[0])
+    w = plan.workload
+    tail = step_tail(
+        simulator, get_config(w["model"]), w["stage_layers"], tp=w["tp"], cp=w["cp"], dp=w.get("dp", 1), pp=w["pp"]
+    )
+    record = plan.data["step_tail"]
+    assert record["time_s"] == pytest.approx(tail.time_s, rel=1e-12)
+    assert record["energy_j"] == pytest.approx(tail.energy_j * w["tp"] * w["cp"], rel=1e-12)
+    assert record["parts_s"]["optimizer"] > 0.0
+    for method in plan.data["methods"].values():
+        assert min(t for t, _ in method["frontier"]) > record["time_s"]

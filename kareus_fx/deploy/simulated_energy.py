@@ -105,6 +105,9 @@ def simulated_iteration(plan: Plan, point_index: int, ranks: Sequence[Sequence[C
     blocking_w = gpu_spec(plan.gpu).blocking_power_w
     scale = workload["tp"] * workload["cp"] * workload.get("dp", 1)
     energy_j = scale * iteration_energy_j(workload["pp"], time_s, busy_s, busy_j, blocking_w)
+    tail = plan.data.get("step_tail")  # the gradient sync and optimizer step after the last microbatch
+    if tail is not None:
+        time_s, energy_j = time_s + float(tail["time_s"]), energy_j + float(tail["energy_j"])
     return SimulatedIteration(time_s=time_s, energy_j=energy_j, instructions=len(durations_s))
 
 

@@ -243,6 +243,17 @@ class Profiling(SchemaModel):
     by_purpose: dict[StrictStr, Count] | None = None
 
 
+class StepTailRecord(SchemaModel):
+    """The work after the last microbatch of every iteration (gradient sync, optimizer step;
+    ``plan/step_tail.py``), included in every frontier's times and energies."""
+
+    time_s: Seconds
+    energy_j: Joules
+    """Over all the job's GPUs."""
+    parts_s: dict[StrictStr, Number]
+    parameters_per_gpu: list[Number]
+
+
 class PlanFile(SchemaModel):
     """A schema-1 plan. ``format`` and ``schema_version`` are checked before this model runs."""
 
@@ -269,6 +280,8 @@ class PlanFile(SchemaModel):
     """None: a plan of one sequence length (``workload.seq``)."""
     profiling: Profiling | None = None
     """Absent in plans made before the profiling cost was recorded."""
+    step_tail: StepTailRecord | None = None
+    """Absent where the profiler does not price it (a measured plan) and in plans made before it."""
 
     @field_validator("gpu")
     @classmethod

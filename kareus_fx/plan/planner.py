@@ -896,6 +896,9 @@ class _Composed:
     empty when the profiler cannot price power limits."""
     kareus_locked_power_limits: list[PowerLimitPoint]
     """The same with each instruction's clock locked as the point plans it, the limit on top."""
+    step_tail: StepTail | None = None
+    """The work after the last microbatch that every frontier includes (``step_tail.py``); None
+    where the profiler does not price it."""
 
 
 def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress) -> _Composed:
@@ -1054,6 +1057,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         power_limit_choice=chosen,
         kareus_power_limits=kareus_curves[False],
         kareus_locked_power_limits=kareus_curves[True],
+        step_tail=tail,
     )
 
 
@@ -1448,6 +1452,17 @@ def _plan_data(
         methods["kareus"]["locked_power_limits"] = [
             [p.power_limit_w, p.time_s, p.energy_j] for p in composed.kareus_locked_power_limits
         ]
+    tail = composed.step_tail
+    step_tail_record = (
+        None
+        if tail is None
+        else {
+            "time_s": tail.time_s,
+            "energy_j": tail.energy_j * composed.energy_scale,
+            "parts_s": dict(tail.parts_s),
+            "parameters_per_gpu": list(tail.parameters_per_gpu),
+        }
+    )
     live = req.model == LIVE_GRAPH_MODEL
     layers = req.layers if live else _model_layers(req)
     stage_layers = (
@@ -1490,7 +1505,7 @@ def _plan_data(
             if req.dp == 1
             else f"the job: {req.dp} data-parallel replicas x {req.world_size} GPUs (tp x cp x pp) = "
             f"{req.dp * req.world_size} GPUs; every rank assumed to cost what the traced rank of its stage "
-            f"costs; data-parallel gradient collectives not included"
+            f"costs; their gradient all-reduce is in step_tail where the plan records it"
         ),
         "baselines": list(BASELINES),
         "max_clock_only": req.max_clock_only,
@@ -1499,5 +1514,6 @@ def _plan_data(
         "microbatch_options": options,
         "iteration_frontier": frontier,
         "methods": methods,
+        **({} if step_tail_record is None else {"step_tail": step_tail_record}),
         "wall_s": dict(wall),
     }
