@@ -17,8 +17,9 @@ fusion; Megatron-LM with Transformer Engine fuses norms, RoPE, SwiGLU and attent
 every aten op that moves bytes or does FLOPs as its own kernel (an op's share of its fused
 kernel's work: shorter kernels than unfused eager ones, so an upper bound on the gaps).
 
-``h``: 5-25 us of CPU per op for PyTorch eager (Python, autograd and ATen dispatch, the driver's
-launch: a published breakdown, cited in the README); 90 us is the slowest seen here, the on-device
+``h``: 5-25 us of CPU per op for PyTorch eager (Python, pybind11, autograd and ATen dispatch, the
+backend's choice, the driver's ``cudaLaunchKernel``: the breakdown in "From PyTorch op to kernel
+launch", jiahuanglin.xyz/all_lessons/gpu_kernel_serving/18_pytorch_to_kernel.html); 90 us is the slowest seen here, the on-device
 profiler's op-by-op Python replay on an H200 (``bench/results/gpu_h200/gpu_checks_run4.json``:
 3.7-4.0 ms for 40-41 ops). Nothing is fitted; the Qwen rows are validation data.
 """
