@@ -250,6 +250,7 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
                         "collective": f"{ptype.collective.kind} {ptype.collective.bytes:.3g} B",
                         "comm_sms": sms,
                         "launch_slot": slot,
+                        "replay": profiler.kind,
                         "time_ms": measured.time_s * 1e3,
                         "energy_j": measured.energy_j,
                         "window_s": profiler.last_window_s,
@@ -265,8 +266,8 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
 
 def replay_graph_section(args: argparse.Namespace) -> dict[str, Any]:
     """The profiler's replay issued op by op from Python against the same replay captured once in
-    a CUDA graph (an experiment: the profiler does not capture yet). A graph removes the CPU's
-    launch cost, so where the two differ the eager replay was launch-bound."""
+    a CUDA graph (how the profiler measures since this comparison: ``DeviceProfiler(cuda_graphs=True)``).
+    A graph removes the CPU's launch cost, so where the two differ the eager replay was launch-bound."""
     from kareus_fx.runtime.device_profiler import PartitionReplay, timed_runs
 
     trace, trace_s, chosen, tables = _traced_partitions(args)
@@ -423,6 +424,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             for r in section["rows"]:
                 lines.append(
                     f"  {r['type'][:18]:18} {r['graph'][:8]:8} ops {r['ops']} replayed {r['replayed_ops']} "
+                    f"({r.get('replay', 'cuda')}) "
                     f"sms {r['comm_sms']} slot {r['launch_slot']}: {r['time_ms']:.3f} ms {r['energy_j']:.3f} J "
                     f"@{r['sm_clock_mhz_after']} MHz | sim {r['sim_time_ms']:.3f} ms {r['sim_energy_j']:.3f} J "
                     f"(x{r['time_over_sim']:.2f} t, x{r['energy_over_sim']:.2f} e)"

@@ -20,6 +20,7 @@ from kareus_fx.errors import KareusError
 from kareus_fx.runtime.device_profiler import (
     DeviceProfiler,
     DeviceProfilerError,
+    Kernel,
     PartitionReplay,
     build_collective_kernel,
     build_kernel,
@@ -313,3 +314,40 @@ def test_gpu_replay_times_with_cuda_events():
     times_s = replay_partition(ptype, PartitionConfig(1410, 8, 1), device="cuda", warmup=2, repeats=5, launch_log=log)
     assert all(t > 0 for t in times_s)
     assert log.index("collective0") == 2
+
+
+def test_the_database_kind_names_the_replay(monkeypatch):
+    """CUDA-graph replays (the default) and op-by-op replays are keyed apart in the profile
+    database: on a GPU they measure different things below a few milliseconds."""
+    assert DeviceProfiler("A100-SXM4-40GB").kind == "cuda-graph"
+    assert DeviceProfiler("A100-SXM4-40GB", cuda_graphs=False).kind == "cuda"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_measures_from_one_cuda_graph_per_configuration(cuda_gpu_name):
+    ptype = small_ptype()
+    with DeviceProfiler(cuda_gpu_name, min_window_s=1.0, warmup=2, repeats=5) as profiler:
+        overlapped = profiler.measure(ptype, PartitionConfig(1410, 8, 1))
+        (replay,) = profiler._replays.values()
+        assert profiler._captured is replay and replay._graph_config == (1, 8)
+        graph = replay._graph
+        profiler.measure(ptype, PartitionConfig(1410, 8, 1))
+        assert replay._graph is graph  # captured once per configuration
+        sequential = profiler.measure(ptype, PartitionConfig(1410, 16, None))
+        assert replay._graph_config == (None, 16)
+    assert replay._graph is None  # closing released the graph and its memory pool
+    assert overlapped.time_s > 0 and sequential.time_s > 0 and overlapped.energy_j > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_replay_that_cannot_be_captured_is_measured_op_by_op_with_a_warning(cuda_gpu_name):
+    ptype = small_ptype()
+    replay = PartitionReplay.build([s.ops for s in ptype.slots], [ptype.collective], "cuda")
+    values = torch.ones(16, device="cuda")
+    # reading a value back to the host is not allowed while a stream is captured
+    replay.slots[1].append(Kernel("readback", "test.item", "proxy", lambda: values.sum().item()))
+    with DeviceProfiler(cuda_gpu_name, min_window_s=1.0, warmup=2, repeats=5) as profiler:
+        with pytest.warns(UserWarning, match="could not be captured in a CUDA graph"):
+            measurement = profiler._measure(replay, 1410, 1, 8)
+    assert measurement.time_s > 0 and measurement.energy_j > 0
+    assert replay._graph is None
