@@ -34,8 +34,9 @@ CUDA graph and the graph is replayed (``cuda_graphs=True``, the default; profile
 few milliseconds (an H200 ran a 40-op backward partition in 0.63-0.85 ms from a graph and
 3.7-4.0 ms issued op by op, ``bench/results/gpu_h200/``), so the measured time is the GPU's time
 for the partition's kernels with no host gaps between them. A deployment whose host cannot keep
-ahead of its GPU runs slower than that. Where capture fails (an op that synchronises with the
-host), that replay is measured op by op, with a warning once per profiler. Static energy = the GPU's static power
+ahead of its GPU runs slower than that. A replay with an op that synchronises with the host
+(found by a warm-up under CUDA's sync debug mode, before any capture) is measured op by op,
+with a warning once per profiler. Static energy = the GPU's static power
 (``cost_models.hardware``) x time; dynamic = total - static. Before each measurement the GPU
 cools until its temperature is within ``cooldown_tolerance_c`` of its idle temperature (given, or read before the first
 measurement) or ``cooldown_timeout_s`` passes. The clock goes through a
@@ -102,6 +103,10 @@ _FP32_BYTES = 4
 
 class DeviceProfilerError(KareusError, RuntimeError):
     """The on-device profiler cannot run here (no CUDA GPU, no energy counter)."""
+
+
+class UncapturableReplayError(RuntimeError):
+    """A replay synchronises with the host, so it cannot be captured in a CUDA graph."""
 
 
 @dataclass(frozen=True)
@@ -461,9 +466,12 @@ class PartitionReplay:
     def captured(self, launch_slot: int | None, comm_sms: int) -> Callable[[], None]:
         """One execution as a call that replays a CUDA graph of it (GPU only), captured on the first
         call for this configuration; a capture of another configuration is released first (each
-        holds a private memory pool of one execution's tensors). Raises what the capture raises
-        (``RuntimeError``) where an op cannot be captured, for example one that reads a value
-        back to the host."""
+        holds a private memory pool of one execution's tensors).
+
+        Raises :class:`UncapturableReplayError` before any capture where an op synchronises with
+        the host (a value read back, a data-dependent shape): the last warm-up runs under
+        ``torch.cuda.set_sync_debug_mode("error")``. A capture that fails is not retried: it
+        leaves the CUDA generator's capture state set, so random tensors fail afterwards."""
         if self.device.type != "cuda":
             raise ValueError(f"a CUDA graph needs a CUDA replay, this one is on {self.device}")
         if self._graph is None or self._graph_config != (launch_slot, comm_sms):
@@ -471,8 +479,16 @@ class PartitionReplay:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up off the capture stream (lazy inits, Triton's compile)
-                for _ in range(3):
+                for _ in range(2):
                     self.issue(launch_slot, comm_sms)
+                previous_mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    self.issue(launch_slot, comm_sms)
+                except RuntimeError as err:
+                    raise UncapturableReplayError(str(err).splitlines()[0]) from err
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous_mode)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -713,7 +729,7 @@ class DeviceProfiler:
     def _runner(self, replay: PartitionReplay, launch_slot: int | None, comm_sms: int) -> Callable[[], None]:
         """One execution of ``replay`` as a call: its CUDA graph where ``cuda_graphs`` and the
         replay is on a GPU (the previous replay's graph released first), else the eager issue;
-        a failed capture measures op by op, with a warning once."""
+        a replay that synchronises with the host is measured op by op, with a warning once."""
 
         def issue() -> None:
             replay.issue(launch_slot, comm_sms)
@@ -725,11 +741,7 @@ class DeviceProfiler:
         self._captured = replay
         try:
             return replay.captured(launch_slot, comm_sms)
-        except torch.cuda.OutOfMemoryError:
-            replay.release_graph()
-            raise  # a failed configuration (_as_configuration_failure), not an uncapturable op
-        except RuntimeError as err:
-            replay.release_graph()
+        except UncapturableReplayError as err:
             if not self._warned_capture:
                 warnings.warn(
                     f"a partition's replay could not be captured in a CUDA graph ({str(err).splitlines()[0]}): "

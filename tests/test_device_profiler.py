@@ -351,3 +351,5 @@ def test_gpu_replay_that_cannot_be_captured_is_measured_op_by_op_with_a_warning(
             measurement = profiler._measure(replay, 1410, 1, 8)
     assert measurement.time_s > 0 and measurement.energy_j > 0
     assert replay._graph is None
+    # found before capturing: a failed capture would leave the CUDA generator capturing
+    assert torch.randn(4, device="cuda").isfinite().all()
