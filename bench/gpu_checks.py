@@ -323,11 +323,18 @@ def deployed_step_section(args: argparse.Namespace) -> dict[str, Any]:
         rope_theta=10000.0,
         tie_embeddings=False,
     )
-    results: dict[str, Any] = {"model": f"{config}", "mbs": 4, "seq": 2048, "world": "fake process group of 2"}
+    results: dict[str, Any] = {
+        "model": f"{config}",
+        "mbs": 4,
+        "seq": 2048,
+        "world": "fake process group of 2",
+        "recompute": args.step_recompute,
+    }
     with fake_process_group(2):
         torch.manual_seed(0)
         with torch.device("cuda"):
-            model = build_model(config, ParallelLayout.from_default_group(tp=2), dtype=torch.bfloat16)
+            layout = ParallelLayout.from_default_group(tp=2)
+            model = build_model(config, layout, dtype=torch.bfloat16, recompute=args.step_recompute)
             model.init_weights(seed=0)
         batch = model.example_batch(mbs=4, seq=2048, device="cuda")
         versions: dict[str, Callable[..., torch.Tensor]] = {
@@ -455,6 +462,9 @@ def main() -> None:
     parser.add_argument("--replay-mbs", type=int, default=2)
     parser.add_argument("--step-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--step-recompute", default="none", choices=("none", "full", "selective"), help="deployed_step's checkpointing"
+    )
     args = parser.parse_args()
     if args.summary:
         with open(args.summary) as f:
