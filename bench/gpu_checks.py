@@ -227,6 +227,7 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
         repeats=10,
         cooldown_tolerance_c=100.0,
         cooldown_timeout_s=1.0,
+        fused_slots=args.replay_fused,
     ) as profiler:
         for ptype in chosen:
             replay = PartitionReplay.build(
@@ -460,6 +461,9 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=1.0, help="the energy window of each replay measurement")
     parser.add_argument("--replay-types", type=int, default=3, help="partition types measured (largest first)")
     parser.add_argument("--replay-mbs", type=int, default=2)
+    parser.add_argument(
+        "--replay-fused", action="store_true", help="replay_profiler: each slot one Inductor-compiled graph"
+    )
     parser.add_argument("--step-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument(

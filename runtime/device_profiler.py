@@ -17,6 +17,10 @@ kernels are rebuilt per op (:func:`build_kernel`):
   attention forward/backward become the real op on one batch with sequence length and heads x
   head_dim solved from FLOPs and bytes; every other op becomes an fp32 copy moving the
   recorded bytes (memory-bound ops cost their bytes).
+- **fused** (``fused=True`` with node records; :mod:`kareus_fx.runtime.fused_replay`): each slot
+  is one Inductor-compiled graph of its recorded ops with their dataflow, as the deployment runs
+  them, instead of one aten kernel per op on separate inputs; a slot that cannot be rebuilt or
+  compiled is replayed op by op (warning).
 
 The collective is replaced by an SM-limited reduce (``dst += src``, bf16) over the bytes one
 rank moves in a ring algorithm (all-reduce ``2 (g-1)/g`` of the buffer, the others
@@ -74,6 +78,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.errors import KareusError
 from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
 from kareus_fx.runtime.frequency import FrequencyController
+from kareus_fx.runtime.fused_replay import fused_slot_kernel
 from kareus_fx.workload import (
     CollectiveSpec,
     GraphName,
@@ -115,7 +120,7 @@ class Kernel:
 
     name: str
     target: str
-    source: Literal["replay", "proxy"]
+    source: Literal["replay", "proxy", "fused"]
     run: Callable[[], Any] = field(repr=False)
 
 
@@ -380,6 +385,25 @@ def build_kernels(ops: Sequence[OpCost], device: torch.device | str, table: Node
     return kernels
 
 
+def _fused_or_per_op(ops: Sequence[OpCost], table: NodeTable, device: torch.device) -> list[Kernel]:
+    """The slot as one fused kernel (compiled here, by its first run), or one kernel per op where
+    the slot's graph cannot be rebuilt or compiled (a warning names why)."""
+    if not ops:
+        return []
+    try:
+        run, _, _ = fused_slot_kernel(ops, table, device)
+        run()
+    except Exception as err:  # noqa: BLE001 -- any rebuild or Inductor failure: measure op by op
+        logger.warning(
+            "slot of %d ops (from %s) not fused (%s): replaying it op by op",
+            len(ops),
+            ops[0].name if ops else "-",
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        return build_kernels(ops, device, table)
+    return [Kernel(f"fused[{ops[0].name}..{ops[-1].name}]", "inductor", "fused", run)]
+
+
 def timed_runs(run: Callable[[], None], device: torch.device, *, warmup: int, repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` calls of ``run`` after ``warmup``: CUDA events on a GPU,
     ``perf_counter`` on CPU (where kernels run synchronously)."""
@@ -421,11 +445,20 @@ class PartitionReplay:
         collectives: Sequence[CollectiveSpec],
         device: torch.device | str,
         table: NodeTable | None = None,
+        *,
+        fused: bool = False,
     ) -> PartitionReplay:
+        """``fused``: each slot one Inductor-compiled graph of its recorded ops
+        (:mod:`kareus_fx.runtime.fused_replay`; needs ``table``), a slot that cannot be fused
+        replayed op by op with a warning; else one kernel per op."""
         device = torch.device(device)
-        kernels = iter(build_kernels([op for slot in slots for op in slot], device, table))
+        if fused and table is not None:
+            built = [_fused_or_per_op(slot, table, device) for slot in slots]
+        else:
+            kernels = iter(build_kernels([op for slot in slots for op in slot], device, table))
+            built = [[next(kernels) for _ in slot] for slot in slots]
         return cls(
-            slots=[[next(kernels) for _ in slot] for slot in slots],
+            slots=built,
             collectives=[build_collective_kernel(spec, device) for spec in collectives],
             device=device,
             _side_stream=torch.cuda.Stream(device) if device.type == "cuda" else None,
@@ -569,7 +602,10 @@ class DeviceProfiler:
     sequence's ops), consulted before ``node_tables[graph]``: for ops of several dumps.
     ``cuda_graphs``: replay each configuration from a CUDA graph (the default; see the module
     docstring), else op by op from Python (database kind ``cuda``, launch-bound below a few
-    milliseconds). ``idle_temperature_c``: the cooldown target (default:
+    milliseconds). ``fused_slots``: replay each slot as one Inductor-compiled graph of its
+    recorded ops (:mod:`kareus_fx.runtime.fused_replay`; database kind suffix ``-fused``), and an
+    un-split sequence as one graph; not yet measured on a GPU, so off by default.
+    ``idle_temperature_c``: the cooldown target (default:
     the temperature read before the first measurement). ``zeus_monitor`` / ``read_temperature_c``: injected
     for tests; by default a ``ZeusMonitor`` on ``gpu_index`` and Zeus's NVML temperature.
     """
@@ -584,6 +620,7 @@ class DeviceProfiler:
         tables_by_ops: Mapping[str, NodeTable] | None = None,
         min_window_s: float = 5.0,
         cuda_graphs: bool = True,
+        fused_slots: bool = False,
         warmup: int = 3,
         repeats: int = 10,
         cooldown_tolerance_c: float = 3.0,
@@ -601,7 +638,8 @@ class DeviceProfiler:
         self.tables_by_ops = tables_by_ops or {}
         self.min_window_s = float(min_window_s)
         self.cuda_graphs = cuda_graphs
-        self.kind = "cuda-graph" if cuda_graphs else "cuda"
+        self.fused_slots = fused_slots
+        self.kind = "cuda" + ("-graph" if cuda_graphs else "") + ("-fused" if fused_slots else "")
         """Profile-database key of this profiler: measurements of the two replays never mix."""
         self.warmup = warmup
         self.repeats = repeats
@@ -627,7 +665,9 @@ class DeviceProfiler:
                 self._check_cuda()
                 slots = [slot.ops for slot in ptype.slots]
                 table = self._table([op for ops in slots for op in ops], ptype.graph)
-                self._replays[key] = PartitionReplay.build(slots, [ptype.collective], self._device(), table)
+                self._replays[key] = PartitionReplay.build(
+                    slots, [ptype.collective], self._device(), table, fused=self.fused_slots
+                )
             return self._measure(self._replays[key], config.clock_mhz, config.launch_slot, config.comm_sms)
 
         return self._as_configuration_failure(key, f"{ptype.type_id} at {config}", run)
@@ -649,8 +689,9 @@ class DeviceProfiler:
         def run() -> Measurement:
             if key not in self._replays:
                 self._check_cuda()
+                slots = [list(ops)] if self.fused_slots else [[op] for op in ops]
                 self._replays[key] = PartitionReplay.build(
-                    [[op] for op in ops], list(collectives), self._device(), self._table(ops, graph)
+                    slots, list(collectives), self._device(), self._table(ops, graph), fused=self.fused_slots
                 )
             return self._measure(self._replays[key], clock_mhz, None, comm_sms)
 
