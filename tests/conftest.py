@@ -55,14 +55,14 @@ def train_microbatches(model, fn, batches):
 
 
 # What the planner's tracer never reads (``trace_plan_stages`` traces from ``PlanRequest.trace_spec``,
-# the stage split, ``full_trace`` and ``profiler``): requests that differ only in these trace the
-# same graphs, and the tuner reads them.
-_TUNING_ONLY = {"clock_stride_mhz": 0, "max_clock_only": False}
+# the stage split, ``full_trace``, ``profiler`` and ``gpu``): requests that differ only in these
+# trace the same graphs; tuning and composing read them.
+_NOT_TRACED = {"clock_stride_mhz": 0, "max_clock_only": False, "microbatches": 1}
 
 
 @pytest.fixture(scope="session")
 def session_traces():
-    """Stage graphs the session's plan fixtures traced, by request less :data:`_TUNING_ONLY`
+    """Stage graphs the session's plan fixtures traced, by request less :data:`_NOT_TRACED`
     (filled and read through :func:`sharing_traces`)."""
     return {}
 
@@ -70,7 +70,7 @@ def session_traces():
 @contextlib.contextmanager
 def sharing_traces(traces):
     """In the block the planner traces each request once per session: a request that traces the
-    same graphs as one already traced (the same request but for :data:`_TUNING_ONLY`) gets those
+    same graphs as one already traced (the same request but for :data:`_NOT_TRACED`) gets those
     graphs and its work directory holds no dumps; everything after the trace (tuning, composing,
     the plan file) runs for the request. Planner entry points (``make_plan``, ``kareus plan``)
     trace through ``planner.trace_plan_stages``."""
@@ -79,7 +79,7 @@ def sharing_traces(traces):
     real = planner.trace_plan_stages
 
     def trace(req, dump_root):
-        key = dataclasses.replace(req, **_TUNING_ONLY)
+        key = dataclasses.replace(req, **_NOT_TRACED)
         if key not in traces:
             traces[key] = real(req, dump_root)
         resolved, traced = traces[key]
@@ -133,13 +133,15 @@ TINY_TP2_WORKLOAD = {
 
 
 @pytest.fixture(scope="session")
-def tiny_tp2_plan_data(tmp_path_factory):
+def tiny_tp2_plan_data(tmp_path_factory, session_traces):
     """The data of a real fp32 plan of :data:`TINY_TP2_WORKLOAD` (simulated GPU), planned once per
-    session (about 15 s): the run-time switching tests give it frontiers of their own."""
+    session (about 15 s): the run-time switching tests give it frontiers of their own. Its traces
+    serve the session's other plans of this workload (:func:`sharing_traces`)."""
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
     request = PlanRequest(**TINY_TP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
-    return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data
+    with sharing_traces(session_traces):
+        return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
