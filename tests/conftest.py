@@ -144,6 +144,30 @@ def tiny_tp2_plan_data(tmp_path_factory, session_traces):
         return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data
 
 
+TP2_PP2_WORKLOAD = {
+    "model": "tiny-llama",
+    "tp": 2,
+    "cp": 1,
+    "pp": 2,
+    "microbatches": 3,
+    "mbs": 2,
+    "seq": 256,
+    "layers": 2,
+}
+"""The workload of :func:`tp2_pp2_plan_data`."""
+
+
+@pytest.fixture(scope="session")
+def tp2_pp2_plan_data(tmp_path_factory, session_traces):
+    """The data of a real fp32 plan of :data:`TP2_PP2_WORKLOAD` (simulated GPU), planned once per
+    session for the pipeline deployment tests (each copies it before giving it options of its own)."""
+    from kareus_fx.plan.planner import PlanRequest, make_plan
+
+    request = PlanRequest(**TP2_PP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
+    with sharing_traces(session_traces):
+        return make_plan(request, tmp_path_factory.mktemp("tp2-pp2-plan"), progress=False).data
+
+
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
     """Whether process ``pid`` exits within ``timeout_s`` (polled every 10 ms)."""
     from kareus_fx.runtime.clock_locks import process_alive
