@@ -227,6 +227,7 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
         repeats=10,
         cooldown_tolerance_c=100.0,
         cooldown_timeout_s=1.0,
+        fused_slots=args.replay_fused,
     ) as profiler:
         for ptype in chosen:
             replay = PartitionReplay.build(
@@ -250,6 +251,7 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
                         "collective": f"{ptype.collective.kind} {ptype.collective.bytes:.3g} B",
                         "comm_sms": sms,
                         "launch_slot": slot,
+                        "replay": profiler.kind,
                         "time_ms": measured.time_s * 1e3,
                         "energy_j": measured.energy_j,
                         "window_s": profiler.last_window_s,
@@ -265,8 +267,8 @@ def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
 
 def replay_graph_section(args: argparse.Namespace) -> dict[str, Any]:
     """The profiler's replay issued op by op from Python against the same replay captured once in
-    a CUDA graph (an experiment: the profiler does not capture yet). A graph removes the CPU's
-    launch cost, so where the two differ the eager replay was launch-bound."""
+    a CUDA graph (how the profiler measures since this comparison: ``DeviceProfiler(cuda_graphs=True)``).
+    A graph removes the CPU's launch cost, so where the two differ the eager replay was launch-bound."""
     from kareus_fx.runtime.device_profiler import PartitionReplay, timed_runs
 
     trace, trace_s, chosen, tables = _traced_partitions(args)
@@ -322,11 +324,18 @@ def deployed_step_section(args: argparse.Namespace) -> dict[str, Any]:
         rope_theta=10000.0,
         tie_embeddings=False,
     )
-    results: dict[str, Any] = {"model": f"{config}", "mbs": 4, "seq": 2048, "world": "fake process group of 2"}
+    results: dict[str, Any] = {
+        "model": f"{config}",
+        "mbs": 4,
+        "seq": 2048,
+        "world": "fake process group of 2",
+        "recompute": args.step_recompute,
+    }
     with fake_process_group(2):
         torch.manual_seed(0)
         with torch.device("cuda"):
-            model = build_model(config, ParallelLayout.from_default_group(tp=2), dtype=torch.bfloat16)
+            layout = ParallelLayout.from_default_group(tp=2)
+            model = build_model(config, layout, dtype=torch.bfloat16, recompute=args.step_recompute)
             model.init_weights(seed=0)
         batch = model.example_batch(mbs=4, seq=2048, device="cuda")
         versions: dict[str, Callable[..., torch.Tensor]] = {
@@ -423,6 +432,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
             for r in section["rows"]:
                 lines.append(
                     f"  {r['type'][:18]:18} {r['graph'][:8]:8} ops {r['ops']} replayed {r['replayed_ops']} "
+                    f"({r.get('replay', 'cuda')}) "
                     f"sms {r['comm_sms']} slot {r['launch_slot']}: {r['time_ms']:.3f} ms {r['energy_j']:.3f} J "
                     f"@{r['sm_clock_mhz_after']} MHz | sim {r['sim_time_ms']:.3f} ms {r['sim_energy_j']:.3f} J "
                     f"(x{r['time_over_sim']:.2f} t, x{r['energy_over_sim']:.2f} e)"
@@ -451,8 +461,14 @@ def main() -> None:
     parser.add_argument("--window-s", type=float, default=1.0, help="the energy window of each replay measurement")
     parser.add_argument("--replay-types", type=int, default=3, help="partition types measured (largest first)")
     parser.add_argument("--replay-mbs", type=int, default=2)
+    parser.add_argument(
+        "--replay-fused", action="store_true", help="replay_profiler: each slot one Inductor-compiled graph"
+    )
     parser.add_argument("--step-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--step-recompute", default="none", choices=("none", "full", "selective"), help="deployed_step's checkpointing"
+    )
     args = parser.parse_args()
     if args.summary:
         with open(args.summary) as f:

@@ -31,6 +31,8 @@ for part in ${parts[*]}; do
         timeout 200 python3 -m pytest -q -p no:cacheprovider -rs --rootdir "$repo" -c "$repo/pyproject.toml" \
             "$t/test_device_profiler.py::test_gpu_measures_traced_partition" \
             "$t/test_device_profiler.py::test_gpu_replay_times_with_cuda_events" \
+            "$t/test_device_profiler.py::test_gpu_measures_from_one_cuda_graph_per_configuration" \
+            "$t/test_device_profiler.py::test_gpu_replay_that_cannot_be_captured_is_measured_op_by_op_with_a_warning" \
             "$t/test_runtime.py::test_cuda_stream_table_orders_comm_after_compute" \
             "$t/test_plan_cuda.py::test_gpu_plan_measures_on_device_in_dry_run" \
             "$t/test_distributed_profiling.py::test_the_group_measurer_runs_on_one_gpu_over_nccl_with_an_sm_limited_communicator" \

@@ -55,6 +55,28 @@ def memory_share(compute_s: float, memory_s: float, sharpness: float) -> float:
     return 1.0 / (1.0 + ratio**sharpness)
 
 
+def mean_resident_sms(ctas: int, sms: int, memory_share_of_kernel: float) -> float:
+    """SMs holding a kernel's CTAs, averaged over its time, when it runs ``ctas`` CTAs on ``sms`` SMs.
+
+    A compute-bound kernel's time is its waves (``ceil(ctas / sms)``) of one CTA's time each
+    (wave quantisation); in the last wave only ``ctas - (waves - 1) x sms`` SMs hold a CTA and the
+    others sit empty, drawing no SM-active power (the power model charges SMs holding resident
+    CTAs: ``SimParams.sm_active_power_w``). Averaged over the waves that is ``ctas / waves`` SMs:
+    a 256-CTA GEMM on 108 SMs runs 3 waves, the SMs busy 79 % of its time (NVIDIA, "Matrix
+    Multiplication Background User's Guide", wave quantization: "the last wave partially occupies
+    the GPU"). A memory-bound kernel's time is set by HBM bandwidth, not by its waves: its resident
+    CTAs stream until the bytes are moved, so it keeps ``min(ctas, sms)``. Between the two the
+    kernel's memory share (:func:`memory_share`) weights the two (an assumption).
+    """
+    busy = float(min(ctas, sms))
+    if ctas <= sms:
+        return busy
+    waves = math.ceil(ctas / sms)
+    wave_mean = ctas / waves
+    share = min(max(memory_share_of_kernel, 0.0), 1.0)
+    return share * busy + (1.0 - share) * wave_mean
+
+
 @dataclass(frozen=True)
 class KernelRates:
     """One kernel's standalone behaviour with a given number of SMs at a given clock."""
@@ -68,6 +90,14 @@ class KernelRates:
     memory_share: float = 0.0
     """How memory-bound it is, 0 (compute-bound) to 1: its memory time's share of the smooth
     roofline, ``m^p / (c^p + m^p)`` with ``p = roofline_sharpness``."""
+    resident_sms: float | None = None
+    """SMs holding its CTAs averaged over its time (what draws SM-active power): ``busy_sms`` less
+    the SMs a partial last wave leaves empty (:func:`mean_resident_sms`); None: ``busy_sms``."""
+
+    @property
+    def powered_sms(self) -> float:
+        """The SMs whose SM-active power the kernel draws, averaged over its time."""
+        return self.busy_sms if self.resident_sms is None else self.resident_sms
 
 
 class KernelModel:
@@ -106,11 +136,13 @@ class KernelModel:
         busy = float(min(ctas, sms))
         memory_s = nbytes / self.memory_bandwidth(busy, clock_mhz) if nbytes > 0 else 0.0
         time_s = smooth_max(compute_s, memory_s, p.roofline_sharpness)
+        share = memory_share(compute_s, memory_s, p.roofline_sharpness)
         return KernelRates(
             time_s,
             nbytes / time_s if time_s > 0 else 0.0,
             busy,
-            memory_share(compute_s, memory_s, p.roofline_sharpness),
+            share,
+            mean_resident_sms(ctas, sms, share),
         )
 
     def comm_contention(self, memory_share_of_kernel: float) -> float:

@@ -93,10 +93,17 @@ class _Phase:
 
     time_s: float
     busy_frac: float
-    """SMs holding its CTAs / all SMs."""
+    """SMs holding its CTAs / all SMs (its weight in HBM sharing)."""
     hbm_bytes_per_s: float
     contention_per_byte_s: float = 0.0
     """Collective slowdown per HBM byte/s this kernel draws (its contention / the saturation)."""
+    active_frac: float | None = None
+    """SMs holding its CTAs averaged over its time / all SMs (what draws SM-active power:
+    ``KernelRates.powered_sms``); None: ``busy_frac``."""
+
+    @property
+    def powered_frac(self) -> float:
+        return self.busy_frac if self.active_frac is None else self.active_frac
 
 
 @dataclass(frozen=True)
@@ -277,6 +284,7 @@ class Simulator:
                 r.busy_sms / self.spec.sm_count,
                 r.hbm_bytes_per_s,
                 self.kernels.comm_contention(r.memory_share) / self._sat,
+                r.powered_sms / self.spec.sm_count,
             )
             if len(self._phases) > _CACHE_LIMIT:
                 self._phases.clear()
@@ -418,7 +426,7 @@ class Simulator:
             tuple(alone),
             tuple(shared),
             tuple(itertools.accumulate((a.time_s for a in alone), initial=0.0)),
-            tuple(itertools.accumulate((a.time_s * a.busy_frac for a in alone), initial=0.0)),
+            tuple(itertools.accumulate((a.time_s * a.powered_frac for a in alone), initial=0.0)),
         )
         if len(self._lanes) > _CACHE_LIMIT:
             self._lanes.clear()
@@ -493,11 +501,12 @@ class Simulator:
             while True:
                 blocked = i >= stop
                 if blocked:
-                    lane_rate = k_busy = k_demand = kappa_per_demand = 0.0
+                    lane_rate = k_busy = k_powered = k_demand = kappa_per_demand = 0.0
                 else:
                     ph = shared[i]
                     lane_rate = 1.0 / ph.time_s if ph.time_s > 0.0 else _INF
                     k_busy, k_demand, kappa_per_demand = ph.busy_frac, ph.hbm_bytes_per_s, ph.contention_per_byte_s
+                    k_powered = ph.powered_frac
                 if latency > 0.0:
                     comm_rate = 0.0
                     comm_t = latency
@@ -525,7 +534,7 @@ class Simulator:
                     name = None if blocked else ("gap" if kernel_of[i] < 0 else kernels[kernel_of[i]].name)
                     segs.append(Segment(t, t + dt, name, True))
                 t += dt
-                busy += (k_busy + comm_frac) * dt
+                busy += (k_powered + comm_frac) * dt
                 if lane_t <= comm_t:
                     i, frac = i + 1, 1.0
                 elif not blocked:
@@ -552,7 +561,7 @@ class Simulator:
                     k = kernel_of[i]
                     segs.append(Segment(t, t + dur, "gap" if k < 0 else kernels[k].name, False))
                 t += dur
-                busy += dur * a.busy_frac
+                busy += dur * a.powered_frac
                 i += 1
 
         # 3. The rest of the lane, every SM again.
@@ -589,7 +598,7 @@ class Simulator:
         for op in kernels:
             ph = self._phase(op, sm_count, clock)
             t += gap + ph.time_s
-            busy += ph.busy_frac * ph.time_s
+            busy += ph.powered_frac * ph.time_s
             flops += op.flops
             nbytes += op.bytes
         for coll in collectives:

@@ -17,6 +17,10 @@ kernels are rebuilt per op (:func:`build_kernel`):
   attention forward/backward become the real op on one batch with sequence length and heads x
   head_dim solved from FLOPs and bytes; every other op becomes an fp32 copy moving the
   recorded bytes (memory-bound ops cost their bytes).
+- **fused** (``fused=True`` with node records; :mod:`kareus_fx.runtime.fused_replay`): each slot
+  is one Inductor-compiled graph of its recorded ops with their dataflow, as the deployment runs
+  them, instead of one aten kernel per op on separate inputs; a slot that cannot be rebuilt or
+  compiled is replayed op by op (warning).
 
 The collective is replaced by an SM-limited reduce (``dst += src``, bf16) over the bytes one
 rank moves in a ring algorithm (all-reduce ``2 (g-1)/g`` of the buffer, the others
@@ -28,7 +32,15 @@ when sequential; the main stream waits for it at the end.
 
 Timing: CUDA events around each execution after warm-up. Energy: Zeus's ``ZeusMonitor`` over a
 window of at least ``min_window_s`` (NVML's counter updates every ~100 ms) repeating the
-partition, divided by the repeats. Static energy = the GPU's static power
+partition, divided by the repeats. On a GPU each configuration's execution is captured once in a
+CUDA graph and the graph is replayed (``cuda_graphs=True``, the default; profile-database kind
+``cuda-graph``): issued op by op from Python the replay is launch-bound for partitions under a
+few milliseconds (an H200 ran a 40-op backward partition in 0.63-0.85 ms from a graph and
+3.7-4.0 ms issued op by op, ``bench/results/gpu_h200/``), so the measured time is the GPU's time
+for the partition's kernels with no host gaps between them. A deployment whose host cannot keep
+ahead of its GPU runs slower than that. A replay with an op that synchronises with the host
+(found by a warm-up under CUDA's sync debug mode, before any capture) is measured op by op,
+with a warning once per profiler. Static energy = the GPU's static power
 (``cost_models.hardware``) x time; dynamic = total - static. Before each measurement the GPU
 cools until its temperature is within ``cooldown_tolerance_c`` of its idle temperature (given, or read before the first
 measurement) or ``cooldown_timeout_s`` passes. The clock goes through a
@@ -54,6 +66,7 @@ import logging
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -65,6 +78,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.errors import KareusError
 from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
 from kareus_fx.runtime.frequency import FrequencyController
+from kareus_fx.runtime.fused_replay import fused_slot_kernel
 from kareus_fx.workload import (
     CollectiveSpec,
     GraphName,
@@ -96,13 +110,17 @@ class DeviceProfilerError(KareusError, RuntimeError):
     """The on-device profiler cannot run here (no CUDA GPU, no energy counter)."""
 
 
+class UncapturableReplayError(RuntimeError):
+    """A replay synchronises with the host, so it cannot be captured in a CUDA graph."""
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One runnable kernel standing for one recorded op."""
 
     name: str
     target: str
-    source: Literal["replay", "proxy"]
+    source: Literal["replay", "proxy", "fused"]
     run: Callable[[], Any] = field(repr=False)
 
 
@@ -367,6 +385,25 @@ def build_kernels(ops: Sequence[OpCost], device: torch.device | str, table: Node
     return kernels
 
 
+def _fused_or_per_op(ops: Sequence[OpCost], table: NodeTable, device: torch.device) -> list[Kernel]:
+    """The slot as one fused kernel (compiled here, by its first run), or one kernel per op where
+    the slot's graph cannot be rebuilt or compiled (a warning names why)."""
+    if not ops:
+        return []
+    try:
+        run, _, _ = fused_slot_kernel(ops, table, device)
+        run()
+    except Exception as err:  # noqa: BLE001 -- any rebuild or Inductor failure: measure op by op
+        logger.warning(
+            "slot of %d ops (from %s) not fused (%s): replaying it op by op",
+            len(ops),
+            ops[0].name if ops else "-",
+            str(err).splitlines()[0] if str(err) else type(err).__name__,
+        )
+        return build_kernels(ops, device, table)
+    return [Kernel(f"fused[{ops[0].name}..{ops[-1].name}]", "inductor", "fused", run)]
+
+
 def timed_runs(run: Callable[[], None], device: torch.device, *, warmup: int, repeats: int) -> list[float]:
     """Seconds of each of ``repeats`` calls of ``run`` after ``warmup``: CUDA events on a GPU,
     ``perf_counter`` on CPU (where kernels run synchronously)."""
@@ -398,6 +435,8 @@ class PartitionReplay:
     launch_log: list[str] | None = None
     """When a list, each issued kernel's label is appended (``slot{i}:{name}``, ``collective{j}``)."""
     _side_stream: torch.cuda.Stream | None = None
+    _graph: torch.cuda.CUDAGraph | None = None
+    _graph_config: tuple[int | None, int] | None = None
 
     @classmethod
     def build(
@@ -406,11 +445,20 @@ class PartitionReplay:
         collectives: Sequence[CollectiveSpec],
         device: torch.device | str,
         table: NodeTable | None = None,
+        *,
+        fused: bool = False,
     ) -> PartitionReplay:
+        """``fused``: each slot one Inductor-compiled graph of its recorded ops
+        (:mod:`kareus_fx.runtime.fused_replay`; needs ``table``), a slot that cannot be fused
+        replayed op by op with a warning; else one kernel per op."""
         device = torch.device(device)
-        kernels = iter(build_kernels([op for slot in slots for op in slot], device, table))
+        if fused and table is not None:
+            built = [_fused_or_per_op(slot, table, device) for slot in slots]
+        else:
+            kernels = iter(build_kernels([op for slot in slots for op in slot], device, table))
+            built = [[next(kernels) for _ in slot] for slot in slots]
         return cls(
-            slots=[[next(kernels) for _ in slot] for slot in slots],
+            slots=built,
             collectives=[build_collective_kernel(spec, device) for spec in collectives],
             device=device,
             _side_stream=torch.cuda.Stream(device) if device.type == "cuda" else None,
@@ -447,6 +495,43 @@ class PartitionReplay:
         done = torch.cuda.Event()
         done.record(self._side_stream)
         return done
+
+    def captured(self, launch_slot: int | None, comm_sms: int) -> Callable[[], None]:
+        """One execution as a call that replays a CUDA graph of it (GPU only), captured on the first
+        call for this configuration; a capture of another configuration is released first (each
+        holds a private memory pool of one execution's tensors).
+
+        Raises :class:`UncapturableReplayError` before any capture where an op synchronises with
+        the host (a value read back, a data-dependent shape): the last warm-up runs under
+        ``torch.cuda.set_sync_debug_mode("error")``. A capture that fails is not retried: it
+        leaves the CUDA generator's capture state set, so random tensors fail afterwards."""
+        if self.device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs a CUDA replay, this one is on {self.device}")
+        if self._graph is None or self._graph_config != (launch_slot, comm_sms):
+            self.release_graph()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up off the capture stream (lazy inits, Triton's compile)
+                for _ in range(2):
+                    self.issue(launch_slot, comm_sms)
+                previous_mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    self.issue(launch_slot, comm_sms)
+                except RuntimeError as err:
+                    raise UncapturableReplayError(str(err).splitlines()[0]) from err
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous_mode)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.issue(launch_slot, comm_sms)
+            self._graph, self._graph_config = graph, (launch_slot, comm_sms)
+        return self._graph.replay
+
+    def release_graph(self) -> None:
+        """Free the captured CUDA graph and its memory pool (no-op without one)."""
+        self._graph, self._graph_config = None, None
 
     def synchronize(self) -> None:
         """Wait for every issued kernel (kernels run synchronously on CPU)."""
@@ -515,13 +600,15 @@ class DeviceProfiler:
     recorded ops; None uses kernel proxies. ``tables_by_ops``: node tables by the
     :func:`replay_key` of the ops they replay (a partition type's ops in slot order, or a
     sequence's ops), consulted before ``node_tables[graph]``: for ops of several dumps.
+    ``cuda_graphs``: replay each configuration from a CUDA graph (the default; see the module
+    docstring), else op by op from Python (database kind ``cuda``, launch-bound below a few
+    milliseconds). ``fused_slots``: replay each slot as one Inductor-compiled graph of its
+    recorded ops (:mod:`kareus_fx.runtime.fused_replay`; database kind suffix ``-fused``), and an
+    un-split sequence as one graph; not yet measured on a GPU, so off by default.
     ``idle_temperature_c``: the cooldown target (default:
     the temperature read before the first measurement). ``zeus_monitor`` / ``read_temperature_c``: injected
     for tests; by default a ``ZeusMonitor`` on ``gpu_index`` and Zeus's NVML temperature.
     """
-
-    kind = "cuda"
-    """Profile-database key of this profiler."""
 
     def __init__(
         self,
@@ -532,6 +619,8 @@ class DeviceProfiler:
         node_tables: Mapping[str, NodeTable] | None = None,
         tables_by_ops: Mapping[str, NodeTable] | None = None,
         min_window_s: float = 5.0,
+        cuda_graphs: bool = True,
+        fused_slots: bool = False,
         warmup: int = 3,
         repeats: int = 10,
         cooldown_tolerance_c: float = 3.0,
@@ -548,6 +637,10 @@ class DeviceProfiler:
         self.node_tables = node_tables or {}
         self.tables_by_ops = tables_by_ops or {}
         self.min_window_s = float(min_window_s)
+        self.cuda_graphs = cuda_graphs
+        self.fused_slots = fused_slots
+        self.kind = "cuda" + ("-graph" if cuda_graphs else "") + ("-fused" if fused_slots else "")
+        """Profile-database key of this profiler: measurements of the two replays never mix."""
         self.warmup = warmup
         self.repeats = repeats
         self.cooldown_tolerance_c = cooldown_tolerance_c
@@ -557,6 +650,9 @@ class DeviceProfiler:
         self._idle_temperature_c = idle_temperature_c
         self._replays: dict[tuple[Any, ...], PartitionReplay] = {}
         self._warned_clock = False
+        self._warned_capture = False
+        self._captured: PartitionReplay | None = None
+        """The one replay holding a CUDA graph (each graph holds a memory pool)."""
         self.last_window_s: float | None = None
         """The energy window of the latest measurement, in seconds."""
 
@@ -569,7 +665,9 @@ class DeviceProfiler:
                 self._check_cuda()
                 slots = [slot.ops for slot in ptype.slots]
                 table = self._table([op for ops in slots for op in ops], ptype.graph)
-                self._replays[key] = PartitionReplay.build(slots, [ptype.collective], self._device(), table)
+                self._replays[key] = PartitionReplay.build(
+                    slots, [ptype.collective], self._device(), table, fused=self.fused_slots
+                )
             return self._measure(self._replays[key], config.clock_mhz, config.launch_slot, config.comm_sms)
 
         return self._as_configuration_failure(key, f"{ptype.type_id} at {config}", run)
@@ -591,8 +689,9 @@ class DeviceProfiler:
         def run() -> Measurement:
             if key not in self._replays:
                 self._check_cuda()
+                slots = [list(ops)] if self.fused_slots else [[op] for op in ops]
                 self._replays[key] = PartitionReplay.build(
-                    [[op] for op in ops], list(collectives), self._device(), self._table(ops, graph)
+                    slots, list(collectives), self._device(), self._table(ops, graph), fused=self.fused_slots
                 )
             return self._measure(self._replays[key], clock_mhz, None, comm_sms)
 
@@ -606,7 +705,9 @@ class DeviceProfiler:
             reason = f"out of memory replaying {what}: {str(err).splitlines()[0]}"
         except torch.distributed.DistBackendError as err:
             reason = f"collective failed or timed out replaying {what}: {str(err).splitlines()[0]}"
-        self._replays.pop(key, None)
+        dropped = self._replays.pop(key, None)
+        if dropped is not None and dropped is self._captured:
+            self._release_capture()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         raise MeasurementFailedError(reason)
@@ -618,7 +719,8 @@ class DeviceProfiler:
         return table
 
     def close(self) -> None:
-        """Restore the clock (through the frequency controller)."""
+        """Release the captured CUDA graph and restore the clock (through the frequency controller)."""
+        self._release_capture()
         if self.frequency is not None:
             self.frequency.restore()
 
@@ -650,12 +752,12 @@ class DeviceProfiler:
             timeout_s=self.cooldown_timeout_s,
         )
         self._set_clock(clock_mhz)
-        times_s = replay.time_s(launch_slot, comm_sms, warmup=self.warmup, repeats=self.repeats)
-        time_s = statistics.median(times_s)
+        run = self._runner(replay, launch_slot, comm_sms)
+        time_s = statistics.median(timed_runs(run, replay.device, warmup=self.warmup, repeats=self.repeats))
         window = f"kareus_profile_{id(replay)}"
         with zeus_errors("read the energy counter at the measurement window's start"):
             zeus.begin_window(window)
-        runs = self._fill_window(replay, launch_slot, comm_sms, time_s)
+        runs = self._fill_window(run, replay, time_s)
         with zeus_errors("read the energy counter at the measurement window's end"):
             result = zeus.end_window(window)  # synchronises CUDA before reading the counter
         self.last_window_s = float(result.time)
@@ -665,14 +767,45 @@ class DeviceProfiler:
             time_s=time_s, energy_j=energy_j, dynamic_energy_j=energy_j - static_j, static_energy_j=static_j
         )
 
-    def _fill_window(self, replay: PartitionReplay, launch_slot: int | None, comm_sms: int, time_s: float) -> int:
-        """Repeat the partition until at least ``min_window_s`` has passed; return the repeats."""
+    def _runner(self, replay: PartitionReplay, launch_slot: int | None, comm_sms: int) -> Callable[[], None]:
+        """One execution of ``replay`` as a call: its CUDA graph where ``cuda_graphs`` and the
+        replay is on a GPU (the previous replay's graph released first), else the eager issue;
+        a replay that synchronises with the host is measured op by op, with a warning once."""
+
+        def issue() -> None:
+            replay.issue(launch_slot, comm_sms)
+
+        if not self.cuda_graphs or replay.device.type != "cuda":
+            return issue
+        if self._captured is not replay:
+            self._release_capture()
+        self._captured = replay
+        try:
+            return replay.captured(launch_slot, comm_sms)
+        except UncapturableReplayError as err:
+            if not self._warned_capture:
+                warnings.warn(
+                    f"a partition's replay could not be captured in a CUDA graph ({str(err).splitlines()[0]}): "
+                    "measuring it op by op from Python, so a partition under a few milliseconds is timed "
+                    "at the CPU's launch rate",
+                    stacklevel=3,
+                )
+                self._warned_capture = True
+            return issue
+
+    def _release_capture(self) -> None:
+        if self._captured is not None:
+            self._captured.release_graph()
+            self._captured = None
+
+    def _fill_window(self, run: Callable[[], None], replay: PartitionReplay, time_s: float) -> int:
+        """Repeat ``run`` until at least ``min_window_s`` has passed; return the repeats."""
         start_s = time.perf_counter()
         runs, elapsed_s = 0, 0.0
         while elapsed_s < self.min_window_s:
             batch = max(1, math.ceil((self.min_window_s - elapsed_s) / time_s))
             for _ in range(batch):
-                replay.issue(launch_slot, comm_sms)
+                run()
             replay.synchronize()
             runs += batch
             elapsed_s = time.perf_counter() - start_s

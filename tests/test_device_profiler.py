@@ -20,6 +20,7 @@ from kareus_fx.errors import KareusError
 from kareus_fx.runtime.device_profiler import (
     DeviceProfiler,
     DeviceProfilerError,
+    Kernel,
     PartitionReplay,
     build_collective_kernel,
     build_kernel,
@@ -30,6 +31,7 @@ from kareus_fx.runtime.device_profiler import (
     wait_for_cooldown,
 )
 from kareus_fx.runtime.frequency import FrequencyController
+from kareus_fx.runtime.fused_replay import FusedReplayError, fused_slot_kernel, slot_graph
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
 
 MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
@@ -313,3 +315,99 @@ def test_gpu_replay_times_with_cuda_events():
     times_s = replay_partition(ptype, PartitionConfig(1410, 8, 1), device="cuda", warmup=2, repeats=5, launch_log=log)
     assert all(t > 0 for t in times_s)
     assert log.index("collective0") == 2
+
+
+def test_the_database_kind_names_the_replay(monkeypatch):
+    """CUDA-graph replays (the default) and op-by-op replays are keyed apart in the profile
+    database: on a GPU they measure different things below a few milliseconds."""
+    assert DeviceProfiler("A100-SXM4-40GB").kind == "cuda-graph"
+    assert DeviceProfiler("A100-SXM4-40GB", cuda_graphs=False).kind == "cuda"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_measures_from_one_cuda_graph_per_configuration(cuda_gpu_name):
+    ptype = small_ptype()
+    with DeviceProfiler(cuda_gpu_name, min_window_s=1.0, warmup=2, repeats=5) as profiler:
+        overlapped = profiler.measure(ptype, PartitionConfig(1410, 8, 1))
+        (replay,) = profiler._replays.values()
+        assert profiler._captured is replay and replay._graph_config == (1, 8)
+        graph = replay._graph
+        profiler.measure(ptype, PartitionConfig(1410, 8, 1))
+        assert replay._graph is graph  # captured once per configuration
+        sequential = profiler.measure(ptype, PartitionConfig(1410, 16, None))
+        assert replay._graph_config == (None, 16)
+    assert replay._graph is None  # closing released the graph and its memory pool
+    assert overlapped.time_s > 0 and sequential.time_s > 0 and overlapped.energy_j > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_replay_that_cannot_be_captured_is_measured_op_by_op_with_a_warning(cuda_gpu_name):
+    ptype = small_ptype()
+    replay = PartitionReplay.build([s.ops for s in ptype.slots], [ptype.collective], "cuda")
+    values = torch.ones(16, device="cuda")
+    # reading a value back to the host is not allowed while a stream is captured
+    replay.slots[1].append(Kernel("readback", "test.item", "proxy", lambda: values.sum().item()))
+    with DeviceProfiler(cuda_gpu_name, min_window_s=1.0, warmup=2, repeats=5) as profiler:
+        with pytest.warns(UserWarning, match="could not be captured in a CUDA graph"):
+            measurement = profiler._measure(replay, 1410, 1, 8)
+    assert measurement.time_s > 0 and measurement.energy_j > 0
+    assert replay._graph is None
+    # found before capturing: a failed capture would leave the CUDA generator capturing
+    assert torch.randn(4, device="cuda").isfinite().all()
+
+
+def test_each_slot_rebuilds_as_one_graph_of_its_recorded_ops(tiny_dump):
+    """The fused replay's graphs: every slot op is a node of its slot's graph, in dump order, with
+    the dataflow between them; what the slot reads from elsewhere is a graph input; every value
+    read outside the slot is an output (so Inductor keeps the slot's work)."""
+    types, tables = tiny_dump
+    built = 0
+    for ptype in types.values():
+        table = tables[ptype.graph]
+        for slot in ptype.slots:
+            gm, inputs = slot_graph(slot.ops, table)
+            calls = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
+            assert {op.name for op in slot.ops} <= set(calls)
+            input_names = {name for name, _, _ in inputs}
+            assert not input_names & set(calls)
+            for op in slot.ops:  # an input made inside the graph is wired, not re-read
+                for source in table[op.name]["inputs"]:
+                    assert (source in calls) != (source in input_names), (op.name, source)
+            (outputs,) = next(n for n in gm.graph.nodes if n.op == "output").args
+            returned = {n.name for n in outputs}
+            for name in calls:
+                read_outside = any(name in r["inputs"] and other not in calls for other, r in table.items())
+                assert (name in returned) >= read_outside, name
+            built += 1
+    assert built >= 8
+
+
+def test_fused_slot_computes_what_its_recorded_ops_compute(tiny_dump):
+    """One slot compiled by Inductor against the same graph run op by op: equal within bf16
+    rounding (max difference <= 2 % of the largest value; Inductor keeps fp32 between fused ops
+    where eager rounds each op to bf16)."""
+    types, tables = tiny_dump
+    ptype, slot = min(((t, s) for t in types.values() for s in t.slots if s.ops), key=lambda pair: len(pair[1].ops))
+    run, gm, tensors = fused_slot_kernel(slot.ops, tables[ptype.graph], torch.device("cpu"))
+    fused = run()
+    eager = gm(*tensors)
+    assert len(fused) == len(eager) >= 1
+    for got, want in zip(fused, eager):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        scale = float(want.float().abs().max()) or 1.0
+        assert float((got.float() - want.float()).abs().max()) <= 0.02 * scale
+
+
+def test_slot_without_recorded_arguments_is_replayed_op_by_op(tiny_dump, caplog):
+    types, tables = tiny_dump
+    ptype = next(iter(types.values()))
+    table = {name: dict(record) for name, record in tables[ptype.graph].items()}
+    first = ptype.slots[0].ops[0].name
+    table[first]["arguments"] = None  # an older dump, or an argument the dump cannot encode
+    with pytest.raises(FusedReplayError, match=f"{first}.*no recorded arguments"):
+        slot_graph(ptype.slots[0].ops, table)
+    with caplog.at_level(logging.WARNING):
+        replay = PartitionReplay.build([ptype.slots[0].ops], [ptype.collective], "cpu", table, fused=True)
+    assert "not fused" in caplog.text
+    assert [k.source for k in replay.slots[0]] != ["fused"] and len(replay.slots[0]) == len(ptype.slots[0].ops)
+    assert DeviceProfiler("A100-SXM4-40GB", fused_slots=True).kind == "cuda-graph-fused"

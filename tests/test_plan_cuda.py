@@ -107,7 +107,7 @@ def test_cuda_factory_builds_one_device_profiler_replaying_each_graph_from_its_d
         cached = factory()
         device = cached.inner
         assert isinstance(device, DeviceProfiler) and factory().inner is device  # one GPU, one profiler
-        assert cached.kind == "cuda"  # the profile database key
+        assert cached.kind == "cuda-graph"  # the profile database key: CUDA-graph replays by default
         assert device.gpu_name == canonical_gpu_name(req.gpu)
         assert device.min_window_s == 5.0  # the window by default
         controller = device.frequency
@@ -165,7 +165,7 @@ def test_gpu_plan_measures_on_device_in_dry_run(tmp_path, cuda_gpu_name):
         clock_stride_mhz=150,
     )
     data = make_plan(req, tmp_path, progress=False).data
-    assert data["profiler"] == "cuda" and data["simulated"] is False
+    assert data["profiler"] == "cuda-graph" and data["simulated"] is False
     assert "measured on one GPU" in data["measurement"] and "dry-run" in data["measurement"]
     assert data["methods"]["kareus"]["frontier"]
     assert all(p["time_s"] > 0 and p["energy_j"] > 0 for p in data["iteration_frontier"])

@@ -805,7 +805,7 @@ def _profiler_factory(
     req: PlanRequest, traced: Sequence[StageGraphs], db_path: Path, queue_path: Path | None = None
 ) -> Iterator[CachedProfilerFactory]:
     """The factory of the request's profiler behind the profile database (keyed by the profiler's
-    kind, "simulated" or "cuda", so measurements never mix and a rerun resumes).
+    kind, "simulated" or "cuda-graph", so measurements never mix and a rerun resumes).
 
     ``cuda``: one :class:`DeviceProfiler` for the whole plan (one GPU, one clock controller opened
     in ``req.clock_mode``), which every factory call returns; it replays the ops of every traced
