@@ -108,7 +108,8 @@ def small_real_plan(tmp_path_factory, session_traces):
     """(plan.json path, planner work directory) of a real plan: tiny-llama TP2 PP2, 2 layers,
     2 microbatches of 2 x 1536 tokens, simulated GPU; planned once per session (about 12 s).
     The work directory holds the graph dumps the planner traced (``dumps/stage*-*/``); its traces
-    serve the session's other plans of this workload (:func:`sharing_traces`)."""
+    serve the session's other plans of this workload (:func:`sharing_traces`), which request this
+    fixture first so that the dumps are here."""
     from kareus_fx.plan.plan_format import write_plan
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
