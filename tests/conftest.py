@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
 
@@ -52,19 +54,69 @@ def train_microbatches(model, fn, batches):
     return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+# What the planner's tracer never reads (``trace_plan_stages`` traces from ``PlanRequest.trace_spec``,
+# the stage split, ``full_trace``, ``profiler`` and ``gpu``): requests that differ only in these
+# trace the same graphs; tuning and composing read them.
+_NOT_TRACED = {"clock_stride_mhz": 0, "max_clock_only": False, "microbatches": 1}
+
+
 @pytest.fixture(scope="session")
-def small_real_plan(tmp_path_factory):
+def session_traces():
+    """Stage graphs the session's plan fixtures traced, by request less :data:`_NOT_TRACED`
+    (filled and read through :func:`sharing_traces`)."""
+    return {}
+
+
+@contextlib.contextmanager
+def sharing_traces(traces):
+    """In the block the planner traces each request once per session: a request that traces the
+    same graphs as one already traced (the same request but for :data:`_NOT_TRACED`) gets those
+    graphs and its work directory holds no dumps; everything after the trace (tuning, composing,
+    the plan file) runs for the request. Planner entry points (``make_plan``, ``kareus plan``)
+    trace through ``planner.trace_plan_stages``."""
+    from kareus_fx.plan import planner
+
+    real = planner.trace_plan_stages
+
+    def trace(req, dump_root):
+        key = dataclasses.replace(req, **_NOT_TRACED)
+        if key not in traces:
+            traces[key] = real(req, dump_root)
+        resolved, traced = traces[key]
+        return dataclasses.replace(req, stage_layers=resolved.stage_layers), traced
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "trace_plan_stages", trace)
+        yield
+
+
+SMALL_REAL_WORKLOAD = {
+    "model": "tiny-llama",
+    "tp": 2,
+    "cp": 1,
+    "pp": 2,
+    "microbatches": 2,
+    "mbs": 2,
+    "seq": 1536,
+    "layers": 2,
+}
+"""The workload of :func:`small_real_plan`."""
+
+
+@pytest.fixture(scope="session")
+def small_real_plan(tmp_path_factory, session_traces):
     """(plan.json path, planner work directory) of a real plan: tiny-llama TP2 PP2, 2 layers,
     2 microbatches of 2 x 1536 tokens, simulated GPU; planned once per session (about 12 s).
-    The work directory holds the graph dumps the planner traced (``dumps/stage*-*/``)."""
+    The work directory holds the graph dumps the planner traced (``dumps/stage*-*/``); its traces
+    serve the session's other plans of this workload (:func:`sharing_traces`), which request this
+    fixture first so that the dumps are here."""
     from kareus_fx.plan.plan_format import write_plan
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
     root = tmp_path_factory.mktemp("small-real-plan")
-    request = PlanRequest(
-        model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=1536, layers=2, clock_stride_mhz=120
-    )
-    outcome = make_plan(request, root / "work", progress=False)
+    request = PlanRequest(**SMALL_REAL_WORKLOAD, clock_stride_mhz=120)
+    with sharing_traces(session_traces):
+        outcome = make_plan(request, root / "work", progress=False)
     return write_plan(root / "plan.json", outcome.data), root / "work"
 
 
@@ -82,13 +134,39 @@ TINY_TP2_WORKLOAD = {
 
 
 @pytest.fixture(scope="session")
-def tiny_tp2_plan_data(tmp_path_factory):
+def tiny_tp2_plan_data(tmp_path_factory, session_traces):
     """The data of a real fp32 plan of :data:`TINY_TP2_WORKLOAD` (simulated GPU), planned once per
-    session (about 15 s): the run-time switching tests give it frontiers of their own."""
+    session (about 15 s): the run-time switching tests give it frontiers of their own. Its traces
+    serve the session's other plans of this workload (:func:`sharing_traces`)."""
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
     request = PlanRequest(**TINY_TP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
-    return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data
+    with sharing_traces(session_traces):
+        return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data
+
+
+TP2_PP2_WORKLOAD = {
+    "model": "tiny-llama",
+    "tp": 2,
+    "cp": 1,
+    "pp": 2,
+    "microbatches": 3,
+    "mbs": 2,
+    "seq": 256,
+    "layers": 2,
+}
+"""The workload of :func:`tp2_pp2_plan_data`."""
+
+
+@pytest.fixture(scope="session")
+def tp2_pp2_plan_data(tmp_path_factory, session_traces):
+    """The data of a real fp32 plan of :data:`TP2_PP2_WORKLOAD` (simulated GPU), planned once per
+    session for the pipeline deployment tests (each copies it before giving it options of its own)."""
+    from kareus_fx.plan.planner import PlanRequest, make_plan
+
+    request = PlanRequest(**TP2_PP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
+    with sharing_traces(session_traces):
+        return make_plan(request, tmp_path_factory.mktemp("tp2-pp2-plan"), progress=False).data
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:

@@ -29,8 +29,21 @@ from collections.abc import Callable
 from typing import Any
 
 # Imported once by the forkserver, which forks every rank of every run: after the first run of
-# a session a rank starts in well under a second instead of importing torch afresh.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# a session a rank starts in well under a second instead of importing torch afresh. Beyond torch:
+# what a rank compiling with ``backend="kareus"`` imports (Inductor, the backend with its SciPy,
+# scikit-learn and Zeus, compile-time tuning) and the Hugging Face models the tests build
+# (transformers' lazy imports: about 10 CPU seconds per rank under load). Only imports: each rank
+# still compiles, tunes and deploys everything itself. A module that is not installed is skipped.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch._inductor.compile_fx",
+    "kareus_fx.capture.backend",
+    "kareus_fx.plan.live_tuning",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+]
 
 
 class DistributedTestError(RuntimeError):

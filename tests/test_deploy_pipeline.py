@@ -22,26 +22,22 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import TP2_PP2_WORKLOAD
 from dist_harness import run_distributed
 
 from kareus_fx.plan.plan_format import instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
-WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 2, "microbatches": 3, "mbs": 2, "seq": 256, "layers": 2}
+WORKLOAD = TP2_PP2_WORKLOAD
 UNSPLIT_MB = 1
 CLOCKS_MHZ = (1200, 1020, 900)  # per microbatch; stage 1 runs 30 MHz lower
 
 
 @pytest.fixture(scope="module")
-def plan_data(tmp_path_factory):
-    from kareus_fx.plan.planner import PlanRequest, make_plan
-
-    outcome = make_plan(
-        PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),
-        tmp_path_factory.mktemp("plan-work"),
-        progress=False,
-    )
-    return outcome.data
+def plan_data(tp2_pp2_plan_data):
+    """conftest's session plan of WORKLOAD: this module, tests/test_torch_pipelining.py and
+    tests/test_pipelining_switching.py (which import this fixture) plan it once per session."""
+    return tp2_pp2_plan_data
 
 
 def _configs(data, stage, graph, variant):

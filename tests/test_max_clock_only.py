@@ -13,6 +13,7 @@ import copy
 import json
 
 import pytest
+from conftest import SMALL_REAL_WORKLOAD, sharing_traces
 
 from kareus_fx import cli
 from kareus_fx.cost_models.hardware import gpu_spec
@@ -23,28 +24,18 @@ from kareus_fx.plan.planner import PlanRequest, validate_plan_request
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.pipeline_hook import StepContext
 
-ARGV = [
-    "--model",
-    "tiny-llama",
-    "--tp",
-    "2",
-    "--pp",
-    "2",
-    "--microbatches",
-    "2",
-    "--mbs",
-    "2",
-    "--seq",
-    "1536",
-    "--layers",
-    "2",
-]
+# small_real_plan's workload (conftest), as ``kareus plan`` arguments.
+ARGV = [arg for key, value in SMALL_REAL_WORKLOAD.items() for arg in (f"--{key}", str(value))]
 
 
 @pytest.fixture(scope="module")
-def max_clock_plan(tmp_path_factory):
+def max_clock_plan(tmp_path_factory, small_real_plan, session_traces):
+    """``kareus plan`` with the flag on ``small_real_plan``'s workload (ARGV): the command tunes,
+    composes and writes its plan; the stage graphs are that plan's, traced once per session
+    (the tracer reads neither the flag nor the clock stride; conftest ``sharing_traces``)."""
     out = tmp_path_factory.mktemp("max-clock-plan")
-    assert cli.main(["plan", *ARGV, "--max-clock-only", "--out", str(out), "--json"]) == 0
+    with sharing_traces(session_traces):
+        assert cli.main(["plan", *ARGV, "--max-clock-only", "--out", str(out), "--json"]) == 0
     return load_plan(out / "plan.json")
 
 

@@ -17,6 +17,7 @@ import json
 
 import pytest
 import torch
+from conftest import sharing_traces
 from dist_harness import run_distributed
 from eager_parity import assert_matches_eager, eager_reference, mark_sequence_dynamic
 
@@ -28,12 +29,16 @@ BUCKET_CLOCKS_MHZ = {128: 1200, 256: 990}
 
 
 @pytest.fixture(scope="module")
-def bucketed_plan(tmp_path_factory):
+def bucketed_plan(tmp_path_factory, session_traces):
+    """A real plan of WORKLOAD's two buckets; the 256-token bucket's stage graphs are those of
+    conftest's ``tiny_tp2_plan_data`` when the session traced them (the same graphs: the tracer
+    does not read the microbatch count; ``sharing_traces``); tuning and composing run per bucket."""
     from kareus_fx.plan.buckets import make_bucketed_plan
     from kareus_fx.plan.planner import PlanRequest
 
     request = PlanRequest(**WORKLOAD, seq=256, clock_stride_mhz=120, dtype="float32")
-    outcome = make_bucketed_plan(request, (256, 128), tmp_path_factory.mktemp("plan-work"), progress=False)
+    with sharing_traces(session_traces):
+        outcome = make_bucketed_plan(request, (256, 128), tmp_path_factory.mktemp("plan-work"), progress=False)
     return outcome.data
 
 

@@ -16,8 +16,10 @@ the same way. Steps (the backend's module docstring gives the whole data flow):
    each compiled by :mod:`kareus_fx.capture.codegen` (Inductor's inner compile holding the
    graph's order, or op by op with ``inductor=False``).
 
-Inductor's FX graph cache (the generated code, keyed by the scheduled graph) serves repeated
-compiles. Inductor's joint-graph pattern passes are not run (``compile_fx`` runs them on the
+Inductor's FX graph cache does not serve these compiles: Inductor bypasses it whenever
+``_post_fusion_custom_pass`` is a plain function, as codegen's ``hold_plan_order`` is (a cache
+keyed without the plan's order, the nanobatch fusion rule and the nanobatch labels could serve
+another plan's code), so every process compiles its graphs itself. Inductor's joint-graph pattern passes are not run (``compile_fx`` runs them on the
 device's graphs, which made the meta-device trace of ``kareus plan`` differ from the live graph).
 """
 
