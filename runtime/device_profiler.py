@@ -79,6 +79,7 @@ from kareus_fx.errors import KareusError
 from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
 from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.fused_replay import fused_slot_kernel
+from kareus_fx.runtime.recorded_ops import NodeTable, random_tensor, resolve_overload
 from kareus_fx.workload import (
     CollectiveSpec,
     GraphName,
@@ -94,8 +95,6 @@ if TYPE_CHECKING:  # zeus is imported when a GPU is measured, not at import time
 
 logger = logging.getLogger(__name__)
 
-NodeTable = Mapping[str, Mapping[str, Any]]
-"""One dumped graph's node records by node name (``kareus_fx.capture.dump.node_record``)."""
 
 _MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")
 _ATTENTION = "kareus.attention.default"
@@ -194,22 +193,6 @@ def attention_proxy_shape(flops: float, bytes_: float, backward: bool) -> tuple[
     return 1, seq, width
 
 
-def _random(shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if dtype.is_floating_point:
-        return torch.randn(*shape, dtype=dtype, device=device)
-    if dtype == torch.bool:
-        return torch.rand(*shape, device=device) < 0.5
-    return torch.randint(0, 2, tuple(shape), dtype=dtype, device=device)
-
-
-def _resolve_overload(target: str) -> Any:
-    namespace, name, overload = target.split(".")
-    if namespace == "kareus":
-        import kareus_fx.models.attention_op  # noqa: F401 - registers torch.ops.kareus
-
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload)
-
-
 def _replay_kernel(op: OpCost, record: Mapping[str, Any], table: NodeTable, device: torch.device) -> Kernel:
     """The recorded op on random inputs of the recorded shapes; ValueError if it cannot be replayed."""
     if record.get("op") != op.target:
@@ -217,8 +200,8 @@ def _replay_kernel(op: OpCost, record: Mapping[str, Any], table: NodeTable, devi
     inputs = {name: table[name] for name in record["inputs"]}
     if any(inp.get("shape") is None for inp in inputs.values()):
         raise ValueError("an input has no recorded tensor shape")
-    tensors = {name: _random(inp["shape"], getattr(torch, inp["dtype"]), device) for name, inp in inputs.items()}
-    overload = _resolve_overload(op.target)
+    tensors = {name: random_tensor(inp["shape"], getattr(torch, inp["dtype"]), device) for name, inp in inputs.items()}
+    overload = resolve_overload(op.target)
     if record.get("arguments") is not None:
         args, kwargs = decode_arguments(record["arguments"], tensors.__getitem__, device)
     else:
@@ -267,21 +250,21 @@ def _proxy_kernel(op: OpCost, device: torch.device) -> Kernel:
     """The cost record's kernel proxy (module docstring)."""
     if op.target in _MATMULS and op.flops > 0:
         m, n, k = matmul_proxy_shape(op.flops, op.bytes)
-        a = _random((m, k), torch.bfloat16, device)
-        b = _random((k, n), torch.bfloat16, device)
+        a = random_tensor((m, k), torch.bfloat16, device)
+        b = random_tensor((k, n), torch.bfloat16, device)
         return Kernel(op.name, op.target, "proxy", lambda: torch.mm(a, b))
     if op.target in (_ATTENTION, _ATTENTION_BACKWARD) and op.flops > 0 and op.bytes > 0:
         from kareus_fx.models.attention_op import attention, attention_backward
 
         backward = op.target == _ATTENTION_BACKWARD
         heads, seq, head_dim = attention_proxy_shape(op.flops, op.bytes, backward)
-        query, key, value, grad = (_random((1, heads, seq, head_dim), torch.bfloat16, device) for _ in range(4))
+        query, key, value, grad = (random_tensor((1, heads, seq, head_dim), torch.bfloat16, device) for _ in range(4))
         scale = head_dim**-0.5
         if backward:
             return Kernel(op.name, op.target, "proxy", lambda: attention_backward(grad, query, key, value, scale))
         return Kernel(op.name, op.target, "proxy", lambda: attention(query, key, value, scale))
     elements = max(1, round(op.bytes / (2 * _FP32_BYTES)))
-    src = _random((elements,), torch.float32, device)
+    src = random_tensor((elements,), torch.float32, device)
     dst = torch.empty_like(src)
     return Kernel(op.name, op.target, "proxy", lambda: dst.copy_(src))
 
@@ -330,7 +313,7 @@ def build_collective_kernel(spec: CollectiveSpec, device: torch.device | str) ->
     device = torch.device(device)
     elements = max(1, round(collective_traffic_bytes(spec) / _BF16_BYTES))
     dst = torch.zeros(elements, dtype=torch.bfloat16, device=device)
-    src = _random((elements,), torch.bfloat16, device)
+    src = random_tensor((elements,), torch.bfloat16, device)
     triton_reduce = _triton_reduce() if device.type == "cuda" else None
     if triton_reduce is not None:
         return CollectiveKernel(spec, elements, lambda comm_sms: triton_reduce(dst, src, comm_sms))

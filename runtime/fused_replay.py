@@ -27,18 +27,17 @@ boundaries.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import fx
 
 from kareus_fx.capture.node_arguments import decode_arguments
+from kareus_fx.runtime.recorded_ops import NodeTable, random_tensor, resolve_overload
 from kareus_fx.workload import OpCost
 
 __all__ = ["FusedReplayError", "fused_slot_kernel", "slot_graph"]
-
-NodeTable = Mapping[str, Mapping[str, Any]]
 
 
 class FusedReplayError(ValueError):
@@ -46,13 +45,7 @@ class FusedReplayError(ValueError):
 
 
 def _target(record: Mapping[str, Any]) -> Callable[..., Any]:
-    if record["op"] == "getitem":
-        return operator.getitem
-    namespace, name, overload = str(record["op"]).split(".")
-    if namespace == "kareus":
-        import kareus_fx.models.attention_op  # noqa: F401 - registers torch.ops.kareus
-
-    return getattr(getattr(getattr(torch.ops, namespace), name), overload)  # type: ignore[no-any-return]
+    return operator.getitem if record["op"] == "getitem" else resolve_overload(str(record["op"]))
 
 
 def _consumers(table: NodeTable) -> dict[str, set[str]]:
@@ -147,22 +140,13 @@ def slot_graph(ops: Sequence[OpCost], table: NodeTable) -> tuple[fx.GraphModule,
     return fx.GraphModule(torch.nn.Module(), builder.graph), builder.inputs
 
 
-def _random_input(shape: Iterable[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    shape = tuple(shape)
-    if dtype.is_floating_point:
-        return torch.randn(shape, dtype=dtype, device=device)
-    if dtype == torch.bool:
-        return torch.rand(shape, device=device) < 0.5
-    return torch.randint(0, 2, shape, dtype=dtype, device=device)
-
-
 def fused_slot_kernel(
     ops: Sequence[OpCost], table: NodeTable, device: torch.device
 ) -> tuple[Callable[[], Any], fx.GraphModule, list[torch.Tensor]]:
     """One slot as one call of its Inductor-compiled graph on random inputs: (run, the graph,
     the inputs). The first ``run()`` compiles (call it before timing or capturing)."""
     gm, inputs = slot_graph(ops, table)
-    tensors = [_random_input(shape, getattr(torch, dtype), device) for _, shape, dtype in inputs]
+    tensors = [random_tensor(shape, getattr(torch, dtype), device) for _, shape, dtype in inputs]
     compiled = torch.compile(gm, backend="inductor", fullgraph=True, dynamic=False)
 
     def run() -> Any:

@@ -41,8 +41,9 @@ import torch.distributed as dist
 
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.runtime.collectives import nccl_options_for
-from kareus_fx.runtime.device_profiler import NodeTable, build_kernels, timed_runs
+from kareus_fx.runtime.device_profiler import build_kernels, timed_runs
 from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
+from kareus_fx.runtime.recorded_ops import NodeTable
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
 
 if TYPE_CHECKING:

@@ -138,11 +138,7 @@ def tiny_tp2_plan_data(tmp_path_factory, session_traces):
     """The data of a real fp32 plan of :data:`TINY_TP2_WORKLOAD` (simulated GPU), planned once per
     session (about 15 s): the run-time switching tests give it frontiers of their own. Its traces
     serve the session's other plans of this workload (:func:`sharing_traces`)."""
-    from kareus_fx.plan.planner import PlanRequest, make_plan
-
-    request = PlanRequest(**TINY_TP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
-    with sharing_traces(session_traces):
-        return make_plan(request, tmp_path_factory.mktemp("tiny-tp2-plan"), progress=False).data
+    return _fp32_plan_data(TINY_TP2_WORKLOAD, tmp_path_factory.mktemp("tiny-tp2-plan"), session_traces)
 
 
 TP2_PP2_WORKLOAD = {
@@ -162,11 +158,17 @@ TP2_PP2_WORKLOAD = {
 def tp2_pp2_plan_data(tmp_path_factory, session_traces):
     """The data of a real fp32 plan of :data:`TP2_PP2_WORKLOAD` (simulated GPU), planned once per
     session for the pipeline deployment tests (each copies it before giving it options of its own)."""
+    return _fp32_plan_data(TP2_PP2_WORKLOAD, tmp_path_factory.mktemp("tp2-pp2-plan"), session_traces)
+
+
+def _fp32_plan_data(workload: dict, work_dir, session_traces) -> dict:
+    """The data of a real fp32 plan of ``workload`` on the simulated GPU (clock stride 120 MHz),
+    its traces shared with the session's other plans of that workload."""
     from kareus_fx.plan.planner import PlanRequest, make_plan
 
-    request = PlanRequest(**TP2_PP2_WORKLOAD, clock_stride_mhz=120, dtype="float32")
+    request = PlanRequest(**workload, clock_stride_mhz=120, dtype="float32")
     with sharing_traces(session_traces):
-        return make_plan(request, tmp_path_factory.mktemp("tp2-pp2-plan"), progress=False).data
+        return make_plan(request, work_dir, progress=False).data
 
 
 def wait_gone(pid: int, timeout_s: float = 10.0) -> bool:

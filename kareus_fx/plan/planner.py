@@ -92,8 +92,9 @@ from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_
 from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
 from kareus_fx.plan.step_tail import StepTail, step_tail, with_step_tail
 from kareus_fx.runtime.clock_backends import parse_clock_mode
-from kareus_fx.runtime.device_profiler import DeviceProfiler, NodeTable, node_tables_from_dump, replay_key
+from kareus_fx.runtime.device_profiler import DeviceProfiler, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
+from kareus_fx.runtime.recorded_ops import NodeTable
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz

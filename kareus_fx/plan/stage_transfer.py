@@ -38,7 +38,7 @@ from kareus_fx.compose.pipeline import Instruction
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.errors import OptionsError
 
-__all__ = ["boundary_bytes", "link_wait_s", "stage_transfer_s"]
+__all__ = ["boundary_bytes", "link_wait_s", "network_share_bytes_per_s", "node_of", "stage_transfer_s"]
 
 
 def boundary_bytes(dump: Mapping[str, Any]) -> float:
@@ -50,13 +50,25 @@ def boundary_bytes(dump: Mapping[str, Any]) -> float:
     return float(math.prod(int(size) for size in sent["shape"]) * getattr(torch, sent["dtype"]).itemsize)
 
 
-def _node_of(rank: int, spec: GPUSpec) -> int:
+def node_of(rank: int, spec: GPUSpec) -> int:
+    """The node that global rank ``rank`` runs on (ranks fill nodes in order)."""
     if spec.gpus_per_node is None:
         raise OptionsError(
-            f"no node network is known for the {spec.name} (gpus_per_node): a pipeline across "
-            f"nodes cannot price its send/recv; plan for a GPU with a node entry in gpu_specs"
+            f"no node network is known for the {spec.name} (gpus_per_node): work across nodes "
+            f"(a pipeline's send/recv, a gradient sync) cannot be placed; plan for a GPU with a node entry in gpu_specs"
         )
     return rank // spec.gpus_per_node
+
+
+def network_share_bytes_per_s(spec: GPUSpec) -> float:
+    """One GPU's share of its node's network (all of a node's GPUs send at once)."""
+    if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
+        raise OptionsError(
+            f"no node network bandwidth is known for the {spec.name} (node_network_bytes_per_s): traffic across "
+            f"nodes (a pipeline's send/recv, a gradient sync) cannot be priced; plan for a GPU with a node entry "
+            f"in gpu_specs"
+        )
+    return spec.node_network_bytes_per_s / spec.gpus_per_node
 
 
 def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec, receiver: int | None = None) -> float:
@@ -64,15 +76,8 @@ def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec,
     ``receiver`` (default ``sender + 1``; interleaved 1F1B's last rank sends on to rank 0)."""
     group = tp * cp
     receiver = sender + 1 if receiver is None else receiver
-    across_nodes = _node_of(sender * group, spec) != _node_of(receiver * group, spec)
-    per_gpu_bytes_per_s = spec.nvlink_bandwidth_bytes_per_s
-    if across_nodes:
-        if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
-            raise OptionsError(
-                f"no node network bandwidth is known for the {spec.name} (node_network_bytes_per_s): a pipeline "
-                f"across nodes cannot price its send/recv; plan for a GPU with a node entry in gpu_specs"
-            )
-        per_gpu_bytes_per_s = spec.node_network_bytes_per_s / spec.gpus_per_node
+    across_nodes = node_of(sender * group, spec) != node_of(receiver * group, spec)
+    per_gpu_bytes_per_s = network_share_bytes_per_s(spec) if across_nodes else spec.nvlink_bandwidth_bytes_per_s
     return sent_bytes / per_gpu_bytes_per_s
 
 

@@ -52,10 +52,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kareus_fx.compose.iteration import IterationFrontier, IterationPoint
-from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import OptionsError
 from kareus_fx.models.configs import ModelConfig
+from kareus_fx.plan.stage_transfer import network_share_bytes_per_s, node_of
 from kareus_fx.workload import CollectiveSpec, OpCost
 
 __all__ = [
@@ -117,24 +117,6 @@ def rank_parameters(cfg: ModelConfig, stage_layers: Sequence[int], tp: int, rank
     return tuple(params)
 
 
-def _across_nodes(first_rank: int, last_rank: int, spec: GPUSpec) -> bool:
-    if spec.gpus_per_node is None:
-        raise OptionsError(
-            f"no node network is known for the {spec.name} (gpus_per_node): the gradient sync cannot be "
-            f"placed; plan for a GPU with a node entry in gpu_specs"
-        )
-    return first_rank // spec.gpus_per_node != last_rank // spec.gpus_per_node
-
-
-def _network_share_bytes_per_s(spec: GPUSpec) -> float:
-    if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
-        raise OptionsError(
-            f"no node network bandwidth is known for the {spec.name}: a gradient all-reduce across nodes "
-            f"cannot be priced; plan for a GPU with a node entry in gpu_specs"
-        )
-    return spec.node_network_bytes_per_s / spec.gpus_per_node
-
-
 def _all_reduce(simulator: Simulator, nbytes: float, group: int, spans_nodes: bool) -> tuple[float, float]:
     """Seconds and joules (one GPU) of an all-reduce of ``nbytes`` over ``group`` ranks."""
     if group <= 1 or nbytes <= 0.0:
@@ -142,7 +124,7 @@ def _all_reduce(simulator: Simulator, nbytes: float, group: int, spans_nodes: bo
     spec, params = simulator.spec, simulator.params
     if spans_nodes:
         bus_bytes = 2.0 * (group - 1) / group * nbytes
-        time_s = params.comm_latency_s + bus_bytes / _network_share_bytes_per_s(spec)
+        time_s = params.comm_latency_s + bus_bytes / network_share_bytes_per_s(spec)
         return time_s, time_s * spec.blocking_power_w
     collective = CollectiveSpec(kind="all_reduce", bytes=nbytes, group_size=group)
     m = simulator.predict_sequence((), (collective,), clock_mhz=spec.clock_max_mhz, comm_library="nccl").measurement
@@ -167,7 +149,7 @@ def step_tail(
     per_rank = tp * cp * dp  # GPUs of a pipeline rank, in every replica
     sync_spans = per_rank > (spec.gpus_per_node or per_rank)
     tied = cfg.tie_embeddings and pp > 1
-    embedding_spans = tied and _across_nodes(0, (pp - 1) * per_rank, spec)
+    embedding_spans = tied and node_of(0, spec) != node_of((pp - 1) * per_rank, spec)
     embedding_bytes = cfg.vocab_size * cfg.hidden_size / tp * GRAD_BYTES_PER_PARAM
     embedding = _all_reduce(simulator, embedding_bytes, 2, embedding_spans) if tied else (0.0, 0.0)
     norm_s = simulator.params.comm_latency_s if pp * tp > 1 else 0.0
