@@ -1,6 +1,6 @@
 """End-to-end fidelity: the simulated plans beside the paper's measured testbed results.
 
-    python bench/validate_end_to_end.py [--json | --markdown] [--rerun] [--rows calibration|validation|all]
+    python bench/validate_end_to_end.py [--json | --markdown] [--rerun | --rerun-presets P,...] [--rows calibration|validation|all]
                                         [--stage-layers even|balanced --results FILE] [--jobs N]
     python bench/validate_end_to_end.py --ablation [--rerun] [--jobs N] [--json]
 
@@ -35,7 +35,9 @@ own setting, cached in ``bench/results/end_to_end.json``; the others in
 ``bench/results/recompute_swing/``. Each (preset, recompute) is traced once for both swings
 (the stage split is the preset's, the same in every corner).
 
-Plans are cached in ``bench/results/end_to_end.json`` (``--rerun`` plans again). Every preset's
+Plans are cached in ``bench/results/end_to_end.json`` (``--rerun`` plans again; ``--rerun-presets`` plans
+again only the named presets and keeps the others' cached plans, so its summary mixes plans of two
+versions of the code: for trying a change on a few rows, not for a results file). Every preset's
 pipeline is balanced as the paper's testbed (``kareus plan --stage-layers``); ``--stage-layers even
 --results FILE`` plans Megatron-LM's even split instead, for comparison. Our numbers are cost-model
 predictions of a simulated GPU, not measurements.
@@ -58,6 +60,7 @@ from pathlib import Path
 
 from kareus_fx.cost_models.sim_params import OVERRIDES_ENV, clear_cache
 from kareus_fx.plan.planner import make_plan, plan_request_from_preset, plan_traced, trace_plan_stages
+from kareus_fx.plan.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path("/work/shared/data")
@@ -498,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.add_argument("--markdown", action="store_true", help="print the comparison as README tables")
     parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
+    parser.add_argument(
+        "--rerun-presets",
+        type=lambda names: set(names.split(",")),
+        default=set(),
+        help="comma-separated presets to plan again (the others keep their cached plans)",
+    )
     parser.add_argument("--rows", choices=("calibration", "validation", "all"), default="all")
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS)
     parser.add_argument(
@@ -514,6 +523,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="with --ablation: presets planned side by side")
     args = parser.parse_args(argv)
+    unknown = args.rerun_presets - PRESETS.keys()
+    if unknown:
+        parser.error(f"--rerun-presets: no preset named {', '.join(sorted(unknown))} (see kareus_fx/plan/presets.py)")
     if args.ablation and (args.stage_layers is not None or args.results != DEFAULT_RESULTS):
         parser.error("--ablation plans the presets' own stage split into its own files: drop --stage-layers/--results")
     if args.stage_layers is not None and args.results == DEFAULT_RESULTS:
@@ -537,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     if ablation_rows:
         needed += dict.fromkeys(key for key, _ in ABLATION_METHODS.values())
     for key in dict.fromkeys(needed):
-        if key in plans and not args.rerun:
+        if key in plans and not args.rerun and key.removesuffix(MAX_CLOCK_SUFFIX) not in args.rerun_presets:
             continue
         print(f"planning {key} ...", file=sys.stderr, flush=True)
         plans[key] = plan_metrics(key, args.stage_layers)
