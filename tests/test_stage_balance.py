@@ -67,15 +67,18 @@ def test_costs_come_from_two_slices_and_a_free_layer_is_refused():
         cost_from_slices(short_s=5.0, long_s=5.0, short_layers=2)
 
 
-def test_every_preset_is_balanced_and_an_explicit_split_is_checked():
-    # The paper's workloads balance their stages; the Llama 3.1 405B ones give the paper's own split
-    # (first and last stages one layer short), which must cover the model's layers once.
-    assert {p.stage_layers for p in PRESETS.values() if p.in_paper} == {"balanced"}
+def test_every_preset_splits_as_its_source_and_an_explicit_split_is_checked():
+    # The testbed's workloads split 15 + 13 (the artifact's num_layers_in_first_pipeline_stage), the
+    # emulation is balanced by the planner; the Llama 3.1 405B ones give the paper's own split (first
+    # and last stages one layer short). A split must cover the model's layers once.
+    testbed = {p.stage_layers for p in PRESETS.values() if p.in_paper and p.pp == 2}
+    assert testbed == {(15, 13)}
+    assert {p.stage_layers for p in PRESETS.values() if p.in_paper and p.pp != 2} == {"balanced"}
     for preset in PRESETS.values():
         if isinstance(preset.stage_layers, tuple):
             assert sum(preset.stage_layers) == get_config(preset.model).num_layers, preset.name
             assert len(preset.stage_layers) == preset.pp * preset.virtual_stages, preset.name
-    assert plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k").stage_layers == "balanced"
+    assert plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k").stage_layers == (15, 13)
     with pytest.raises(ParallelConfigError, match=r"add up to the model's 28 layers; e.g. \[14, 14\]"):
         trace_plan_stages(plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k", stage_layers=(15, 12)), None)
 

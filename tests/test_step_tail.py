@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -106,3 +107,28 @@ def test_a_simulated_plan_records_the_tail_in_every_frontier(small_real_plan, si
     assert record["parts_s"]["optimizer"] > 0.0
     for method in plan.data["methods"].values():
         assert min(t for t, _ in method["frontier"]) > record["time_s"]
+
+
+def test_the_distributed_optimizer_shards_the_step_over_the_context_group(simulator) -> None:
+    plain = step_tail(simulator, QWEN, [15, 13], tp=4, cp=2, dp=1, pp=2)
+    sharded = step_tail(simulator, QWEN, [15, 13], tp=4, cp=2, dp=1, pp=2, distributed_optimizer=True)
+    # a reduce-scatter moves half an all-reduce's bus bytes: the sync at most ~half (plus latency)
+    assert 0.4 * plain.parts_s["grad_sync"] < sharded.parts_s["grad_sync"] < 0.6 * plain.parts_s["grad_sync"]
+    # each rank steps half its parameters (the zeroing stays whole) but all-gathers the bf16 weights
+    assert sharded.parts_s["optimizer"] < plain.parts_s["optimizer"]
+    assert sharded.time_s < plain.time_s and sharded.energy_j < plain.energy_j
+    assert sharded.parts_s["embedding_grad_sync"] == plain.parts_s["embedding_grad_sync"] > 0.0
+    # a TP-only job has no context group: nothing to shard, the same tail
+    tp8 = [step_tail(simulator, QWEN, [15, 13], tp=8, cp=1, dp=1, pp=2, distributed_optimizer=d) for d in (0, 1)]
+    assert tp8[0] == tp8[1]
+
+
+def test_untied_embeddings_have_no_embedding_sync_but_the_same_parameters(simulator) -> None:
+    # the paper's Llama-3.2-3B ran share_embeddings_and_output_weights: false (testbed_config.py)
+    llama = get_config("llama3.2-3b")
+    tied = step_tail(simulator, llama, [15, 13], tp=4, cp=2, dp=1, pp=2)
+    untied = step_tail(simulator, dataclasses.replace(llama, tie_embeddings=False), [15, 13], tp=4, cp=2, dp=1, pp=2)
+    assert tied.parts_s["embedding_grad_sync"] > 0.05 and untied.parts_s["embedding_grad_sync"] == 0.0
+    # in a pipeline the last stage holds its own output layer either way
+    assert untied.parameters_per_gpu == tied.parameters_per_gpu
+    assert untied.time_s == pytest.approx(tied.time_s - tied.parts_s["embedding_grad_sync"], rel=1e-9)

@@ -91,6 +91,7 @@ from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
 from kareus_fx.plan.step_tail import StepTail, step_tail, with_step_tail
+from kareus_fx.plan.testbed_config import HF_DEFAULTS, MegatronSettings
 from kareus_fx.runtime.clock_backends import parse_clock_mode
 from kareus_fx.runtime.device_profiler import DeviceProfiler, node_tables_from_dump, replay_key
 from kareus_fx.runtime.frequency import FrequencyController
@@ -201,6 +202,12 @@ class PlanRequest:
     (``compose.pipeline``) over ``pp x virtual_stages`` global stages, GPU ``r`` holding stages ``r,
     r + pp, ...``; every stage-indexed field (``stage_layers``, the plan's ``stages``) counts global stages."""
 
+    megatron: MegatronSettings = HF_DEFAULTS
+    """Training settings outside the traced model that the plan prices (``testbed_config.py``):
+    tied embeddings, distributed optimizer (``step_tail.py``), dropout (``dropout_traffic.py``).
+    The testbed presets carry the paper's artifact's; otherwise the traced model's tying, no
+    distributed optimizer, no dropout."""
+
     compile_unit: str = "stage"
     """What the job compiles as one graph (``--compile-unit``): the whole stage (``"stage"``:
     ``torch.compile(stage_module)``) or each decoder layer (``"block"``: torchtitan's per-block
@@ -255,6 +262,7 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
         "recompute": p.recompute,
         "dp": p.dp,
         "gpu": p.gpu,
+        "megatron": p.megatron,
     }
     return PlanRequest(**{**fields, **overrides})
 
@@ -1205,8 +1213,19 @@ def _step_tail(req: PlanRequest, spec: GPUSpec) -> StepTail | None:
         if isinstance(req.stage_layers, tuple)
         else even_layer_counts(_model_layers(req), req.num_stages)
     )
+    if req.megatron.tie_embeddings is not None:
+        cfg = dataclasses.replace(cfg, tie_embeddings=req.megatron.tie_embeddings)
     simulator = SimulatedProfiler(spec.name).simulator
-    return step_tail(simulator, cfg, layers, tp=req.tp, cp=req.cp, dp=req.dp, pp=req.pp)
+    return step_tail(
+        simulator,
+        cfg,
+        layers,
+        tp=req.tp,
+        cp=req.cp,
+        dp=req.dp,
+        pp=req.pp,
+        distributed_optimizer=req.megatron.distributed_optimizer,
+    )
 
 
 def _with_tail_points(points: Sequence[PowerLimitPoint], tail: StepTail, scale: float) -> list[PowerLimitPoint]:

@@ -6,8 +6,11 @@ Qwen3-1.7B) x two parallel layouts (TP8; CP2 x TP4) x three microbatch shapes (8
 pipeline). The emulation (section 6.3, table 5) is Llama-3.3-70B with PP10 x TP8, microbatch 4 x
 4K and 16 to 128 microbatches per pipeline (a global batch of 2048 over 128 to 16 pipelines).
 
-Every preset's pipeline is balanced (``stage_layers="balanced"``): the paper partitions its stages
-"such that stages are as balanced as possible, following Perseus" (section 6.1), not evenly. Every
+The testbed presets split their 28 layers 15 + 13, as the paper's artifact configs do
+(``num_layers_in_first_pipeline_stage: 15``, ``testbed_config.py``; the paper says it partitions its
+stages "such that stages are as balanced as possible, following Perseus", section 6.1), and carry
+the artifact's other Megatron settings (``Preset.megatron``); the emulation's pipelines are
+balanced by the planner (``stage_layers="balanced"``). Every
 preset recomputes activations (``recompute="full"``): "We use activation checkpointing to reduce
 memory pressure" (section 6.1), on Megatron-LM, whose checkpointing recomputes whole layers.
 
@@ -33,10 +36,13 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
+from typing import Any
 
 from kareus_fx.compose.pipeline import CompositionError, check_interleaving
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.errors import KareusError
+from kareus_fx.models.configs import get_config
+from kareus_fx.plan.testbed_config import HF_DEFAULTS, TESTBED_SETTINGS, MegatronSettings, artifact_stage_layers
 
 
 class UnknownPresetError(KareusError, ValueError):
@@ -70,10 +76,21 @@ class Preset:
     (``kareus_fx.models.recompute``)."""
     dp: int = 1
     """Data-parallel replicas (``--dp`` overrides it); the paper's testbed runs one."""
+    megatron: MegatronSettings = HF_DEFAULTS
+    """Training settings outside the traced model (tied embeddings, distributed optimizer, dropout);
+    the testbed presets carry the artifact's (``testbed_config.py``)."""
 
     @property
     def gpus_per_pipeline(self) -> int:
         return self.tp * self.cp * self.pp
+
+
+def _testbed_settings(model: str) -> dict[str, Any]:
+    """The artifact's stage split (15 + 13) and Megatron settings of ``model`` (``testbed_config.py``)."""
+    return {
+        "stage_layers": artifact_stage_layers(get_config(model).num_layers, 2),
+        "megatron": TESTBED_SETTINGS[model],
+    }
 
 
 def _testbed_presets() -> list[Preset]:
@@ -92,6 +109,7 @@ def _testbed_presets() -> list[Preset]:
                         mbs=mbs,
                         seq=seq,
                         source="paper section 6.1, table 3 (testbed, PP2, 8 microbatches)",
+                        **_testbed_settings(model),
                     )
                 )
     # Tables 9 and 10: Qwen3-1.7B TP8 4K at microbatch sizes 12 and 20 (8 and 16 are above).
@@ -107,6 +125,7 @@ def _testbed_presets() -> list[Preset]:
                 mbs=mbs,
                 seq=4096,
                 source="paper section 6.5 (microbatch size), tables 9 and 10 (testbed, microbatch size sweep)",
+                **_testbed_settings("qwen3-1.7b"),
             )
         )
     return presets

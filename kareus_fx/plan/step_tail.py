@@ -24,11 +24,16 @@ stated fact of Megatron-LM or the hardware, none fitted:
   parameters: the norm reads the fp32 gradient (4); Adam reads gradient, master weight and both
   moments and writes weight and moments (28); the copy reads the fp32 weight and writes the bf16
   one (6); the zeroing writes the fp32 gradient (4). Gradient clipping's scaling pass runs only
-  when the norm exceeds the threshold (data-dependent) and is not priced. No distributed
-  optimizer (Megatron-LM's default): every rank steps all of its parameters. (The paper's testbed
-  ran NeMo's ``mcore_distributed_optim``, which shards the step over the data x context group:
-  on its CP2 rows a reduce-scatter and an all-gather instead of the all-reduce and half the step,
-  about 5 ms less of a 64 ms tail on Qwen CP2 x TP4 mbs16; not priced.)
+  when the norm exceeds the threshold (data-dependent) and is not priced. Without the distributed
+  optimizer (Megatron-LM's default) every rank steps all of its parameters.
+- With Megatron-core's distributed optimizer (``distributed_optimizer=True``; the paper's testbed
+  ran NeMo's ``mcore_distributed_optim``) over a data x context group of ``g`` ranks: the
+  gradient sync is a reduce-scatter of the fp32 gradient buffer (each rank keeps the reduced
+  ``1/g`` it owns), the norm, Adam and the copy into the bf16 weights run on that shard (``1/g``
+  of their bytes), the zeroing on the whole buffer, and an all-gather of the updated bf16
+  parameters (2 bytes each) over the group follows the step (``DistributedOptimizer``'s param
+  all-gather). With ``g = 1`` it is the plain optimizer. The grad buffer's buckets
+  (``grad_allreduce_chunk_size_mb``) split a collective into a few; their latencies are not priced.
 - Parameters per GPU: a decoder layer's projections and MLP (``1/tp`` each), its norms whole; the
   first pipeline rank holds the word embedding (``1/tp``), the last the final norm and the output
   layer (``1/tp``; with tied embeddings a copy of the embedding when the pipeline has more than
@@ -56,10 +61,11 @@ from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import OptionsError
 from kareus_fx.models.configs import ModelConfig
 from kareus_fx.plan.stage_transfer import network_share_bytes_per_s, node_of
-from kareus_fx.workload import CollectiveSpec, OpCost
+from kareus_fx.workload import CollectiveKind, CollectiveSpec, OpCost
 
 __all__ = [
     "GRAD_BYTES_PER_PARAM",
+    "PARAM_BYTES",
     "STEP_PASSES_BYTES_PER_PARAM",
     "StepTail",
     "rank_parameters",
@@ -69,6 +75,8 @@ __all__ = [
 
 GRAD_BYTES_PER_PARAM = 4
 """fp32 gradients (``accumulate_allreduce_grads_in_fp32``)."""
+PARAM_BYTES = 2
+"""bf16 model weights (the distributed optimizer's parameter all-gather)."""
 STEP_PASSES_BYTES_PER_PARAM: Mapping[str, int] = {
     "grad_norm": 4,
     "adam": 28,
@@ -88,7 +96,7 @@ class StepTail:
     ``energy_j``; the plan scales it by ``tp x cp x dp``)."""
     parts_s: Mapping[str, float]
     """The slowest rank's seconds per part: ``grad_sync``, ``embedding_grad_sync``,
-    ``grad_norm_reduce``, ``optimizer``."""
+    ``grad_norm_reduce``, ``optimizer`` (with the distributed optimizer's parameter all-gather)."""
     parameters_per_gpu: tuple[float, ...]
     """Parameters each pipeline rank's GPU steps."""
 
@@ -117,16 +125,24 @@ def rank_parameters(cfg: ModelConfig, stage_layers: Sequence[int], tp: int, rank
     return tuple(params)
 
 
-def _all_reduce(simulator: Simulator, nbytes: float, group: int, spans_nodes: bool) -> tuple[float, float]:
-    """Seconds and joules (one GPU) of an all-reduce of ``nbytes`` over ``group`` ranks."""
+_RING_PASSES: Mapping[CollectiveKind, float] = {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}
+"""Ring passes over the ``(g - 1) / g`` share of the buffer: an all-reduce is a reduce-scatter then
+an all-gather."""
+
+
+def _all_reduce(
+    simulator: Simulator, nbytes: float, group: int, spans_nodes: bool, kind: CollectiveKind = "all_reduce"
+) -> tuple[float, float]:
+    """Seconds and joules (one GPU) of a ``kind`` collective of a ``nbytes`` buffer (an all-gather's
+    output) over ``group`` ranks."""
     if group <= 1 or nbytes <= 0.0:
         return 0.0, 0.0
     spec, params = simulator.spec, simulator.params
     if spans_nodes:
-        bus_bytes = 2.0 * (group - 1) / group * nbytes
+        bus_bytes = _RING_PASSES[kind] * (group - 1) / group * nbytes
         time_s = params.comm_latency_s + bus_bytes / network_share_bytes_per_s(spec)
         return time_s, time_s * spec.blocking_power_w
-    collective = CollectiveSpec(kind="all_reduce", bytes=nbytes, group_size=group)
+    collective = CollectiveSpec(kind=kind, bytes=nbytes, group_size=group)
     m = simulator.predict_sequence((), (collective,), clock_mhz=spec.clock_max_mhz, comm_library="nccl").measurement
     return m.time_s, m.energy_j
 
@@ -140,10 +156,11 @@ def step_tail(
     cp: int,
     dp: int,
     pp: int,
+    distributed_optimizer: bool = False,
 ) -> StepTail:
     """Time and energy of the work after the last microbatch (module docstring) on ``simulator``'s
     GPU, for ``cfg`` split into ``stage_layers`` over ``pp`` pipeline ranks of ``tp x cp`` GPUs,
-    ``dp`` replicas."""
+    ``dp`` replicas; ``distributed_optimizer``: Megatron-core's, sharded over the ``cp x dp`` group."""
     spec = simulator.spec
     params = rank_parameters(cfg, stage_layers, tp, pp)
     per_rank = tp * cp * dp  # GPUs of a pipeline rank, in every replica
@@ -153,13 +170,20 @@ def step_tail(
     embedding_bytes = cfg.vocab_size * cfg.hidden_size / tp * GRAD_BYTES_PER_PARAM
     embedding = _all_reduce(simulator, embedding_bytes, 2, embedding_spans) if tied else (0.0, 0.0)
     norm_s = simulator.params.comm_latency_s if pp * tp > 1 else 0.0
-    grad = [_all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, cp * dp, sync_spans) for n in params]
+    group = cp * dp
+    shards = group if distributed_optimizer else 1
+    grad_kind: CollectiveKind = "reduce_scatter" if shards > 1 else "all_reduce"
+    grad = [_all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, group, sync_spans, grad_kind) for n in params]
     sync = [(t, e) if r not in (0, pp - 1) else (t + embedding[0], e + embedding[1]) for r, (t, e) in enumerate(grad)]
     step: list[tuple[float, float]] = []
     for n in params:
-        ops = [OpCost(name, "optimizer", 0.0, b * n, bound="memory") for name, b in STEP_PASSES_BYTES_PER_PARAM.items()]
+        ops = [
+            OpCost(name, "optimizer", 0.0, b * n / (1 if name == "zero_grad_buffer" else shards), bound="memory")
+            for name, b in STEP_PASSES_BYTES_PER_PARAM.items()
+        ]
         m = simulator.predict_sequence(ops, (), clock_mhz=spec.clock_max_mhz).measurement
-        step.append((m.time_s, m.energy_j))
+        gather = _all_reduce(simulator, n * PARAM_BYTES, group, sync_spans, "all_gather") if shards > 1 else (0.0, 0.0)
+        step.append((m.time_s + gather[0], m.energy_j + gather[1]))
     step_s = max(t for t, _ in step)
     time_s = max(t for t, _ in sync) + norm_s + step_s
     # every rank: its own sync and step, idle at the blocking power for the rest of the tail

@@ -1,0 +1,71 @@
+"""The Megatron-LM settings a plan prices beyond the traced model: what the paper's testbed ran.
+
+The paper's artifact (ml-energy/kareus, ``tests/artifact/conf/megatron_qwen3_1.7b_config.yaml`` and
+``megatron_llama3.2_3b_config.yaml``, launched by ``tests/artifact/run_megatron.sh``, which
+overrides only ``tensor_model_parallel_size``, ``context_parallel_size``, ``micro_batch_size``,
+``global_batch_size`` and ``encoder_seq_length`` per sweep row; ``run_kareus.sh`` and the other
+methods' scripts load the same configs) trains with NeMo on Megatron-core. Of its settings, these
+change what an iteration costs and are not in the traced HF-style model:
+
+- ``num_layers_in_first_pipeline_stage: 15`` on both models: stages of 15 + 13 layers on every row
+  (:data:`TESTBED_FIRST_STAGE_LAYERS`; the presets carry the split, ``presets.py``).
+- ``share_embeddings_and_output_weights``: true on Qwen3-1.7B, false on Llama-3.2-3B (whose HF
+  config ties them): no word-embedding gradient sync between the first and the last stage on the
+  Llama rows (``step_tail.py``).
+- ``optim.name: mcore_distributed_optim``: Megatron-core's distributed optimizer, which shards the
+  step over the data x context group (``step_tail.py``).
+- ``hidden_dropout: 0.1`` with ``bias_dropout_add_fusion``: a dropout mask per residual add
+  (``dropout_traffic.py``).
+
+A user's workload (``kareus plan`` without a preset) gets :data:`HF_DEFAULTS`: the traced model's
+own tying, Megatron-LM's default (non-distributed) optimizer, no dropout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["HF_DEFAULTS", "TESTBED_FIRST_STAGE_LAYERS", "TESTBED_SETTINGS", "MegatronSettings", "artifact_stage_layers"]
+
+
+@dataclass(frozen=True)
+class MegatronSettings:
+    """Training settings outside the traced graphs that change an iteration's cost."""
+
+    tie_embeddings: bool | None = None
+    """Whether the output layer shares the word embedding; None: the model config's
+    (``ModelConfig.tie_embeddings``, the HF ``tie_word_embeddings``)."""
+    distributed_optimizer: bool = False
+    """Megatron-core's distributed optimizer: gradients reduce-scattered and parameters
+    all-gathered over the data x context group, each rank stepping its shard."""
+    hidden_dropout: float = 0.0
+    """Dropout probability of the fused bias-dropout-add after attention and after the MLP."""
+    source: str = ""
+    """Where the settings come from."""
+
+
+HF_DEFAULTS = MegatronSettings()
+
+TESTBED_FIRST_STAGE_LAYERS = 15
+"""``num_layers_in_first_pipeline_stage`` of both artifact configs (28 layers: 15 + 13)."""
+
+_ARTIFACT = "ml-energy/kareus tests/artifact/conf/megatron_{}_config.yaml (the paper's testbed, NeMo on Megatron-core)"
+
+TESTBED_SETTINGS: dict[str, MegatronSettings] = {
+    "qwen3-1.7b": MegatronSettings(
+        tie_embeddings=True, distributed_optimizer=True, hidden_dropout=0.1, source=_ARTIFACT.format("qwen3_1.7b")
+    ),
+    "llama3.2-3b": MegatronSettings(
+        tie_embeddings=False, distributed_optimizer=True, hidden_dropout=0.1, source=_ARTIFACT.format("llama3.2_3b")
+    ),
+}
+"""The artifact's settings per testbed model (module docstring)."""
+
+
+def artifact_stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
+    """The artifact's split: :data:`TESTBED_FIRST_STAGE_LAYERS` on the first stage, the rest evenly
+    over the others (Megatron-core's ``num_layers_in_first_pipeline_stage``)."""
+    rest = num_layers - TESTBED_FIRST_STAGE_LAYERS
+    if pp < 2 or rest < pp - 1 or rest % (pp - 1):
+        raise ValueError(f"{num_layers} layers do not split as {TESTBED_FIRST_STAGE_LAYERS} + even over {pp} stages")
+    return (TESTBED_FIRST_STAGE_LAYERS, *([rest // (pp - 1)] * (pp - 1)))

@@ -1,0 +1,40 @@
+"""The paper's testbed settings that the presets carry (``kareus_fx.plan.testbed_config``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kareus_fx.cost_models.hardware import gpu_spec
+from kareus_fx.plan.planner import _step_tail, plan_request_from_preset
+from kareus_fx.plan.presets import PRESETS
+from kareus_fx.plan.testbed_config import HF_DEFAULTS, TESTBED_SETTINGS, artifact_stage_layers
+
+
+def test_the_testbed_presets_carry_the_artifact_configs_settings() -> None:
+    # megatron_{qwen3_1.7b,llama3.2_3b}_config.yaml: num_layers_in_first_pipeline_stage 15,
+    # mcore_distributed_optim, hidden_dropout 0.1, share_embeddings_and_output_weights true / false
+    assert artifact_stage_layers(28, 2) == (15, 13)
+    with pytest.raises(ValueError, match="do not split"):
+        artifact_stage_layers(28, 3)
+    assert TESTBED_SETTINGS["qwen3-1.7b"].tie_embeddings is True
+    assert TESTBED_SETTINGS["llama3.2-3b"].tie_embeddings is False
+    for preset in PRESETS.values():
+        testbed = preset.in_paper and preset.pp == 2
+        assert preset.megatron == (TESTBED_SETTINGS[preset.model] if testbed else HF_DEFAULTS), preset.name
+        if testbed:
+            assert preset.megatron.distributed_optimizer and preset.megatron.hidden_dropout == 0.1
+    req = plan_request_from_preset("llama3.2-3b-cp2tp4-mbs8-seq4k")
+    assert req.megatron == TESTBED_SETTINGS["llama3.2-3b"] and req.stage_layers == (15, 13)
+
+
+def test_the_llama_testbed_tail_has_no_embedding_sync_and_a_sharded_step() -> None:
+    spec = gpu_spec("A100-SXM4-40GB")
+    testbed = plan_request_from_preset("llama3.2-3b-cp2tp4-mbs8-seq4k")
+    hf = dataclasses.replace(testbed, megatron=HF_DEFAULTS)
+    ours, theirs = _step_tail(testbed, spec), _step_tail(hf, spec)
+    assert ours is not None and theirs is not None
+    assert ours.parts_s["embedding_grad_sync"] == 0.0 < theirs.parts_s["embedding_grad_sync"]
+    assert ours.parts_s["grad_sync"] < 0.6 * theirs.parts_s["grad_sync"]  # reduce-scatter, not all-reduce
+    assert ours.time_s < theirs.time_s
