@@ -38,3 +38,26 @@ def test_the_llama_testbed_tail_has_no_embedding_sync_and_a_sharded_step() -> No
     assert ours.parts_s["embedding_grad_sync"] == 0.0 < theirs.parts_s["embedding_grad_sync"]
     assert ours.parts_s["grad_sync"] < 0.6 * theirs.parts_s["grad_sync"]  # reduce-scatter, not all-reduce
     assert ours.time_s < theirs.time_s
+
+
+def test_the_planner_adds_each_stages_dropout_and_gradient_accumulation() -> None:
+    from kareus_fx.models.configs import get_config
+    from kareus_fx.plan.dropout_traffic import dropout_ops
+    from kareus_fx.plan.graph_workload import SequentialGraph
+    from kareus_fx.plan.main_grad_traffic import MAIN_GRAD_ADD_BYTES_PER_PARAM, main_grad_ops
+    from kareus_fx.plan.planner import StageGraphs, _with_megatron_traffic
+    from kareus_fx.plan.step_tail import stage_parameters
+
+    req = plan_request_from_preset("qwen3-1.7b-cp2tp4-mbs16-seq4k")
+    empty = {g: SequentialGraph(g, (), (), g) for g in ("forward", "backward")}
+    traced = [StageGraphs(stages=(s,), sequential=empty, partitioned=None) for s in (0, 1)]
+    elements = 16 * 4096 / 2 * 2048  # mbs x seq / cp x hidden
+    params = stage_parameters(get_config("qwen3-1.7b"), (15, 13), 4)
+    for graphs, layers, n in zip(_with_megatron_traffic(req, traced), (15, 13), params):
+        assert graphs.sequential["forward"].ops == dropout_ops("forward", layers, elements, "full")
+        backward = graphs.sequential["backward"].ops
+        assert backward == dropout_ops("backward", layers, elements, "full") + main_grad_ops(n)
+        assert backward[-1].bytes == n * MAIN_GRAD_ADD_BYTES_PER_PARAM == pytest.approx(10 * n)
+    # a user's workload (no dropout, no Megatron accumulation) and a measured profiler keep the traced graphs
+    assert _with_megatron_traffic(dataclasses.replace(req, megatron=HF_DEFAULTS), traced) is traced
+    assert _with_megatron_traffic(dataclasses.replace(req, profiler="cpu-replay"), traced) is traced

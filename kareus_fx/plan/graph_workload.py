@@ -28,6 +28,7 @@ __all__ = [
     "graph_fingerprint",
     "partitioned_graphs",
     "sequential_graphs",
+    "with_extra_ops",
 ]
 
 
@@ -156,3 +157,22 @@ def partitioned_graphs(dump: Mapping[str, Any]) -> dict[GraphName, PartitionedGr
             graph=name, ptypes=ptypes, outside=_sequential(graph, names), fingerprint=graph_fingerprint(graph)
         )
     return result
+
+
+def with_extra_ops(
+    sequential: Mapping[GraphName, SequentialGraph],
+    partitioned: Mapping[GraphName, PartitionedGraph] | None,
+    extra: Mapping[GraphName, tuple[OpCost, ...]],
+) -> tuple[dict[GraphName, SequentialGraph], dict[GraphName, PartitionedGraph] | None]:
+    """A stage's graphs with ``extra`` ops that the traced model does not run (the training
+    framework's: ``dropout_traffic.py``, ``main_grad_traffic.py``) run after each graph's own: in
+    the un-split graph and in the nanobatched graph's work outside its partitions. Fingerprints
+    stay the traced graphs' (deployment checks those)."""
+
+    def appended(graph: SequentialGraph) -> SequentialGraph:
+        return dataclasses.replace(graph, ops=graph.ops + extra.get(graph.graph, ()))
+
+    seq = {name: appended(g) for name, g in sequential.items()}
+    if partitioned is None:
+        return seq, None
+    return seq, {name: dataclasses.replace(g, outside=appended(g.outside)) for name, g in partitioned.items()}

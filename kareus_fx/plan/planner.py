@@ -65,15 +65,18 @@ from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
 from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
+from kareus_fx.plan.dropout_traffic import dropout_ops
 from kareus_fx.plan.graph_workload import (
     PartitionedGraph,
     SequentialGraph,
     graph_fingerprint,
     partitioned_graphs,
     sequential_graphs,
+    with_extra_ops,
 )
 from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curves
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, block_dump, extend_dump, slice_pays
+from kareus_fx.plan.main_grad_traffic import main_grad_ops
 from kareus_fx.plan.methods import (
     BASELINES,
     METHODS,
@@ -90,7 +93,7 @@ from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
-from kareus_fx.plan.step_tail import StepTail, step_tail, with_step_tail
+from kareus_fx.plan.step_tail import StepTail, stage_parameters, step_tail, with_step_tail
 from kareus_fx.plan.testbed_config import HF_DEFAULTS, MegatronSettings
 from kareus_fx.runtime.clock_backends import parse_clock_mode
 from kareus_fx.runtime.device_profiler import DeviceProfiler, node_tables_from_dump, replay_key
@@ -99,7 +102,7 @@ from kareus_fx.runtime.recorded_ops import NodeTable
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
 from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz
-from kareus_fx.workload import GraphName, Measurement, PartitionType
+from kareus_fx.workload import GraphName, Measurement, OpCost, PartitionType
 
 __all__ = [
     "LIVE_GRAPH_MODEL",
@@ -503,10 +506,10 @@ def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, l
     that evens out the stages (``stage_balance.py``); the stages' graphs then extend the same
     slices (or trace the stages in full, where slicing does not apply)."""
     if req.stage_layers != "balanced":
-        return req, _trace_stages(req, dump_root)
+        return req, _with_megatron_traffic(req, _trace_stages(req, dump_root))
     if req.num_stages == 1:
         req = dataclasses.replace(req, stage_layers="even")
-        return req, _trace_stages(req, dump_root)
+        return req, _with_megatron_traffic(req, _trace_stages(req, dump_root))
     first_stage_of_role = {stage_role(i, req.num_stages): i for i in reversed(range(req.num_stages))}
     load = LoadedDumps()
     dumps = _run_traces(
@@ -517,7 +520,47 @@ def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, l
     )
     role_slices = {role: dumps[stage] for role, stage in first_stage_of_role.items()}
     req = dataclasses.replace(req, stage_layers=_balanced_stage_layers(req, role_slices, load))
-    return req, _trace_stages(req, dump_root, role_slices, load)
+    return req, _with_megatron_traffic(req, _trace_stages(req, dump_root, role_slices, load))
+
+
+def _with_megatron_traffic(req: PlanRequest, traced: list[StageGraphs]) -> list[StageGraphs]:
+    """``traced`` with the work of ``req.megatron`` that the traced model does not run, on the
+    simulated GPU: hidden dropout's memory traffic (``dropout_traffic.py``) and the unfused
+    gradient accumulation (``main_grad_traffic.py``). Unchanged without either, for a measured
+    profiler (it replays the traced ops), a live graph or a block plan (no model config or stage
+    layer count)."""
+    settings = req.megatron
+    if (
+        (settings.hidden_dropout <= 0.0 and settings.gradient_accumulation_fusion is not False)
+        or req.profiler != "simulated"
+        or req.model == LIVE_GRAPH_MODEL
+        or req.compile_unit == "block"
+    ):
+        return traced
+    from kareus_fx.models import get_config
+
+    cfg = get_config(req.model)
+    if settings.tie_embeddings is not None:
+        cfg = dataclasses.replace(cfg, tie_embeddings=settings.tie_embeddings)
+    counts = (
+        list(req.stage_layers)
+        if isinstance(req.stage_layers, tuple)
+        else even_layer_counts(_model_layers(req), req.num_stages)
+    )
+    params = stage_parameters(cfg, counts, req.tp)
+    elements = req.mbs * req.seq / req.cp * cfg.hidden_size
+    priced = []
+    for graphs in traced:
+        stage = graphs.stages[0]
+        extra: dict[GraphName, tuple[OpCost, ...]] = {"forward": (), "backward": ()}
+        if settings.hidden_dropout > 0.0:
+            for g in extra:
+                extra[g] += dropout_ops(g, counts[stage], elements, req.recompute)
+        if settings.gradient_accumulation_fusion is False:
+            extra["backward"] += main_grad_ops(params[stage])
+        sequential, partitioned = with_extra_ops(graphs.sequential, graphs.partitioned, extra)
+        priced.append(dataclasses.replace(graphs, sequential=sequential, partitioned=partitioned))
+    return priced
 
 
 def _balanced_stage_layers(

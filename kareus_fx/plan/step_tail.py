@@ -69,6 +69,7 @@ __all__ = [
     "STEP_PASSES_BYTES_PER_PARAM",
     "StepTail",
     "rank_parameters",
+    "stage_parameters",
     "step_tail",
     "with_step_tail",
 ]
@@ -109,19 +110,26 @@ def _layer_parameters(cfg: ModelConfig, tp: int) -> float:
     return (attention + mlp) / tp + norms
 
 
+def stage_parameters(cfg: ModelConfig, stage_layers: Sequence[int], tp: int) -> tuple[float, ...]:
+    """Parameters on one GPU of each global stage of ``stage_layers``: its decoder layers, the word
+    embedding on the first, the output layer and final norm on the last."""
+    params = [layers * _layer_parameters(cfg, tp) for layers in stage_layers]
+    embedding = cfg.vocab_size * cfg.hidden_size / tp
+    params[0] += embedding
+    if len(params) > 1 or not cfg.tie_embeddings:
+        params[-1] += embedding  # the output layer (with tied embeddings: Megatron-LM's copy on the last stage)
+    params[-1] += cfg.hidden_size  # final norm
+    return tuple(params)
+
+
 def rank_parameters(cfg: ModelConfig, stage_layers: Sequence[int], tp: int, ranks: int) -> tuple[float, ...]:
     """Parameters on one GPU of each pipeline rank; global stage ``s`` (of ``stage_layers``) runs
     on rank ``s mod ranks`` (interleaved 1F1B's placement; one stage per rank without it)."""
     if len(stage_layers) % ranks:
         raise OptionsError(f"{len(stage_layers)} stages do not spread evenly over {ranks} pipeline ranks")
     params = [0.0] * ranks
-    for s, layers in enumerate(stage_layers):
-        params[s % ranks] += layers * _layer_parameters(cfg, tp)
-    embedding = cfg.vocab_size * cfg.hidden_size / tp
-    params[0] += embedding
-    if ranks > 1 or not cfg.tie_embeddings:
-        params[-1] += embedding  # the output layer (with tied embeddings: Megatron-LM's copy on the last stage)
-    params[-1] += cfg.hidden_size  # final norm
+    for s, n in enumerate(stage_parameters(cfg, stage_layers, tp)):
+        params[s % ranks] += n
     return tuple(params)
 
 

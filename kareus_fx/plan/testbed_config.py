@@ -16,9 +16,12 @@ change what an iteration costs and are not in the traced HF-style model:
   step over the data x context group (``step_tail.py``).
 - ``hidden_dropout: 0.1`` with ``bias_dropout_add_fusion``: a dropout mask per residual add
   (``dropout_traffic.py``).
+- ``gradient_accumulation_fusion: false``: each microbatch's weight gradients added into the fp32
+  ``main_grad`` buffer in a pass of their own (``main_grad_traffic.py``).
 
 A user's workload (``kareus plan`` without a preset) gets :data:`HF_DEFAULTS`: the traced model's
-own tying, Megatron-LM's default (non-distributed) optimizer, no dropout.
+own tying, Megatron-LM's default (non-distributed) optimizer, no dropout, no separate gradient
+accumulation.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ class MegatronSettings:
     all-gathered over the data x context group, each rank stepping its shard."""
     hidden_dropout: float = 0.0
     """Dropout probability of the fused bias-dropout-add after attention and after the MLP."""
+    gradient_accumulation_fusion: bool | None = None
+    """Megatron-core's weight-gradient accumulation into fp32 ``main_grad``: False adds each
+    microbatch's bf16 gradient in a pass of its own (``main_grad_traffic.py``); True (fused into the
+    GEMM) or None (not Megatron: the traced backward's own gradients) adds nothing."""
     source: str = ""
     """Where the settings come from."""
 
@@ -53,10 +60,18 @@ _ARTIFACT = "ml-energy/kareus tests/artifact/conf/megatron_{}_config.yaml (the p
 
 TESTBED_SETTINGS: dict[str, MegatronSettings] = {
     "qwen3-1.7b": MegatronSettings(
-        tie_embeddings=True, distributed_optimizer=True, hidden_dropout=0.1, source=_ARTIFACT.format("qwen3_1.7b")
+        tie_embeddings=True,
+        distributed_optimizer=True,
+        hidden_dropout=0.1,
+        gradient_accumulation_fusion=False,
+        source=_ARTIFACT.format("qwen3_1.7b"),
     ),
     "llama3.2-3b": MegatronSettings(
-        tie_embeddings=False, distributed_optimizer=True, hidden_dropout=0.1, source=_ARTIFACT.format("llama3.2_3b")
+        tie_embeddings=False,
+        distributed_optimizer=True,
+        hidden_dropout=0.1,
+        gradient_accumulation_fusion=False,
+        source=_ARTIFACT.format("llama3.2_3b"),
     ),
 }
 """The artifact's settings per testbed model (module docstring)."""
