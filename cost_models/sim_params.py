@@ -104,7 +104,13 @@ class SimParams:
     busy_power_w: float = 25.0
     """Power above static while the GPU runs a workload (clocks, uncore), at max clock and voltage."""
     sm_active_power_w: float = 40.0
-    """Extra power with every SM holding resident CTAs, at max clock and voltage."""
+    """Extra power with every SM holding resident compute CTAs, at max clock and voltage."""
+    comm_sm_active_power_w: float = 40.0
+    """The same for SMs holding a collective's CTAs (prorated by the SMs it runs on). A
+    collective's CTA moves and adds data (loads, stores, flag polls); it issues no tensor-core
+    work, so the prior, equal to ``sm_active_power_w``, is an upper bound. Fitted on the Kareus
+    attention data, whose sequential rows (the all-reduce alone on 1-20 SMs, then the same
+    compute) price an SM running the collective apart from the compute's."""
     flop_energy_j: float = 1.0e-12
     """Energy per FLOP at the max-clock voltage (scales with voltage squared)."""
     hbm_energy_j_per_byte: float = 8 * 7.8e-12
@@ -176,6 +182,7 @@ def derive_params(base: SimParams, base_spec: GPUSpec, target: GPUSpec) -> SimPa
         nccl_bus_bw_cap_bytes_per_s=base.nccl_bus_bw_cap_bytes_per_s * link,
         busy_power_w=base.busy_power_w * headroom,
         sm_active_power_w=base.sm_active_power_w * headroom,
+        comm_sm_active_power_w=base.comm_sm_active_power_w * headroom,
         flop_energy_j=base.flop_energy_j * headroom / flops_ratio,
     )
 
