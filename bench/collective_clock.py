@@ -3,15 +3,15 @@
     python bench/collective_clock.py [--json]
 
 The kernel model prices a collective's bus bandwidth as a smooth minimum of a per-SM rate x SMs
-and a cap (the links'); the per-SM rate scales with ``(clock / max clock) ** per_sm_clock_exponent``
-(``KernelModel.collective_bandwidth``). The calibrated exponent is 0 (shared with the memory-bound
-kernels, fitted on the Perseus GPT-3 stage profiles' time against the clock); the calibration data
-hold collectives at one clock only (Kareus's attention partition at the unlocked clock, NanoFlow's
-NCCL curves at the default clock), so nothing in them measures a collective against the clock.
+and a cap (the links'); the per-SM rate scales with ``(clock / max clock) ** comm_clock_exponent``
+(``KernelModel.collective_bandwidth``), a prior of 0 (the paper: communication bandwidth largely
+unchanged with the clock); the calibration data hold collectives at one clock only (Kareus's
+attention partition at the unlocked clock, NanoFlow's NCCL curves at the default clock), so nothing
+in them measures a collective against the clock.
 
 For the testbed's TP all-reduces (Qwen3-1.7B, hidden 2,048, bf16, one per nanobatch: half a
 microbatch) this prints, per SM count and clock, the collective's time relative to 1,410 MHz with
-the calibrated exponent and with 1 (every cycle of a request in the SM clock domain: the upper
+the prior exponent and with 1 (every cycle of a request in the SM clock domain: the upper
 bound), and how far the collective sits below its cap (per-SM rate x SMs over the cap: above
 about 1.5 it is link bound, and no exponent slows it). Reported, not fitted.
 """
@@ -56,8 +56,8 @@ def linear_over_cap(km: KernelModel, coll: CollectiveSpec, sms: int, library: Co
 def rows() -> list[dict]:
     spec, params = gpu_spec(GPU), gpu_params(GPU).params
     models = {
-        "calibrated": KernelModel(spec, params),
-        "exponent_1": KernelModel(spec, replace(params, per_sm_clock_exponent=1.0)),
+        "prior": KernelModel(spec, params),
+        "exponent_1": KernelModel(spec, replace(params, comm_clock_exponent=1.0)),
     }
     out = []
     for label, group, tokens, _ in CASES:
@@ -68,8 +68,8 @@ def rows() -> list[dict]:
                 "bytes": coll.bytes,
                 "sms": sms,
                 "library": library,
-                "linear_over_cap": round(linear_over_cap(models["calibrated"], coll, sms, library), 2),
-                "time_ms_1410": round(1e3 * models["calibrated"].collective_time(coll, sms, 1410, library), 3),
+                "linear_over_cap": round(linear_over_cap(models["prior"], coll, sms, library), 2),
+                "time_ms_1410": round(1e3 * models["prior"].collective_time(coll, sms, 1410, library), 3),
             }
             for name, km in models.items():
                 base = km.collective_time(coll, sms, 1410, library)
@@ -84,16 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     data = {
         "gpu": GPU,
-        "per_sm_clock_exponent": gpu_params(GPU).params.per_sm_clock_exponent,
+        "comm_clock_exponent": gpu_params(GPU).params.comm_clock_exponent,
         "rows": rows(),
     }
     if args.json:
         print(json.dumps(data, indent=1))
         return 0
-    print(f"{GPU}, calibrated per-SM clock exponent {data['per_sm_clock_exponent']}")
-    print("case | SMs (library) | linear/cap | ms at 1,410 | time ratio calibrated | time ratio exponent 1")
+    print(f"{GPU}, collective clock exponent {data['comm_clock_exponent']}")
+    print("case | SMs (library) | linear/cap | ms at 1,410 | time ratio prior | time ratio exponent 1")
     for r in data["rows"]:
-        cal = " ".join(f"{v:.3f}" for v in r["calibrated"].values())
+        cal = " ".join(f"{v:.3f}" for v in r["prior"].values())
         one = " ".join(f"{v:.3f}" for v in r["exponent_1"].values())
         print(
             f"{r['case']} | {r['sms']} ({r['library']}) | {r['linear_over_cap']} | {r['time_ms_1410']} | {cal} | {one}"
