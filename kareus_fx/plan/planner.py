@@ -188,8 +188,9 @@ class PlanRequest:
     dumps' recorded ops."""
     stage_layers: str | tuple[int, ...] = "even"
     """How the pipeline's stages split the decoder layers (``--stage-layers``): ``"even"`` (Megatron-LM's
-    default), ``"balanced"`` (the split that evens out the stages' step times, as the paper's testbed
-    does; ``stage_balance.py``; the presets' default) or one count per stage. :func:`trace_plan_stages`
+    default), ``"balanced"`` (the split that evens out the stages' step times on the simulated GPU;
+    ``stage_balance.py``; the emulation presets' default; the testbed presets give the artifact's
+    15 + 13, ``testbed_config.py``) or one count per stage. :func:`trace_plan_stages`
     resolves ``"balanced"`` to counts."""
     recompute: str = "none"
     """Activation checkpointing of the traced model (``--recompute``): ``"none"``, ``"full"`` (every
