@@ -195,8 +195,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         metavar="even|balanced|N,N,...",
         help="how the pipeline stages split the decoder layers: even (Megatron-LM's default; the "
         "default with --model), balanced (the split that evens out the stages' step times on the "
-        "simulated GPU, as the paper's testbed; the presets' default) or one count per stage "
-        "(e.g. 15,13: what your job runs)",
+        "simulated GPU; the emulation presets' default) or one count per stage (e.g. 15,13: what "
+        "your job runs, and the testbed presets' default, as the paper's artifact configs)",
     )
     plan.add_argument(
         "--recompute",
