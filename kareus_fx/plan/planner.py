@@ -1132,6 +1132,8 @@ def _kareus_power_limit_curves(
             if not partitioned
             else _with_plan_ids(partitioned, stage_group[node.stage], local_to_plan),
             wait_s=waits_s[(node.stage, node.instruction)],
+            sequential_async=stage.async_dgrad.get("sequential") if node.instruction == "backward" else None,
+            outside_async=stage.async_dgrad.get("outside") if node.instruction == "backward" else None,
         )
 
     curves = functools.partial(
