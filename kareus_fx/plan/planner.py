@@ -797,6 +797,7 @@ def stage_graphs_from_dumps(
         warnings.warn(f"stage {stages[0]}: {err}; Kareus plans it sequentially", stacklevel=2)
         partitioned = None
     sequential_dump = load(sequential)
+    sequential_by_name = sequential_graphs(sequential_dump)  # refuses a dump without forward and backward
     async_dgrad = {"sequential": async_dgrad_split(_backward_graph(sequential_dump))}
     if partitioned is not None:
         nanobatched_backward = _backward_graph(load(nanobatched))
@@ -807,7 +808,7 @@ def stage_graphs_from_dumps(
     )
     return StageGraphs(
         stages=stages,
-        sequential=sequential_graphs(sequential_dump),
+        sequential=sequential_by_name,
         partitioned=partitioned,
         dump_paths={"nanobatched": nanobatched, "sequential": sequential},
         sent_bytes=sent_bytes,
