@@ -130,3 +130,27 @@ def test_a_traced_tp2_backward_pairs_every_layers_qkv_and_gate_up_all_reduce(sma
     assert split is not None
     assert len(split.rest.collectives) + sum(p.count for p in split.beside) == len(seq.collectives)
     assert len(split.rest.ops) + sum(p.count for p in split.beside) == len(seq.ops)
+
+
+def test_the_planned_megatron_backward_is_the_overlapped_sequence(small_real_plan):
+    # The plan's un-split stage-0 backward (Megatron-LM's option, no send after it on the first
+    # stage) is priced with the dgrad all-reduces beside their wgrad GEMMs, not one after the other.
+    import json
+
+    plan_path, work = small_real_plan
+    plan = json.loads(plan_path.read_text())
+    sim = Simulator(plan["gpu"])
+    (path,) = (work / "dumps").glob("stage0-sequential*/*.json")
+    dump = load_dump(path)
+    backward = next(g for g in dump["graphs"] if g["name"] == "backward")
+    split = async_dgrad_split(backward)
+    seq = sequential_graphs(dump)["backward"]
+    assert split is not None
+    options = [o for o in plan["microbatch_options"]["0/backward"] if o["sequential"]]
+    assert options
+    for option in options:
+        clock = option["clock_mhz"]
+        overlapped = sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock)
+        plain = sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=clock)
+        assert option["time_s"] == pytest.approx(overlapped.measurement.time_s, rel=1e-9)
+        assert option["time_s"] < plain.measurement.time_s
