@@ -461,7 +461,7 @@ def ratio_errors(pred: dict, measured: dict, fmax: int) -> tuple[np.ndarray, np.
     return np.array(t_err), np.array(p_err)
 
 
-_POWER_COEFFS = ("busy_power_w", "sm_active_power_w", "flop_energy_j")
+_POWER_COEFFS = ("busy_power_w", "sm_active_power_w", "comm_sm_active_power_w", "flop_energy_j")
 # Per-byte energies are priors (SimParams defaults), not fits: every Kareus row moves the same
 # bytes, so they would act as a free constant there. GDDR6 costs about twice HBM2 per bit.
 GDDR6_ENERGY_FACTOR = 2.0
@@ -501,12 +501,12 @@ def fit_power_and_clock(
         overlap = _overlap_predictions(p, harness, rows, free)
         stage = stage_predictions(Simulator(free_perseus, p), series, clocks)
         ta = np.array([q.terms.time_s for q in overlap])
-        xa = np.array([q.terms.features()[:3] for q in overlap])
+        xa = np.array([q.terms.fitted_features() for q in overlap])
         fixed_a = spec.static_power_w * ta + np.array(
             [hbm * q.terms.hbm_bytes + link * q.terms.link_bytes for q in overlap]
         )
         tb = np.array([stage[k].terms.time_s for k in keys])
-        xb = np.array([stage[k].terms.features()[:3] for k in keys]) / tb[:, None]
+        xb = np.array([stage[k].terms.fitted_features() for k in keys]) / tb[:, None]
         fixed_b = (
             perseus_spec.static_power_w
             + np.array([hbm * stage[k].terms.hbm_bytes + link * stage[k].terms.link_bytes for k in keys]) / tb

@@ -10,7 +10,8 @@ Paper section 3 in rates:
   the per-SM rate does in part (``per_sm_clock_exponent``: the share of a request's round trip
   spent in the SM clock domain).
 - A collective likewise needs SMs to reach link bandwidth (NanoFlow ``collectives/*_blocks.csv``
-  for the curve's shape; the Kareus all-reduce data for its scale).
+  for the curve's shape; the Kareus all-reduce data for its scale); its per-SM rate follows the
+  clock by its own exponent (``comm_clock_exponent``, a prior: no calibration data vary it).
 - A kernel's time is a smooth maximum of its compute time and its memory time (roofline with
   imperfect overlap), plus a fixed launch gap before it.
 
@@ -114,6 +115,10 @@ class KernelModel:
         """Per-SM memory-request rate relative to the maximum clock."""
         return (clock_mhz / self.spec.clock_max_mhz) ** self.params.per_sm_clock_exponent
 
+    def comm_clock_scale(self, clock_mhz: float) -> float:
+        """A collective's per-SM rate relative to the maximum clock (``comm_clock_exponent``)."""
+        return (clock_mhz / self.spec.clock_max_mhz) ** self.params.comm_clock_exponent
+
     def memory_bandwidth(self, sms: float, clock_mhz: float) -> float:
         """HBM bandwidth a memory-bound kernel reaches with ``sms`` SMs (bytes/s)."""
         p = self.params
@@ -178,7 +183,7 @@ class KernelModel:
         peers = max(1, collective.group_size - 1) ** p.comm_peer_exponent
         per_sm = p.comm_bus_bw_per_sm_bytes_per_s * p.comm_kind_factor(collective.kind) * peers
         cap = min(p.comm_bus_bw_cap_bytes_per_s * peers, self.spec.nvlink_bandwidth_bytes_per_s)
-        return smooth_min(per_sm * self.clock_scale(clock_mhz) * sms, cap, p.comm_knee)
+        return smooth_min(per_sm * self.comm_clock_scale(clock_mhz) * sms, cap, p.comm_knee)
 
     def nccl_bandwidth(self, collective: CollectiveSpec, ctas: int, clock_mhz: float) -> float:
         """Bus bandwidth (bytes/s) of NCCL's collective on ``ctas`` CTAs (one per channel; the
@@ -193,7 +198,7 @@ class KernelModel:
         p = self.params
         per_cta = p.nccl_bus_bw_per_cta_bytes_per_s * p.comm_kind_factor(collective.kind) / p.comm_factor_reduce_scatter
         cap = min(p.nccl_bus_bw_cap_bytes_per_s, self.spec.nvlink_bandwidth_bytes_per_s)
-        return smooth_min(per_cta * self.clock_scale(clock_mhz) * ctas, cap, p.comm_knee)
+        return smooth_min(per_cta * self.comm_clock_scale(clock_mhz) * ctas, cap, p.comm_knee)
 
     def collective_time(
         self, collective: CollectiveSpec, sms: int, clock_mhz: float, library: CommLibrary = "mscclpp"

@@ -1,7 +1,8 @@
 """GPU power: static power plus dynamic power from clock, voltage and activity (paper 2.1, 4.5).
 
 Dynamic power has parts that switch every cycle while a workload runs (clocks and uncore:
-``busy_power_w``; SMs holding CTAs: ``sm_active_power_w``), which scale with clock x voltage^2,
+``busy_power_w``; SMs holding compute CTAs: ``sm_active_power_w``; SMs holding a collective's
+CTAs: ``comm_sm_active_power_w``), which scale with clock x voltage^2,
 and parts that are energy per unit of work: arithmetic (``flop_energy_j``, scales with
 voltage^2) and HBM / link traffic (per byte; the memory clock is fixed). Voltage sits at a floor
 up to a knee clock and rises linearly to the max clock above it, so dynamic power grows about as
@@ -40,6 +41,9 @@ class EnergyTerms:
     link_bytes: float
     clock_mhz_s: float = 0.0
     """Integral of the SM clock over time (for the time-averaged clock)."""
+    comm_sm_clock_s: float = 0.0
+    """Integral of (SMs holding a collective's CTAs / all SMs) x clock x voltage^2 over time:
+    multiplies ``comm_sm_active_power_w`` (``sm_clock_s`` counts the compute kernels' SMs only)."""
 
     def __add__(self, other: EnergyTerms) -> EnergyTerms:
         return EnergyTerms(*(a + b for a, b in zip(self.as_tuple(), other.as_tuple())))
@@ -56,18 +60,24 @@ class EnergyTerms:
             self.hbm_bytes,
             self.link_bytes,
             self.clock_mhz_s,
+            self.comm_sm_clock_s,
         )
 
     def features(self) -> tuple[float, float, float, float, float]:
         """Multipliers of (busy W, SM-active W, J/FLOP, J/HBM byte, J/link byte)."""
         return (self.clock_s, self.sm_clock_s, self.flops_v2, self.hbm_bytes, self.link_bytes)
 
+    def fitted_features(self) -> tuple[float, float, float, float]:
+        """Multipliers of the fitted power coefficients (busy W, SM-active W, collective
+        SM-active W, J/FLOP): what the calibration's linear least squares sees."""
+        return (self.clock_s, self.sm_clock_s, self.comm_sm_clock_s, self.flops_v2)
+
     @property
     def average_clock_mhz(self) -> float:
         return self.clock_mhz_s / self.time_s if self.time_s > 0 else 0.0
 
 
-ZERO_TERMS = EnergyTerms(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+ZERO_TERMS = EnergyTerms(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 class PowerModel:
@@ -118,14 +128,16 @@ class PowerModel:
         flops_per_s: float,
         hbm_bytes_per_s: float,
         link_bytes_per_s: float = 0.0,
+        comm_sm_frac: float = 0.0,
     ) -> float:
-        """Total power of a phase with the given activity rates at ``clock_mhz``."""
+        """Total power of a phase with the given activity rates at ``clock_mhz`` (``busy_sm_frac``:
+        SMs holding compute CTAs, ``comm_sm_frac``: SMs holding a collective's, each a share of all SMs)."""
         p = self.params
         v = self.voltage(clock_mhz)
         scale = clock_mhz / self.spec.clock_max_mhz * v * v
         return (
             self.spec.static_power_w
-            + scale * (p.busy_power_w + p.sm_active_power_w * busy_sm_frac)
+            + scale * (p.busy_power_w + p.sm_active_power_w * busy_sm_frac + p.comm_sm_active_power_w * comm_sm_frac)
             + p.flop_energy_j * v * v * flops_per_s
             + p.hbm_energy_j_per_byte * hbm_bytes_per_s
             + p.link_energy_j_per_byte * link_bytes_per_s
@@ -136,6 +148,7 @@ class PowerModel:
         return (
             p.busy_power_w * terms.clock_s
             + p.sm_active_power_w * terms.sm_clock_s
+            + p.comm_sm_active_power_w * terms.comm_sm_clock_s
             + p.flop_energy_j * terms.flops_v2
             + p.hbm_energy_j_per_byte * terms.hbm_bytes
             + p.link_energy_j_per_byte * terms.link_bytes

@@ -54,7 +54,7 @@ class SimParams:
     """Fraction of the spec HBM bandwidth the saturated curve reaches."""
     mem_knee: float = 3.0
     per_sm_clock_exponent: float = 0.5
-    """Per-SM request rate scales as (clock / max clock) ** this (memory kernels and collectives)."""
+    """Per-SM request rate of a memory-bound kernel scales as (clock / max clock) ** this."""
     # Collectives (Kareus attention-overlap data for the scale; NanoFlow for the shape).
     comm_bus_bw_per_sm_bytes_per_s: float = 7e9
     """All-reduce bus bandwidth per SM (one 1024-thread CTA per SM)."""
@@ -64,6 +64,12 @@ class SimParams:
     """Per-SM rate and cap grow as (group size - 1) ** this (calibrated at 2 GPUs). 1: every peer
     is served at once (direct peer access); paper section 3.2.1 (4 SMs hide a TP=4 all-reduce) and
     6.2.1 (6 SMs hide a TP=8 one) need it. Not fitted: the calibration data has one group size."""
+    comm_clock_exponent: float = 0.0
+    """A collective's per-SM rate (both libraries) scales as (clock / max clock) ** this. The prior,
+    0: lowering the clock leaves communication bandwidth largely unchanged (paper sections 1 and
+    3.2.3). Not fitted: the calibration data hold collectives at one clock only (the Kareus
+    attention rows at the unlocked clock, NanoFlow's NCCL curves at the default clock); 1 would put
+    every cycle of a request in the SM clock domain (the upper bound, ``bench/collective_clock.py``)."""
     comm_latency_s: float = 50e-6
     comm_hbm_bytes_per_bus_byte: float = 3.0
     """HBM traffic a collective causes per bus byte: a two-shot all-reduce reads its input, serves
@@ -104,7 +110,13 @@ class SimParams:
     busy_power_w: float = 25.0
     """Power above static while the GPU runs a workload (clocks, uncore), at max clock and voltage."""
     sm_active_power_w: float = 40.0
-    """Extra power with every SM holding resident CTAs, at max clock and voltage."""
+    """Extra power with every SM holding resident compute CTAs, at max clock and voltage."""
+    comm_sm_active_power_w: float = 40.0
+    """The same for SMs holding a collective's CTAs (prorated by the SMs it runs on). A
+    collective's CTA moves and adds data (loads, stores, flag polls); it issues no tensor-core
+    work, so the prior, equal to ``sm_active_power_w``, is an upper bound. Fitted on the Kareus
+    attention data, whose sequential rows (the all-reduce alone on 1-20 SMs, then the same
+    compute) price an SM running the collective apart from the compute's."""
     flop_energy_j: float = 1.0e-12
     """Energy per FLOP at the max-clock voltage (scales with voltage squared)."""
     hbm_energy_j_per_byte: float = 8 * 7.8e-12
@@ -176,6 +188,7 @@ def derive_params(base: SimParams, base_spec: GPUSpec, target: GPUSpec) -> SimPa
         nccl_bus_bw_cap_bytes_per_s=base.nccl_bus_bw_cap_bytes_per_s * link,
         busy_power_w=base.busy_power_w * headroom,
         sm_active_power_w=base.sm_active_power_w * headroom,
+        comm_sm_active_power_w=base.comm_sm_active_power_w * headroom,
         flop_energy_j=base.flop_energy_j * headroom / flops_ratio,
     )
 

@@ -509,6 +509,7 @@ class Simulator:
         record_alone(0.0, 0, start_item)
         t = lane.cum_time[start_item]
         busy = lane.cum_busy[start_item]  # integral of busy SMs / all SMs
+        comm_busy = 0.0  # integral of the collective's SMs / all SMs
 
         # 2. The collective runs; the lane goes on beside it with the remaining SMs.
         exposed = 0.0
@@ -564,7 +565,8 @@ class Simulator:
                     name = None if blocked else ("gap" if kernel_of[i] < 0 else kernels[kernel_of[i]].name)
                     segs.append(Segment(t, t + dt, name, True))
                 t += dt
-                busy += (k_powered + comm_frac) * dt
+                busy += k_powered * dt
+                comm_busy += comm_frac * dt
                 if lane_t <= comm_t:
                     i, frac = i + 1, 1.0
                 elif not blocked:
@@ -599,18 +601,37 @@ class Simulator:
         t += lane.cum_time[n_items] - lane.cum_time[i]
         busy += lane.cum_busy[n_items] - lane.cum_busy[i]
         return _Run(
-            self._terms(clock, t, busy, structure.flops, structure.bytes + p.comm_hbm_bytes_per_bus_byte * bus, bus),
+            self._terms(
+                clock, t, busy, structure.flops, structure.bytes + p.comm_hbm_bytes_per_bus_byte * bus, bus, comm_busy
+            ),
             exposed,
             segs,
         )
 
     def _terms(
-        self, clock: float, time_s: float, busy_s: float, flops: float, hbm_bytes: float, link_bytes: float
+        self,
+        clock: float,
+        time_s: float,
+        busy_s: float,
+        flops: float,
+        hbm_bytes: float,
+        link_bytes: float,
+        comm_busy_s: float = 0.0,
     ) -> EnergyTerms:
-        """Energy terms of an execution at one clock (everything ran at that clock)."""
+        """Energy terms of an execution at one clock (everything ran at that clock); ``busy_s`` and
+        ``comm_busy_s``: SM-seconds (as a share of all SMs) of the compute kernels and of the collectives."""
         v = self.power.voltage(clock)
         scale = clock / self.spec.clock_max_mhz * v * v
-        return EnergyTerms(time_s, scale * time_s, scale * busy_s, v * v * flops, hbm_bytes, link_bytes, clock * time_s)
+        return EnergyTerms(
+            time_s,
+            scale * time_s,
+            scale * busy_s,
+            v * v * flops,
+            hbm_bytes,
+            link_bytes,
+            clock * time_s,
+            scale * comm_busy_s,
+        )
 
     def _sequence_run(
         self,
@@ -624,7 +645,7 @@ class Simulator:
         on ``sms`` SMs with ``library``. The caller fuses once: a throttled run is simulated at many clocks."""
         sm_count = self.spec.sm_count
         gap = self.params.kernel_overhead_s
-        t = busy = flops = nbytes = link = exposed = 0.0
+        t = busy = comm_busy = flops = nbytes = link = exposed = 0.0
         for op in kernels:
             ph = self._phase(op, sm_count, clock)
             t += gap + ph.time_s
@@ -636,10 +657,10 @@ class Simulator:
             bus = self.kernels.bus_bytes(coll)
             t += dur
             exposed += dur
-            busy += dur * sms / sm_count
+            comm_busy += dur * sms / sm_count
             nbytes += self.params.comm_hbm_bytes_per_bus_byte * bus
             link += bus
-        return _Run(self._terms(clock, t, busy, flops, nbytes, link), exposed)
+        return _Run(self._terms(clock, t, busy, flops, nbytes, link, comm_busy), exposed)
 
     def _package(self, run: _Run, throttled_dynamic_j: float | None = None) -> Prediction:
         """The prediction of ``run``; a throttled run's dynamic energy is given (``_throttled``)."""
