@@ -11,6 +11,8 @@ stage's forward and backward partitions (times their counts):
 - ``hidden``: share of the standalone collective the overlap removes, ``(sequential - overlapped)
   / collective``; ``overlap cost``: ``overlapped - compute`` (the SMs the collective takes from the
   kernels beside it, and the collective's time past them);
+- the whole microbatch (forward + backward) un-split as Megatron-LM runs it and nanobatched, at the
+  clock asked for and at 1,410 MHz (where the power cap may throttle both), and nanobatching's saving;
 - where the overlapped collective spends its wall time: beside compute-bound kernels (memory share
   at most 0.5) and memory-bound ones, with their mean HBM utilisation and the collective's mean
   slowdown there (``1 + contention x utilisation``, ``cost_models/simulator.py``), and beside no
@@ -30,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from kareus_fx.cost_models.sim_params import gpu_params
-from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.plan.graph_workload import PartitionedGraph
-from kareus_fx.plan.planner import plan_request_from_preset, trace_plan_stages
+from kareus_fx.cost_models.simulator import Prediction, Simulator
+from kareus_fx.plan.async_dgrad import AsyncDgrad
+from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
+from kareus_fx.plan.planner import StageGraphs, plan_request_from_preset, trace_plan_stages
 from kareus_fx.workload import PartitionConfig, fused_kernels
 
 VARIANTS: dict[str, dict[str, float]] = {
@@ -99,6 +102,33 @@ def holdback(graphs: list[PartitionedGraph], sim: Simulator, clock_mhz: int) -> 
     }
 
 
+def microbatch(stage: StageGraphs, sim: Simulator, clock_mhz: int) -> dict[str, float]:
+    """The stage's forward + backward microbatch un-split (Megatron-LM, with Transformer Engine's
+    asynchronous dgrad all-reduces) and nanobatched (partitions on nanobatching's schedule plus the
+    work outside them), as ``bench/partition_breakdown.py`` prices them."""
+    sms = sim.params.default_comm_sms
+    unsplit_s = nanobatched_s = 0.0
+    assert stage.partitioned is not None
+    for name in ("forward", "backward"):
+        split = stage.async_dgrad if name == "backward" else {}
+        unsplit_s += _sequence(sim, stage.sequential[name], split.get("sequential"), clock_mhz).terms.time_s
+        graph = stage.partitioned[name]
+        nanobatched_s += _sequence(sim, graph.outside, split.get("outside"), clock_mhz).terms.time_s
+        for ptype in graph.ptypes:
+            nanobatched_s += sim.predict(ptype, PartitionConfig(clock_mhz, sms, 0, "nccl")).terms.time_s * ptype.count
+    return {
+        "unsplit_ms": unsplit_s * 1e3,
+        "nanobatched_ms": nanobatched_s * 1e3,
+        "saving": 1.0 - nanobatched_s / unsplit_s,
+    }
+
+
+def _sequence(sim: Simulator, graph: SequentialGraph, split: AsyncDgrad | None, clock_mhz: int) -> Prediction:
+    if split is None:
+        return sim.predict_sequence(graph.ops, graph.collectives, clock_mhz=clock_mhz)
+    return sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock_mhz=clock_mhz)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("preset", help="a kareus plan preset, e.g. qwen3-1.7b-tp8-mbs8-seq4k")
@@ -114,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for name, overrides in VARIANTS.items():
         values = {"comm_contention": base.comm_contention_compute} if name.startswith("memory-bound") else overrides
-        rows[name] = holdback(graphs, Simulator(req.gpu, replace(base, **values)), args.clock)
+        sim = Simulator(req.gpu, replace(base, **values))
+        rows[name] = holdback(graphs, sim, args.clock) | {
+            f"microbatch_{c}_mhz": microbatch(stage, sim, c) for c in (args.clock, 1410)
+        }
     if args.json:
         print(json.dumps({"preset": args.preset, "stage": stage.stages[0], "clock_mhz": args.clock, "variants": rows}))
         return 0
@@ -128,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             f"(u {cmp_['mean_hbm_util']:.2f}, x{cmp_['mean_slowdown']:.2f}), memory-bound {mem['ms']:5.1f} ms "
             f"(u {mem['mean_hbm_util']:.2f}, x{mem['mean_slowdown']:.1f}), none {r['collective_beside']['no kernel']['ms']:4.1f} ms"
         )
+        for c in (args.clock, 1410):
+            m = r[f"microbatch_{c}_mhz"]
+            print(
+                f"  {'':42s} microbatch at {c} MHz: un-split {m['unsplit_ms']:6.1f} ms, nanobatched "
+                f"{m['nanobatched_ms']:6.1f} ms, saves {100 * m['saving']:4.1f} %"
+            )
     return 0
 
 
