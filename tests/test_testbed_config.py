@@ -58,6 +58,15 @@ def test_the_planner_adds_each_stages_dropout_and_gradient_accumulation() -> Non
         backward = graphs.sequential["backward"].ops
         assert backward == dropout_ops("backward", layers, elements, "full") + main_grad_ops(n)
         assert backward[-1].bytes == n * MAIN_GRAD_ADD_BYTES_PER_PARAM == pytest.approx(10 * n)
+    # the asynchronous-dgrad split of the backward (async_dgrad.py) runs the added ops too
+    from kareus_fx.plan.async_dgrad import AsyncDgrad
+
+    with_split = [
+        dataclasses.replace(traced[0], async_dgrad={"sequential": AsyncDgrad(empty["backward"], ()), "outside": None})
+    ]
+    (priced,) = _with_megatron_traffic(req, with_split)
+    assert priced.async_dgrad["sequential"].rest.ops == priced.sequential["backward"].ops
+    assert priced.async_dgrad["outside"] is None
     # a user's workload (no dropout, no Megatron accumulation) and a measured profiler keep the traced graphs
     assert _with_megatron_traffic(dataclasses.replace(req, megatron=HF_DEFAULTS), traced) is traced
     assert _with_megatron_traffic(dataclasses.replace(req, profiler="cpu-replay"), traced) is traced
