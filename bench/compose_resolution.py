@@ -3,9 +3,10 @@
 Usage:
     python bench/compose_resolution.py [--presets P,...] [--steps 500,1000,2000] [--json] [--results FILE]
 
-Each preset is traced once; its plan is then composed at each ``MAX_SOLVER_STEPS`` (the planner's
-cap on the lowtime solver's steps per method, which sets the time quantum: the span of the
-slowest and fastest plans over the steps). Per resolution it reports the quantum, the compose
+Each preset is traced once; its plan is then composed with the planner's own step cap
+(``planner.solver_step_cap``), at each cap in ``--steps`` (the lowtime solver's steps per method,
+which set the time quantum: the span of the slowest and fastest plans over the steps, down to the
+1 ms floor) and at each quantum floor in ``--floors-ms`` (steps uncapped). Per resolution it reports the quantum, the compose
 and tune wall times, every method's four metrics (``plan/metrics.py``) and each method's frontier
 against the finest one's: the largest relative energy excess at a deadline (``least energy
 within T`` of the coarse frontier against the finest, over the finest frontier's times) and the
@@ -46,12 +47,50 @@ def frontier_excess(coarse: list[tuple[float, float]], fine: list[tuple[float, f
     return worst
 
 
+def _pareto(frontier: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The frontier's Pareto points by time (energy falling as time grows)."""
+    out: list[tuple[float, float]] = []
+    for t, e in sorted(frontier):
+        if not out or e < out[-1][1]:
+            out.append((t, e))
+    return out
+
+
+def _interpolate(a: tuple[float, float], b: tuple[float, float], x: float, axis: int) -> float:
+    """The other coordinate of the segment ``a``-``b`` where coordinate ``axis`` is ``x``."""
+    w = (x - a[axis]) / (b[axis] - a[axis])
+    return a[1 - axis] + w * (b[1 - axis] - a[1 - axis])
+
+
+def interpolated_iso(frontier: list[tuple[float, float]], mp: list[tuple[float, float]]) -> dict[str, float | None]:
+    """The two iso reductions read off ``frontier`` linearly between its Pareto points (where
+    ``metrics.py`` takes the best real point meeting the deadline or budget): how much of an iso
+    number is the frontier's spacing."""
+    front, mp_front = _pareto(frontier), _pareto(mp)
+    deadline_s, mp_fast_e = mp_front[0]
+    mp_slow_t, budget_j = mp_front[-1]
+    energy: float | None = None
+    time_s: float | None = None
+    for a, b in zip(front, front[1:] + [front[-1]]):
+        if energy is None and a[0] <= deadline_s and (b is a or b[0] > deadline_s):
+            energy = a[1] if b is a else _interpolate(a, b, deadline_s, 0)
+        if time_s is None and a[1] > budget_j >= b[1]:
+            time_s = _interpolate(a, b, budget_j, 1)
+    if front[0][1] <= budget_j:
+        time_s = front[0][0]
+    return {
+        "iso_time_energy_reduction": None if energy is None else 1.0 - energy / mp_fast_e,
+        "iso_energy_time_reduction": None if time_s is None else 1.0 - time_s / mp_slow_t,
+    }
+
+
 def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
     """Per preset, a run per step cap (at the planner's quantum floor) and per quantum floor in
     ``floors_ms`` (steps uncapped); the last run is the reference."""
     out: dict = {}
-    original = planner.MAX_SOLVER_STEPS, planner.DEFAULT_UNIT_TIME_S
-    configs = [(str(n), n, original[1]) for n in steps]
+    original = planner.MAX_SOLVER_STEPS, planner.FINE_SOLVER_STEPS, planner.DEFAULT_UNIT_TIME_S
+    configs: list[tuple[str, int | None, float]] = [("planner", None, original[2])]
+    configs += [(str(n), n, original[2]) for n in steps]
     configs += [(f"floor {f:g} ms", UNCAPPED_STEPS, f / 1e3) for f in floors_ms]
     try:
         for preset in presets:
@@ -61,7 +100,10 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
                 trace_s = time.perf_counter() - t0
                 runs: dict = {}
                 for n, cap, floor_s in configs:
-                    planner.MAX_SOLVER_STEPS, planner.DEFAULT_UNIT_TIME_S = cap, floor_s
+                    # None: the planner's own cap (planner.solver_step_cap); else exactly ``cap``.
+                    caps = original[:2] if cap is None else (cap, cap)
+                    planner.MAX_SOLVER_STEPS, planner.FINE_SOLVER_STEPS = caps
+                    planner.DEFAULT_UNIT_TIME_S = floor_s
                     t0 = time.perf_counter()
                     outcome = plan_traced(req, traced, Path(tmp) / "work", progress=False)
                     wall_s = time.perf_counter() - t0
@@ -73,6 +115,7 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
                         "wall_s": wall_s,
                         "compose_s": outcome.wall_s["compose_s"],
                         "metrics": {m: outcome.data["methods"][m]["metrics"] for m in METHODS},
+                        "interpolated": {m: interpolated_iso(fronts[m], fronts["megatron+perseus"]) for m in METHODS},
                         "fronts": fronts,
                     }
                     print(
@@ -91,7 +134,7 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
                     del runs[n]["fronts"]
                 out[preset] = {"trace_s": trace_s, "runs": runs}
     finally:
-        planner.MAX_SOLVER_STEPS, planner.DEFAULT_UNIT_TIME_S = original
+        planner.MAX_SOLVER_STEPS, planner.FINE_SOLVER_STEPS, planner.DEFAULT_UNIT_TIME_S = original
     return out
 
 
@@ -119,6 +162,14 @@ def table(report: dict) -> str:
                 lines.append(
                     f"    {short[m]:4} time/energy/iso-t-E/iso-E-t % {cells}  points {fr['points']:4d} "
                     f"excess {100 * fr['max_energy_excess_vs_finest']:.2f} %"
+                )
+                ip = r["interpolated"][m]
+                lines.append(
+                    "         iso interpolated "
+                    + " ".join(
+                        "   NA" if ip[k] is None else f"{100 * ip[k]:5.2f}"
+                        for k in ("iso_time_energy_reduction", "iso_energy_time_reduction")
+                    )
                 )
     return "\n".join(lines)
 

@@ -1,0 +1,56 @@
+"""The planner's solver resolution (``planner.composition_quantum``): small pipelines solve at the
+1 ms floor, large ones keep the 500-step cap."""
+
+from __future__ import annotations
+
+import pytest
+
+from kareus_fx.compose import InstructionOption, choose_unit_time_s, count_solver_steps
+from kareus_fx.plan.planner import (
+    FINE_SOLVER_STEPS,
+    MAX_SOLVER_STEPS,
+    composition_quantum,
+    solver_step_cap,
+)
+
+
+def _sweep(num_stages: int, forward_s: float) -> dict:
+    """Per (stage, instruction) 8 clocks: time ~ 1/clock^0.9, energy convex in the clock."""
+    options = {}
+    for stage in range(num_stages):
+        for inst, base_s in (("forward", forward_s), ("backward", 2 * forward_s)):
+            opts = []
+            for k in range(8):
+                clock = 1410 - k * (510 / 7)
+                time_s = base_s * (1 + 0.01 * stage) * (1410 / clock) ** 0.9
+                opts.append(InstructionOption(time_s, time_s * (150 + 320 * (clock / 1410) ** 3), clock))
+            options[(stage, inst)] = opts
+    return options
+
+
+def test_step_cap_bounds_the_solves_work():
+    assert solver_step_cap(32) == FINE_SOLVER_STEPS  # the testbed presets: 2 stages x 8 microbatches
+    assert solver_step_cap(320) == MAX_SOLVER_STEPS  # Llama 3.3 70B PP10 x 16 microbatches
+    assert solver_step_cap(16384) == MAX_SOLVER_STEPS
+    assert solver_step_cap(64) == 2500  # 160,000 node-steps / 64 nodes
+
+
+def test_small_pipeline_solves_at_the_floor_quantum():
+    # 2 stages x 8 microbatches: more than 500 steps at 1 ms, which the old cap coarsened.
+    options = _sweep(2, 0.08)
+    steps_1ms = count_solver_steps(options, 8)
+    assert MAX_SOLVER_STEPS < steps_1ms <= FINE_SOLVER_STEPS
+    assert choose_unit_time_s(options, 8, MAX_SOLVER_STEPS) > 1.3e-3
+    by_method = {"a": options, "b": _sweep(2, 0.07)}
+    unit_s, max_steps = composition_quantum(by_method, 2, 8, 1)
+    assert unit_s == pytest.approx(1e-3)
+    assert max_steps == FINE_SOLVER_STEPS
+
+
+def test_large_pipeline_keeps_the_500_step_cap():
+    # 10 stages x 128 microbatches (2560 nodes): coarsened to fit 500 steps, as before.
+    options = _sweep(10, 0.08)
+    unit_s, max_steps = composition_quantum({"a": options}, 10, 128, 1)
+    assert max_steps == MAX_SOLVER_STEPS
+    assert unit_s > 1e-3
+    assert count_solver_steps(options, 128, unit_s) <= MAX_SOLVER_STEPS
