@@ -5,7 +5,7 @@ Usage:
 
 Each preset is traced once; its plan is then composed with the planner's own step cap
 (``planner.solver_step_cap``), at each cap in ``--steps`` (the lowtime solver's steps per method,
-which set the time quantum: the span of the slowest and fastest plans over the steps, down to the
+which set the time quantum: the span of the slowest and fastest plans over the steps, down to a
 1 ms floor) and at each quantum floor in ``--floors-ms`` (steps uncapped). Per resolution it reports the quantum, the compose
 and tune wall times, every method's four metrics (``plan/metrics.py``) and each method's frontier
 against the finest one's: the largest relative energy excess at a deadline (``least energy
@@ -88,8 +88,13 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
     """Per preset, a run per step cap (at the planner's quantum floor) and per quantum floor in
     ``floors_ms`` (steps uncapped); the last run is the reference."""
     out: dict = {}
-    original = planner.MAX_SOLVER_STEPS, planner.FINE_SOLVER_STEPS, planner.DEFAULT_UNIT_TIME_S
-    configs: list[tuple[str, int | None, float]] = [("planner", None, original[2])]
+    original = (
+        planner.MAX_SOLVER_STEPS,
+        planner.FINE_SOLVER_STEPS,
+        planner.DEFAULT_UNIT_TIME_S,
+        planner.FINE_UNIT_TIME_S,
+    )
+    configs: list[tuple[str, int | None, float | None]] = [("planner", None, None)]
     configs += [(str(n), n, original[2]) for n in steps]
     configs += [(f"floor {f:g} ms", UNCAPPED_STEPS, f / 1e3) for f in floors_ms]
     try:
@@ -103,7 +108,9 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
                     # None: the planner's own cap (planner.solver_step_cap); else exactly ``cap``.
                     caps = original[:2] if cap is None else (cap, cap)
                     planner.MAX_SOLVER_STEPS, planner.FINE_SOLVER_STEPS = caps
-                    planner.DEFAULT_UNIT_TIME_S = floor_s
+                    # None: the planner's own floors; else ``floor_s`` for every pipeline.
+                    floors = original[2:] if floor_s is None else (floor_s, floor_s)
+                    planner.DEFAULT_UNIT_TIME_S, planner.FINE_UNIT_TIME_S = floors
                     t0 = time.perf_counter()
                     outcome = plan_traced(req, traced, Path(tmp) / "work", progress=False)
                     wall_s = time.perf_counter() - t0
@@ -134,7 +141,12 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
                     del runs[n]["fronts"]
                 out[preset] = {"trace_s": trace_s, "runs": runs}
     finally:
-        planner.MAX_SOLVER_STEPS, planner.FINE_SOLVER_STEPS, planner.DEFAULT_UNIT_TIME_S = original
+        (
+            planner.MAX_SOLVER_STEPS,
+            planner.FINE_SOLVER_STEPS,
+            planner.DEFAULT_UNIT_TIME_S,
+            planner.FINE_UNIT_TIME_S,
+        ) = original
     return out
 
 

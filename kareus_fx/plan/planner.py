@@ -138,12 +138,18 @@ fits (see compose.iteration, :func:`composition_quantum`); :func:`solver_steps` 
 pipeline where 500 steps would need a quantum above half its shortest instruction."""
 SOLVER_NODE_STEPS = 160_000
 """The solve's work bound, steps x pipeline nodes (:func:`solver_step_cap`): 500 steps at 320 nodes
-(Llama 3.3 70B PP10 x 16 microbatches), up to ``FINE_SOLVER_STEPS`` on smaller pipelines. The
-testbed presets (2 stages x 8 microbatches, 32 nodes) then solve at the 1 ms floor, where
-500 steps coarsened it to 1.4-2.8 ms and moved their iso metrics by up to 0.7 pp (README, round
-six (composition resolution); ``bench/compose_resolution.py``)."""
+(Llama 3.3 70B PP10 x 16 microbatches), up to ``FINE_SOLVER_STEPS`` on smaller pipelines, which
+also solve from a finer floor, ``FINE_UNIT_TIME_S``. The testbed presets (2 stages x 8
+microbatches, 32 nodes) then solve at 0.5 ms, where 500 steps coarsened them to 1.4-2.8 ms (README,
+round six (composition resolution); ``bench/compose_resolution.py``)."""
 FINE_SOLVER_STEPS = 4000
 """The most solver steps per method on a small pipeline (:func:`solver_step_cap`)."""
+FINE_UNIT_TIME_S = 0.5e-3
+"""The finest quantum of a pipeline allowed more than ``MAX_SOLVER_STEPS`` steps (half Perseus's
+1 ms): on Qwen TP8 mbs16, CP2 x TP4 mbs16 and TP8 mbs8 its iso metrics lie within 0.15 pp of a
+0.25 ms solve, where 1 ms left them up to 0.66 pp off and 500 steps (1.4-2.8 ms) up to 0.50 pp
+(``bench/compose_resolution.py``; the solver is a heuristic, so coarser is not monotonically
+worse)."""
 PARALLEL_COMPOSE_MIN_NODES = 1000
 """Pipelines of at least this many (stage, instruction, microbatch) nodes compose the methods'
 frontiers in parallel processes (``compose.solve_pool``; PP10 x 128 microbatches has 2560): a
@@ -1006,6 +1012,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         max_solver_steps=max_steps,
         virtual_stages=req.virtual_stages,
         min_cut="lowtime" if req.exact_min_cut else "dinic",
+        fast_end_walk=True,  # the max-throughput metrics read the fastest plan at any quantum
     )
     # The solver's fastest plans keep slack unspent off the critical path (compose/slack.py); the
     # max-throughput metrics read them, so each method's is reclaimed (Kareus's before its
@@ -1141,9 +1148,11 @@ def composition_quantum(
             for options in by_method.values()
         )
 
-    max_steps = solver_step_cap(2 * num_stages * microbatches)
+    nodes = 2 * num_stages * microbatches
+    max_steps = solver_step_cap(nodes)
+    floor_s = FINE_UNIT_TIME_S if max_steps > MAX_SOLVER_STEPS else DEFAULT_UNIT_TIME_S
     try:
-        return unit_for(max_steps, min(DEFAULT_UNIT_TIME_S, shortest_s / 4)), max_steps
+        return unit_for(max_steps, min(floor_s, shortest_s / 4)), max_steps
     except CompositionError:  # too few steps at any quantum below the shortest option
         max_steps = solver_steps(by_method, microbatches, virtual_stages)
         return unit_for(max_steps, shortest_s / 2), max_steps
