@@ -234,6 +234,36 @@ class Simulator:
         kernels, collectives = fused_kernels(ops), list(collectives)  # fused once, run at every searched clock
         return self._finish(lambda f: self._sequence_run(kernels, collectives, f, sms, comm_library), clock)
 
+    def predict_sequence_async(
+        self,
+        ops: Sequence[OpCost],
+        collectives: Sequence[CollectiveSpec],
+        beside: Iterable[PartitionType],
+        clock_mhz: float | None = None,
+        comm_sms: int | None = None,
+        comm_library: CommLibrary = "nccl",
+    ) -> Prediction:
+        """:meth:`predict_sequence` of ``ops`` and ``collectives``, then each of ``beside``
+        ``count`` times with its collective launched before its kernels (a framework's
+        asynchronous collective beside independent work: Transformer Engine's input-gradient
+        all-reduce beside the weight-gradient GEMM, ``kareus_fx/plan/async_dgrad.py``), all on
+        ``comm_sms`` SMs with ``comm_library``, under one power cap."""
+        clock, sms = self._defaults(clock_mhz, comm_sms)
+        kernels, rest, pairs = fused_kernels(ops), list(collectives), list(beside)
+
+        def run(f: float) -> _Run:
+            alone = self._sequence_run(kernels, rest, f, sms, comm_library)
+            terms, exposed = alone.terms, alone.exposed_comm_s
+            for pt in pairs:
+                part = self._timeline(
+                    self._structure(pt), pt.collective, f, sms, 0, None, 0.0, 1.0, False, 0.0, comm_library
+                )
+                terms = terms + part.terms.scaled(pt.count)
+                exposed += part.exposed_comm_s * pt.count
+            return _Run(terms, exposed)
+
+        return self._finish(run, clock)
+
     def predict_microbatch(
         self,
         ptypes: Iterable[PartitionType],

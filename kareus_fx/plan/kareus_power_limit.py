@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kareus_fx.compose.microbatch import MicrobatchPoint
 from kareus_fx.compose.pipeline import PipelineNode, iteration_energy_j, pipeline_dag, pipeline_makespan_s
+from kareus_fx.plan.async_dgrad import AsyncDgrad, with_async_dgrad
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
 from kareus_fx.plan.power_limit import PowerLimitPoint, limit_grid
 from kareus_fx.workload import Measurement, SequenceProfiler
@@ -51,6 +52,10 @@ class NodeWork:
     """Its nanobatched graph, partition types named as ``option.configs`` names them."""
     wait_s: float
     """The link wait the planner adds to the instruction (a send at the blocking power)."""
+    sequential_async: AsyncDgrad | None = None
+    """The un-split graph's asynchronous dgrad all-reduces (``async_dgrad.py``), priced as the planner does."""
+    outside_async: AsyncDgrad | None = None
+    """The same for the work outside partitions."""
 
 
 def price_option(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int, blocking_power_w: float) -> Measurement:
@@ -64,15 +69,26 @@ def _price_graphs(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int) ->
     """``work``'s option on ``profiler`` without its link wait (:func:`price_option`)."""
     option = work.option
     if option.configs is None:
-        return profiler.measure_sequence(work.sequential.ops, work.sequential.collectives, clock_mhz)
+        return _sequence(profiler, work.sequential, work.sequential_async, clock_mhz)
     if work.partitioned is None:
         raise ValueError("a nanobatched option needs its partitioned graph")
-    outside = work.partitioned.outside
-    total = profiler.measure_sequence(outside.ops, outside.collectives, clock_mhz)
+    total = _sequence(profiler, work.partitioned.outside, work.outside_async, clock_mhz)
     for ptype in work.partitioned.ptypes:
         config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
         total = total.plus(profiler.measure(ptype, config), ptype.count)
     return total
+
+
+def _sequence(
+    profiler: SequenceProfiler, graph: SequentialGraph, split: AsyncDgrad | None, clock_mhz: int
+) -> Measurement:
+    """``graph`` run op after op on ``profiler``, its asynchronous dgrad all-reduces (``split``)
+    priced on the profiler's simulator where it has one."""
+    measured = {clock_mhz: profiler.measure_sequence(graph.ops, graph.collectives, clock_mhz)}
+    simulator = getattr(profiler, "simulator", None)
+    if split is None or simulator is None:
+        return measured[clock_mhz]
+    return with_async_dgrad(measured, graph, split, simulator)[clock_mhz]
 
 
 def schedule_iteration(

@@ -63,8 +63,10 @@ from kareus_fx.cost_models.profile_db import fingerprint
 from kareus_fx.cost_models.profile_queue import ProfileQueue
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
+from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
 from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
+from kareus_fx.plan.async_dgrad import AsyncDgrad, async_dgrad_split, with_async_dgrad
 from kareus_fx.plan.graph_workload import (
     PartitionedGraph,
     SequentialGraph,
@@ -397,6 +399,9 @@ class StageGraphs:
     replays their recorded ops)."""
     sent_bytes: float | None = None
     """Bytes of the activation the stage sends on to the next (``stage_transfer.boundary_bytes``)."""
+    async_dgrad: Mapping[str, AsyncDgrad | None] = field(default_factory=dict)
+    """The backward's asynchronous input-gradient all-reduces (``async_dgrad.py``), by
+    "sequential" (the un-split microbatch) and "outside" (the work outside partitions)."""
 
 
 @dataclass
@@ -539,10 +544,13 @@ def _balanced_stage_layers(
     dumps = {role: [load(kinds["sequential"]) for kinds in slices] for role, slices in role_slices.items()}
 
     def step_s(dump: Mapping[str, Any]) -> float:
-        return sum(
-            profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz).time_s
-            for g in sequential_graphs(dump).values()
-        )
+        total_s = 0.0
+        for name, g in sequential_graphs(dump).items():
+            m = {spec.clock_max_mhz: profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz)}
+            if name == "backward":
+                m = _with_async(req, m, g, async_dgrad_split(_backward_graph(dump)))
+            total_s += m[spec.clock_max_mhz].time_s
+        return total_s
 
     role_costs = {
         role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0]) for role, (short, long) in dumps.items()
@@ -804,16 +812,45 @@ def stage_graphs_from_dumps(
         warnings.warn(f"stage {stages[0]}: {err}; Kareus plans it sequentially", stacklevel=2)
         partitioned = None
     sequential_dump = load(sequential)
+    sequential_by_name = sequential_graphs(sequential_dump)  # refuses a dump without forward and backward
+    async_dgrad = {"sequential": async_dgrad_split(_backward_graph(sequential_dump))}
+    if partitioned is not None:
+        nanobatched_backward = _backward_graph(load(nanobatched))
+        leftover = nanobatched_backward["leftover"]
+        async_dgrad["outside"] = async_dgrad_split(nanobatched_backward, [*leftover["nodes"], *leftover["collectives"]])
     sent_bytes = (
         None if boundary is None else boundary_bytes(sequential_dump if boundary == sequential else load(boundary))
     )
     return StageGraphs(
         stages=stages,
-        sequential=sequential_graphs(sequential_dump),
+        sequential=sequential_by_name,
         partitioned=partitioned,
         dump_paths={"nanobatched": nanobatched, "sequential": sequential},
         sent_bytes=sent_bytes,
+        async_dgrad=async_dgrad,
     )
+
+
+def _backward_graph(dump: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The dump's backward graph record."""
+    (graph,) = [g for g in dump["graphs"] if g["name"] == "backward"]
+    return graph
+
+
+def _with_async(
+    req: PlanRequest, measured: Mapping[int, Measurement], graph: SequentialGraph, split: AsyncDgrad | None
+) -> dict[int, Measurement]:
+    """``measured`` with the asynchronous dgrad all-reduces of ``split`` priced (``async_dgrad.py``)
+    on the simulated GPU; a measured profiler's sequences are its own (unchanged)."""
+    if req.profiler != "simulated" or split is None:
+        return dict(measured)
+    return with_async_dgrad(measured, graph, split, _async_simulator(canonical_gpu_name(req.gpu)))
+
+
+@functools.cache
+def _async_simulator(gpu: str) -> Simulator:
+    """One simulator per GPU for the asynchronous-dgrad prices (its caches serve every stage and clock)."""
+    return SimulatedProfiler(gpu).simulator
 
 
 # ----- profilers ------------------------------------------------------------------------------------
@@ -933,6 +970,8 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
     for g, stage in enumerate(traced):
         for name in INSTRUCTIONS:
             sequential = sequential_measurements(profiler, stage.sequential[name], clocks)
+            if name == "backward":
+                sequential = _with_async(req, sequential, stage.sequential[name], stage.async_dgrad.get("sequential"))
             options: dict[str, Sequence[Any]] = {
                 "megatron": as_options("megatron", sequential, max_clock),
                 "megatron+perseus": as_options("megatron+perseus", sequential, clocks),
@@ -944,6 +983,8 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
             else:
                 graph = _with_plan_ids(stage.partitioned[name], g, local_to_plan)
                 outside = sequential_measurements(profiler, graph.outside, clocks)
+                if name == "backward":
+                    outside = _with_async(req, outside, graph.outside, stage.async_dgrad.get("outside"))
                 nanobatched, nb_points = nanobatching_measurements(profiler, graph, outside, default_sms)
                 candidates = {
                     t.type_id: [
@@ -1090,6 +1131,8 @@ def _kareus_power_limit_curves(
             if not partitioned
             else _with_plan_ids(partitioned, stage_group[node.stage], local_to_plan),
             wait_s=waits_s[(node.stage, node.instruction)],
+            sequential_async=stage.async_dgrad.get("sequential") if node.instruction == "backward" else None,
+            outside_async=stage.async_dgrad.get("outside") if node.instruction == "backward" else None,
         )
 
     curves = functools.partial(
@@ -1195,9 +1238,16 @@ def _power_limit_curve(
         profiler = SimulatedProfiler(gpu, power_limit_w=limit_w)
         # once per distinct stage (its stages run the same graphs), deterministic
         by_group = {
-            (g, name): profiler.measure_sequence(
-                graphs.sequential[name].ops, graphs.sequential[name].collectives, clock_mhz
-            )
+            (g, name): with_async_dgrad(
+                {
+                    clock_mhz: profiler.measure_sequence(
+                        graphs.sequential[name].ops, graphs.sequential[name].collectives, clock_mhz
+                    )
+                },
+                graphs.sequential[name],
+                graphs.async_dgrad.get("sequential") if name == "backward" else None,
+                profiler.simulator,
+            )[clock_mhz]
             for g, graphs in enumerate(traced)
             for name in ("forward", "backward")
         }
