@@ -437,6 +437,7 @@ def compose_iteration(
     solver_loop: SolverLoop = "fast",
     virtual_stages: int = 1,
     min_cut: MinCut = "dinic",
+    fast_end_walk: bool | None = None,
 ) -> IterationFrontier:
     """The iteration time-energy frontier of a 1F1B or interleaved 1F1B pipeline.
 
@@ -460,6 +461,10 @@ def compose_iteration(
         virtual_stages: model chunks per GPU: 1 is 1F1B; above 1 interleaved 1F1B, with
             ``options`` keyed by global stage (``pipeline.py``: GPU ``r`` holds stages ``r,
             r + pp, ...``) and energy counted per GPU.
+        fast_end_walk: walk from the solver's last plan to the least iteration time (module
+            docstring): ``None`` only after a coarsened quantum (Perseus's frontier otherwise);
+            ``True`` always (at any quantum the last plan can be up to a quantum per critical
+            instruction slower than the fastest plan).
 
     Raises:
         CompositionError: a missing (stage, instruction), an empty option list, a non-finite,
@@ -553,7 +558,7 @@ def compose_iteration(
             advance()
 
     candidates = list(trace)
-    if coarsened:
+    if coarsened if fast_end_walk is None else fast_end_walk:
         # The solver's last plan can be up to a quantum per critical instruction slower than
         # the fastest plan: walk from it to the fastest plan (see _sprint_to_fastest).
         faster_by_key = {key: _next_faster_options(items) for key, items in normalized.items()}

@@ -137,10 +137,25 @@ MIN_DEVICE_WINDOW_S = 1.0
 STAGE_SPLITS = ("even", "balanced")
 """The named ``--stage-layers`` rules (see :attr:`PlanRequest.stage_layers`)."""
 MAX_SOLVER_STEPS = 500
-"""Iteration-frontier solver steps per method: the time quantum, the same for every method, grows
-from Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's
-solve fits (see compose.iteration); :func:`solver_steps` raises it for a pipeline where 500 steps
-would need a quantum above half its shortest instruction."""
+"""Iteration-frontier solver steps per method on the largest pipelines (at least
+``SOLVER_NODE_STEPS`` nodes / 500): the time quantum, the same for every method, grows from
+Perseus's 1 ms (or a quarter of the shortest instruction, if shorter) until every method's solve
+fits (see compose.iteration, :func:`composition_quantum`); :func:`solver_steps` raises it for a
+pipeline where 500 steps would need a quantum above half its shortest instruction."""
+SOLVER_NODE_STEPS = 160_000
+"""The solve's work bound, steps x pipeline nodes (:func:`solver_step_cap`): 500 steps at 320 nodes
+(Llama 3.3 70B PP10 x 16 microbatches), up to ``FINE_SOLVER_STEPS`` on smaller pipelines, which
+also solve from a finer floor, ``FINE_UNIT_TIME_S``. The testbed presets (2 stages x 8
+microbatches, 32 nodes) then solve at 0.5 ms, where 500 steps coarsened them to 1.4-2.8 ms (README,
+round six (composition resolution); ``bench/compose_resolution.py``)."""
+FINE_SOLVER_STEPS = 4000
+"""The most solver steps per method on a small pipeline (:func:`solver_step_cap`)."""
+FINE_UNIT_TIME_S = 0.5e-3
+"""The finest quantum of a pipeline allowed more than ``MAX_SOLVER_STEPS`` steps (half Perseus's
+1 ms): on Qwen TP8 mbs16, CP2 x TP4 mbs16 and TP8 mbs8 its iso metrics lie within 0.15 pp of a
+0.25 ms solve, where 1 ms left them up to 0.66 pp off and 500 steps (1.4-2.8 ms) up to 0.50 pp
+(``bench/compose_resolution.py``; the solver is a heuristic, so coarser is not monotonically
+worse)."""
 PARALLEL_COMPOSE_MIN_NODES = 1000
 """Pipelines of at least this many (stage, instruction, microbatch) nodes compose the methods'
 frontiers in parallel processes (``compose.solve_pool``; PP10 x 128 microbatches has 2560): a
@@ -1072,25 +1087,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         }
         for method in METHODS
     }
-    shortest_s = min(o.time_s for options in by_method.values() for opts in options.values() for o in opts)
-    floor_s = min(DEFAULT_UNIT_TIME_S, shortest_s / 4)
-    # One time quantum for every method, so their frontiers differ by their options, not by rounding.
-
-    def unit_for(max_steps: int, floor_s: float) -> float:
-        return max(
-            choose_unit_time_s(
-                options, req.microbatches, max_steps, min_unit_time_s=floor_s, virtual_stages=req.virtual_stages
-            )
-            for options in by_method.values()
-        )
-
-    try:
-        max_steps = MAX_SOLVER_STEPS
-        unit_s = unit_for(max_steps, floor_s)
-    except CompositionError:  # a pipeline too long for 500 steps at any quantum below its shortest instruction
-        # A quantum of half the shortest instruction, and the steps it takes.
-        max_steps = solver_steps(by_method, req.microbatches, req.virtual_stages)
-        unit_s = unit_for(max_steps, shortest_s / 2)
+    unit_s, max_steps = composition_quantum(by_method, req.num_stages, req.microbatches, req.virtual_stages)
     nodes = 2 * req.num_stages * req.microbatches
     workers_start = start_method()
     processes = 1
@@ -1117,6 +1114,7 @@ def _compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progre
         max_solver_steps=max_steps,
         virtual_stages=req.virtual_stages,
         min_cut="lowtime" if req.exact_min_cut else "dinic",
+        fast_end_walk=True,  # the max-throughput metrics read the fastest plan at any quantum
     )
     # The solver's fastest plans keep slack unspent off the critical path (compose/slack.py); the
     # max-throughput metrics read them, so each method's is reclaimed (Kareus's before its
@@ -1223,6 +1221,45 @@ def _simulated_profiler(gpu: str, power_limit_w: int | None) -> SimulatedProfile
     """The simulated ``gpu`` under ``power_limit_w`` (None: none); a module-level function, so a
     worker process gets it pickled."""
     return SimulatedProfiler(gpu, power_limit_w=power_limit_w)
+
+
+def solver_step_cap(nodes: int) -> int:
+    """The planner's cap on solver steps per method for a pipeline of ``nodes`` (stage,
+    instruction, microbatch) nodes: ``SOLVER_NODE_STEPS / nodes`` (a step's max-flow and plan
+    evaluation grow with the nodes, so this bounds the solve's work), at least
+    ``MAX_SOLVER_STEPS``, at most ``FINE_SOLVER_STEPS``."""
+    return max(MAX_SOLVER_STEPS, min(FINE_SOLVER_STEPS, SOLVER_NODE_STEPS // max(nodes, 1)))
+
+
+def composition_quantum(
+    by_method: Mapping[str, Mapping[tuple[int, GraphName], Sequence[Any]]],
+    num_stages: int,
+    microbatches: int,
+    virtual_stages: int,
+) -> tuple[float, int]:
+    """The time quantum every method's frontier is solved at, and the step cap it was chosen for.
+
+    One quantum for every method, so their frontiers differ by their options, not by rounding:
+    the smallest quantum, from Perseus's 1 ms (or a quarter of the shortest option, if shorter),
+    at which every method's solve takes at most :func:`solver_step_cap` steps; where that would
+    need a quantum above half the shortest option (a long pipeline), a quantum of half the
+    shortest option and the steps it takes (:func:`solver_steps`)."""
+    shortest_s = min(o.time_s for options in by_method.values() for opts in options.values() for o in opts)
+
+    def unit_for(max_steps: int, floor_s: float) -> float:
+        return max(
+            choose_unit_time_s(options, microbatches, max_steps, min_unit_time_s=floor_s, virtual_stages=virtual_stages)
+            for options in by_method.values()
+        )
+
+    nodes = 2 * num_stages * microbatches
+    max_steps = solver_step_cap(nodes)
+    floor_s = FINE_UNIT_TIME_S if max_steps > MAX_SOLVER_STEPS else DEFAULT_UNIT_TIME_S
+    try:
+        return unit_for(max_steps, min(floor_s, shortest_s / 4)), max_steps
+    except CompositionError:  # too few steps at any quantum below the shortest option
+        max_steps = solver_steps(by_method, microbatches, virtual_stages)
+        return unit_for(max_steps, shortest_s / 2), max_steps
 
 
 def solver_steps(
