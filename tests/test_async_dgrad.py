@@ -132,9 +132,9 @@ def test_a_traced_tp2_backward_pairs_every_layers_qkv_and_gate_up_all_reduce(sma
     assert len(split.rest.ops) + sum(p.count for p in split.beside) == len(seq.ops)
 
 
-def test_the_planned_megatron_backward_is_the_overlapped_sequence(small_real_plan):
-    # The plan's un-split stage-0 backward (Megatron-LM's option, no send after it on the first
-    # stage) is priced with the dgrad all-reduces beside their wgrad GEMMs, not one after the other.
+def test_a_user_workload_s_megatron_backward_keeps_the_traced_order(small_real_plan):
+    # A workload of the user's (no Megatron settings) is deployed un-split in the traced order:
+    # its plan prices the dgrad all-reduces one after the other, as the deployed step runs them.
     import json
 
     plan_path, work = small_real_plan
@@ -142,15 +142,37 @@ def test_the_planned_megatron_backward_is_the_overlapped_sequence(small_real_pla
     sim = Simulator(plan["gpu"])
     (path,) = (work / "dumps").glob("stage0-sequential*/*.json")
     dump = load_dump(path)
+    seq = sequential_graphs(dump)["backward"]
+    options = [o for o in plan["microbatch_options"]["0/backward"] if o["sequential"]]
+    assert options
+    for option in options:
+        plain = sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=option["clock_mhz"])
+        assert option["time_s"] == pytest.approx(plain.measurement.time_s, rel=1e-9)
+
+
+def test_the_testbed_s_engine_prices_the_dgrad_all_reduces_beside_their_wgrad_gemms(small_real_plan):
+    # The testbed presets' Megatron settings (Transformer Engine, no sequence parallelism) price
+    # the overlap the planner's Megatron-LM option then runs; the same graphs under the HF
+    # defaults keep the traced order.
+    import dataclasses
+
+    from kareus_fx.plan.planner import _with_async, plan_request_from_preset
+    from kareus_fx.plan.testbed_config import HF_DEFAULTS
+
+    testbed = plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k")
+    assert testbed.megatron.te_async_dgrad
+    user = dataclasses.replace(testbed, megatron=HF_DEFAULTS)
+    sim = Simulator(testbed.gpu)
+    (path,) = (small_real_plan[1] / "dumps").glob("stage0-sequential*/*.json")
+    dump = load_dump(path)
     backward = next(g for g in dump["graphs"] if g["name"] == "backward")
     split = async_dgrad_split(backward)
     seq = sequential_graphs(dump)["backward"]
     assert split is not None
-    options = [o for o in plan["microbatch_options"]["0/backward"] if o["sequential"]]
-    assert options
-    for option in options:
-        clock = option["clock_mhz"]
-        overlapped = sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock)
-        plain = sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=clock)
-        assert option["time_s"] == pytest.approx(overlapped.measurement.time_s, rel=1e-9)
-        assert option["time_s"] < plain.measurement.time_s
+    clock = sim.spec.clock_max_mhz
+    measured = {clock: sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=clock).measurement}
+    overlapped = sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock)
+    assert _with_async(user, measured, seq, split)[clock].time_s == measured[clock].time_s
+    priced = _with_async(testbed, measured, seq, split)[clock].time_s
+    assert priced == pytest.approx(overlapped.measurement.time_s, rel=1e-9)
+    assert priced < measured[clock].time_s

@@ -27,7 +27,9 @@ reference models); the collective runs with the sequence's library and SM count 
 channels), and the GEMM beside it slows with the collective's HBM draw as any kernel beside a
 collective does in the simulator. Forward all-reduces (row-parallel outputs) stay exposed: the
 next op needs them. Where a method's partitions schedule a collective themselves (nanobatching,
-Kareus), their schedule replaces this one; the work outside partitions keeps it.
+Kareus), their schedule replaces this one; the work outside partitions keeps it. The planner
+prices it only where the request's engine runs it (``MegatronSettings.te_async_dgrad``: the
+testbed presets); a user's workload keeps the traced order, which is how kareus deploys it.
 """
 
 from __future__ import annotations

@@ -460,6 +460,8 @@ def plan_traced(
     ``tp x cp`` devices (the distributed profilers, ``distributed_plan.py``; ``device`` says what
     measured); None builds the request's profiler."""
     validate_tuning_request(req)
+    if not req.megatron.te_async_dgrad:  # the traced order: no collective beside its wgrad GEMM
+        traced = [dataclasses.replace(graphs, async_dgrad={}) for graphs in traced]
     started = time.perf_counter()
     wall: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -902,8 +904,9 @@ def _with_async(
     req: PlanRequest, measured: Mapping[int, Measurement], graph: SequentialGraph, split: AsyncDgrad | None
 ) -> dict[int, Measurement]:
     """``measured`` with the asynchronous dgrad all-reduces of ``split`` priced (``async_dgrad.py``)
-    on the simulated GPU; a measured profiler's sequences are its own (unchanged)."""
-    if req.profiler != "simulated" or split is None:
+    on the simulated GPU where the request's engine overlaps them (``MegatronSettings.te_async_dgrad``);
+    a measured profiler's sequences are its own (unchanged)."""
+    if req.profiler != "simulated" or split is None or not req.megatron.te_async_dgrad:
         return dict(measured)
     return with_async_dgrad(measured, graph, split, _async_simulator(canonical_gpu_name(req.gpu)))
 

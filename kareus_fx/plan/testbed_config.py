@@ -18,10 +18,12 @@ change what an iteration costs and are not in the traced HF-style model:
   (``dropout_traffic.py``).
 - ``gradient_accumulation_fusion: false``: each microbatch's weight gradients added into the fp32
   ``main_grad`` buffer in a pass of their own (``main_grad_traffic.py``).
+- ``transformer_engine: true`` with ``sequence_parallel: false``: the column-parallel linears'
+  input-gradient all-reduces overlap their weight-gradient GEMMs (``async_dgrad.py``).
 
 A user's workload (``kareus plan`` without a preset) gets :data:`HF_DEFAULTS`: the traced model's
 own tying, Megatron-LM's default (non-distributed) optimizer, no dropout, no separate gradient
-accumulation.
+accumulation, and its collectives in the traced order (as kareus deploys the un-split step).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ class MegatronSettings:
     """Megatron-core's weight-gradient accumulation into fp32 ``main_grad``: False adds each
     microbatch's bf16 gradient in a pass of its own (``main_grad_traffic.py``); True (fused into the
     GEMM) or None (not Megatron: the traced backward's own gradients) adds nothing."""
+    te_async_dgrad: bool = False
+    """Transformer Engine's linears without sequence parallelism (``transformer_engine: true``,
+    ``sequence_parallel: false``): each column-parallel input-gradient all-reduce runs beside its
+    weight-gradient GEMM (``async_dgrad.py``). False prices the traced order, which is how kareus
+    deploys an un-split step (it adds no such overlap)."""
     source: str = ""
     """Where the settings come from."""
 
@@ -64,6 +71,7 @@ TESTBED_SETTINGS: dict[str, MegatronSettings] = {
         distributed_optimizer=True,
         hidden_dropout=0.1,
         gradient_accumulation_fusion=False,
+        te_async_dgrad=True,
         source=_ARTIFACT.format("qwen3_1.7b"),
     ),
     "llama3.2-3b": MegatronSettings(
@@ -71,6 +79,7 @@ TESTBED_SETTINGS: dict[str, MegatronSettings] = {
         distributed_optimizer=True,
         hidden_dropout=0.1,
         gradient_accumulation_fusion=False,
+        te_async_dgrad=True,
         source=_ARTIFACT.format("llama3.2_3b"),
     ),
 }
