@@ -106,9 +106,14 @@ def _sm_clock_mhz(device: torch.device) -> float | None:
         return None
 
 
+def _dtype(device: torch.device) -> torch.dtype:
+    """The training's bf16 on a GPU; fp32 on CPU, where gloo and the CPU kernels run it."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _kernel_loop(kind: str, tokens: int, width: int, device: torch.device) -> Callable[[int], None]:
     """``run(n)`` launches ``n`` back-to-back kernels of ``kind`` (``gemm`` or ``norm``)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     x = torch.randn(tokens, HIDDEN, device=device, dtype=dtype)
     if kind == "gemm":
         w = torch.randn(HIDDEN, width, device=device, dtype=dtype)
@@ -147,8 +152,7 @@ def measure(
         return float(t.item())
 
     for size in sizes_bytes:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        buf = torch.zeros(size // torch.tensor([], dtype=dtype).element_size(), device=device, dtype=dtype)
+        buf = torch.zeros(size // _dtype(device).itemsize, device=device, dtype=_dtype(device))
         alone = []
         for _ in range(repeats + 1):  # the first call warms NCCL's channels up
             sync()

@@ -65,6 +65,7 @@ from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
+from kareus_fx.models.configs import ModelConfig, get_config
 from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
 from kareus_fx.plan.async_dgrad import AsyncDgrad, async_dgrad_split, with_async_dgrad
 from kareus_fx.plan.dropout_traffic import dropout_ops
@@ -560,16 +561,8 @@ def _with_megatron_traffic(req: PlanRequest, traced: list[StageGraphs]) -> list[
         or req.compile_unit == "block"
     ):
         return traced
-    from kareus_fx.models import get_config
-
-    cfg = get_config(req.model)
-    if settings.tie_embeddings is not None:
-        cfg = dataclasses.replace(cfg, tie_embeddings=settings.tie_embeddings)
-    counts = (
-        list(req.stage_layers)
-        if isinstance(req.stage_layers, tuple)
-        else even_layer_counts(_model_layers(req), req.num_stages)
-    )
+    cfg = _priced_model_config(req)
+    counts = _stage_layer_counts(req)
     params = stage_parameters(cfg, counts, req.tp)
     elements = req.mbs * req.seq / req.cp * cfg.hidden_size
     priced = []
@@ -631,10 +624,25 @@ def _balanced_stage_layers(
     )
 
 
+def _stage_layer_counts(req: PlanRequest) -> list[int]:
+    """Decoder layers per pipeline stage: the request's own list (a named split is resolved to
+    one before the stages are traced), else the even split of the model's layers."""
+    if isinstance(req.stage_layers, tuple):
+        return list(req.stage_layers)
+    return even_layer_counts(_model_layers(req), req.num_stages)
+
+
+def _priced_model_config(req: PlanRequest) -> ModelConfig:
+    """The reference model's config with the embedding tying ``req.megatron`` trains
+    (``testbed_config.py``; None keeps the config's own)."""
+    cfg = get_config(req.model)
+    if req.megatron.tie_embeddings is not None:
+        cfg = dataclasses.replace(cfg, tie_embeddings=req.megatron.tie_embeddings)
+    return cfg
+
+
 def _model_layers(req: PlanRequest) -> int:
     """The reference model's decoder layer count (``--layers`` or its config's)."""
-    from kareus_fx.models import get_config
-
     return req.layers or get_config(req.model).num_layers
 
 
@@ -765,8 +773,6 @@ def _trace_cost(spec: TraceSpec) -> float:
     loss of the last stage and the embedding of the first (about 0.8 and 0.4 of a layer: the
     70B PP10 plan's slice traces took 4.7-6.0 s for 2 middle layers, 5.5-6.6 s for the first
     stage's and 6.0-8.4 s for the last's on the 2-core machine)."""
-    from kareus_fx.models import get_config
-
     counts = spec.stage_layers or even_layer_counts(spec.layers or get_config(spec.model).num_layers, spec.pp)
     return (
         counts[spec.stage] + 0.8 * (spec.pp > 1 and spec.stage == spec.pp - 1) + 0.4 * (spec.pp > 1 and spec.stage == 0)
@@ -1348,16 +1354,8 @@ def _step_tail(req: PlanRequest, spec: GPUSpec) -> StepTail | None:
     (no model config to count parameters)."""
     if req.profiler != "simulated" or req.model == LIVE_GRAPH_MODEL:
         return None
-    from kareus_fx.models import get_config
-
-    cfg = get_config(req.model)
-    layers = (
-        list(req.stage_layers)
-        if isinstance(req.stage_layers, tuple)
-        else even_layer_counts(_model_layers(req), req.num_stages)
-    )
-    if req.megatron.tie_embeddings is not None:
-        cfg = dataclasses.replace(cfg, tie_embeddings=req.megatron.tie_embeddings)
+    cfg = _priced_model_config(req)
+    layers = _stage_layer_counts(req)
     simulator = SimulatedProfiler(spec.name).simulator
     return step_tail(
         simulator,
@@ -1628,13 +1626,7 @@ def _plan_data(
     )
     live = req.model == LIVE_GRAPH_MODEL
     layers = req.layers if live else _model_layers(req)
-    stage_layers = (
-        None
-        if live
-        else list(req.stage_layers)
-        if isinstance(req.stage_layers, tuple)
-        else even_layer_counts(layers, req.num_stages)
-    )
+    stage_layers = None if live else _stage_layer_counts(req)
     return {
         "format": PLAN_FORMAT,
         "schema_version": PLAN_SCHEMA_VERSION,

@@ -65,23 +65,22 @@ TESTBED_FIRST_STAGE_LAYERS = 15
 
 _ARTIFACT = "ml-energy/kareus tests/artifact/conf/megatron_{}_config.yaml (the paper's testbed, NeMo on Megatron-core)"
 
+
+def _artifact_settings(config: str, *, tie_embeddings: bool) -> MegatronSettings:
+    """The settings both artifact configs share, with the model's own embedding tying."""
+    return MegatronSettings(
+        tie_embeddings=tie_embeddings,
+        distributed_optimizer=True,
+        hidden_dropout=0.1,
+        gradient_accumulation_fusion=False,
+        te_async_dgrad=True,
+        source=_ARTIFACT.format(config),
+    )
+
+
 TESTBED_SETTINGS: dict[str, MegatronSettings] = {
-    "qwen3-1.7b": MegatronSettings(
-        tie_embeddings=True,
-        distributed_optimizer=True,
-        hidden_dropout=0.1,
-        gradient_accumulation_fusion=False,
-        te_async_dgrad=True,
-        source=_ARTIFACT.format("qwen3_1.7b"),
-    ),
-    "llama3.2-3b": MegatronSettings(
-        tie_embeddings=False,
-        distributed_optimizer=True,
-        hidden_dropout=0.1,
-        gradient_accumulation_fusion=False,
-        te_async_dgrad=True,
-        source=_ARTIFACT.format("llama3.2_3b"),
-    ),
+    "qwen3-1.7b": _artifact_settings("qwen3_1.7b", tie_embeddings=True),
+    "llama3.2-3b": _artifact_settings("llama3.2_3b", tie_embeddings=False),
 }
 """The artifact's settings per testbed model (module docstring)."""
 
