@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from kareus_fx.cost_models.sim_params import gpu_params
-from kareus_fx.cost_models.simulator import Prediction, Simulator
-from kareus_fx.plan.async_dgrad import AsyncDgrad
-from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-from kareus_fx.plan.planner import StageGraphs, plan_request_from_preset, trace_plan_stages
+from kareus_fx.cost_models.simulator import Simulator
+from kareus_fx.plan.async_dgrad import predict_unsplit
+from kareus_fx.plan.graph_workload import PartitionedGraph
+from kareus_fx.plan.planner import StageGraphs, engine_stage_graphs, plan_request_from_preset, trace_plan_stages
 from kareus_fx.workload import PartitionConfig, fused_kernels
 
 VARIANTS: dict[str, dict[str, float]] = {
@@ -104,16 +104,16 @@ def holdback(graphs: list[PartitionedGraph], sim: Simulator, clock_mhz: int) -> 
 
 def microbatch(stage: StageGraphs, sim: Simulator, clock_mhz: int) -> dict[str, float]:
     """The stage's forward + backward microbatch un-split (Megatron-LM, with Transformer Engine's
-    asynchronous dgrad all-reduces) and nanobatched (partitions on nanobatching's schedule plus the
+    asynchronous dgrad all-reduces where the stage's graphs keep them: ``engine_stage_graphs``) and nanobatched (partitions on nanobatching's schedule plus the
     work outside them), as ``bench/partition_breakdown.py`` prices them."""
     sms = sim.params.default_comm_sms
     unsplit_s = nanobatched_s = 0.0
     assert stage.partitioned is not None
     for name in ("forward", "backward"):
         split = stage.async_dgrad if name == "backward" else {}
-        unsplit_s += _sequence(sim, stage.sequential[name], split.get("sequential"), clock_mhz).terms.time_s
+        unsplit_s += predict_unsplit(sim, stage.sequential[name], split.get("sequential"), clock_mhz).terms.time_s
         graph = stage.partitioned[name]
-        nanobatched_s += _sequence(sim, graph.outside, split.get("outside"), clock_mhz).terms.time_s
+        nanobatched_s += predict_unsplit(sim, graph.outside, split.get("outside"), clock_mhz).terms.time_s
         for ptype in graph.ptypes:
             nanobatched_s += sim.predict(ptype, PartitionConfig(clock_mhz, sms, 0, "nccl")).terms.time_s * ptype.count
     return {
@@ -121,12 +121,6 @@ def microbatch(stage: StageGraphs, sim: Simulator, clock_mhz: int) -> dict[str, 
         "nanobatched_ms": nanobatched_s * 1e3,
         "saving": 1.0 - nanobatched_s / unsplit_s,
     }
-
-
-def _sequence(sim: Simulator, graph: SequentialGraph, split: AsyncDgrad | None, clock_mhz: int) -> Prediction:
-    if split is None:
-        return sim.predict_sequence(graph.ops, graph.collectives, clock_mhz=clock_mhz)
-    return sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock_mhz=clock_mhz)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     base = gpu_params(req.gpu).params
     with tempfile.TemporaryDirectory(prefix="holdback-") as tmp:
         _, traced = trace_plan_stages(req, Path(tmp))
+    traced = engine_stage_graphs(req, traced)
     stage = next(s for s in traced if s.partitioned is not None)
     graphs = [stage.partitioned[name] for name in ("forward", "backward")]
     rows = {}

@@ -7,9 +7,9 @@ clock asked for, it takes the plan's fastest non-sequential microbatch option at
 configuration per partition type) and prints, on the simulated GPU the plan was made for:
 
 - the un-split microbatch (Megatron-LM: every op, then every collective alone on NCCL's default SMs,
-  but the backward's column-parallel input-gradient all-reduces beside their wgrad GEMMs, as
-  Transformer Engine runs them: ``kareus_fx/plan/async_dgrad.py``; the same for the work outside
-  partitions);
+  but, where the preset's engine is Transformer Engine (the testbed presets), the backward's
+  column-parallel input-gradient all-reduces beside their wgrad GEMMs: ``kareus_fx/plan/async_dgrad.py``;
+  the same for the work outside partitions);
 - the nanobatched microbatch run sequentially (each partition's collective alone after its compute,
   NCCL's default SMs) and on the plan's configurations, with the work outside partitions;
 - per partition type (times its count): what the plan's configuration saves against running that
@@ -28,10 +28,9 @@ import tempfile
 from pathlib import Path
 
 from kareus_fx.cost_models.sim_params import gpu_params
-from kareus_fx.cost_models.simulator import Prediction, Simulator
-from kareus_fx.plan.async_dgrad import AsyncDgrad
-from kareus_fx.plan.graph_workload import SequentialGraph
-from kareus_fx.plan.planner import plan_request_from_preset, trace_plan_stages
+from kareus_fx.cost_models.simulator import Simulator
+from kareus_fx.plan.async_dgrad import predict_unsplit
+from kareus_fx.plan.planner import engine_stage_graphs, plan_request_from_preset, trace_plan_stages
 from kareus_fx.workload import PartitionConfig
 
 
@@ -45,6 +44,7 @@ def breakdown(plan: dict, clocks_mhz: list[int]) -> list[dict]:
     sms = gpu_params(plan["gpu"]).params.default_comm_sms
     with tempfile.TemporaryDirectory(prefix="breakdown-") as tmp:
         _, traced = trace_plan_stages(req, Path(tmp))
+    traced = engine_stage_graphs(req, traced)
     out = []
     for stage in traced:
         if stage.partitioned is None:
@@ -61,8 +61,8 @@ def breakdown(plan: dict, clocks_mhz: list[int]) -> list[dict]:
                     continue
                 configs = min(options, key=lambda o: o["time_s"])["configs"]
                 asynchronous = stage.async_dgrad if name == "backward" else {}
-                unsplit = _sequence(sim, seq, asynchronous.get("sequential"), clock)
-                outside = _sequence(sim, graph.outside, asynchronous.get("outside"), clock)
+                unsplit = predict_unsplit(sim, seq, asynchronous.get("sequential"), clock)
+                outside = predict_unsplit(sim, graph.outside, asynchronous.get("outside"), clock)
                 planned_s = sequential_s = outside.terms.time_s
                 planned_j = sequential_j = outside.measurement.energy_j
                 types = []
@@ -102,14 +102,6 @@ def breakdown(plan: dict, clocks_mhz: list[int]) -> list[dict]:
                     }
                 )
     return out
-
-
-def _sequence(sim: Simulator, graph: SequentialGraph, split: AsyncDgrad | None, clock: int) -> Prediction:
-    """``graph`` run op after op, its asynchronous dgrad all-reduces beside their wgrad GEMMs as the
-    planner prices them (``kareus_fx/plan/async_dgrad.py``)."""
-    if split is None:
-        return sim.predict_sequence(graph.ops, graph.collectives, clock_mhz=clock)
-    return sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock_mhz=clock)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ from typing import Any
 from kareus_fx.plan.graph_workload import SequentialGraph, _collective, _op_cost
 from kareus_fx.workload import Measurement, OpCost, PartitionType, SlotSpec
 
-__all__ = ["AsyncDgrad", "async_dgrad_pairs", "async_dgrad_split", "with_async_dgrad"]
+__all__ = ["AsyncDgrad", "async_dgrad_pairs", "async_dgrad_split", "predict_unsplit", "with_async_dgrad"]
 
 _MATMULS = frozenset({"aten.mm.default", "aten.addmm.default"})
 
@@ -141,6 +141,14 @@ def async_dgrad_split(graph: Mapping[str, Any], names: Iterable[str] | None = No
     return AsyncDgrad(rest=rest, beside=beside)
 
 
+def predict_unsplit(simulator: Any, graph: SequentialGraph, split: AsyncDgrad | None, clock_mhz: float) -> Any:
+    """The simulator's prediction of ``graph`` run op after op, with ``split``'s asynchronous
+    dgrad all-reduces beside their wgrad GEMMs (None: each collective alone)."""
+    if split is None:
+        return simulator.predict_sequence(graph.ops, graph.collectives, clock_mhz=clock_mhz)
+    return simulator.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock_mhz=clock_mhz)
+
+
 def with_async_dgrad(
     measured: Mapping[int, Measurement],
     graph: SequentialGraph,
@@ -155,10 +163,8 @@ def with_async_dgrad(
         return dict(measured)
     out: dict[int, Measurement] = {}
     for clock, m in measured.items():
-        plain = simulator.predict_sequence(graph.ops, graph.collectives, clock_mhz=clock).measurement
-        overlapped = simulator.predict_sequence_async(
-            split.rest.ops, split.rest.collectives, split.beside, clock_mhz=clock
-        ).measurement
+        plain = predict_unsplit(simulator, graph, None, clock).measurement
+        overlapped = predict_unsplit(simulator, graph, split, clock).measurement
         out[clock] = Measurement(
             m.time_s - plain.time_s + overlapped.time_s,
             m.energy_j - plain.energy_j + overlapped.energy_j,

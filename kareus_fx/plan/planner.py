@@ -461,8 +461,7 @@ def plan_traced(
     ``tp x cp`` devices (the distributed profilers, ``distributed_plan.py``; ``device`` says what
     measured); None builds the request's profiler."""
     validate_tuning_request(req)
-    if not req.megatron.te_async_dgrad:  # the traced order: no collective beside its wgrad GEMM
-        traced = [dataclasses.replace(graphs, async_dgrad={}) for graphs in traced]
+    traced = engine_stage_graphs(req, traced)
     started = time.perf_counter()
     wall: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -898,6 +897,15 @@ def stage_graphs_from_dumps(
         sent_bytes=sent_bytes,
         async_dgrad=async_dgrad,
     )
+
+
+def engine_stage_graphs(req: PlanRequest, traced: Sequence[StageGraphs]) -> list[StageGraphs]:
+    """``traced`` as the request's engine runs them: without their asynchronous dgrad all-reduces
+    (``async_dgrad.py``) unless it overlaps them (``MegatronSettings.te_async_dgrad``), so the
+    un-split microbatch keeps the traced order, as kareus deploys it."""
+    if req.megatron.te_async_dgrad:
+        return list(traced)
+    return [dataclasses.replace(graphs, async_dgrad={}) for graphs in traced]
 
 
 def _backward_graph(dump: Mapping[str, Any]) -> Mapping[str, Any]:
