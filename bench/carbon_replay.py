@@ -14,7 +14,7 @@ The job does a fixed amount of work: as many iterations as Kareus's fastest poin
 
 With the plan's Kareus power-limit curves (``methods.kareus.power_limits``: the max-throughput
 schedule, clocks unlocked, under each limit; ``locked_power_limits``: at its planned clocks with the
-limit on top; ``kareus_fx.plan.kareus_power_limit``):
+limit on top; ``kareus_fx.plan.kareus_power_limit_curves``):
 
 - ``kareus+carbon (clocks + power limits)``: the same policy over the union of Kareus's clock
   points and both curves (``hours_on_power_limit_points``: how many hours ran a power-limit point);
@@ -69,16 +69,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kareus_fx.compose.pipeline import PipelineNode, one_f_one_b_order
+from kareus_fx.compose.pipeline_schedule import PipelineNode, one_f_one_b_order
 from kareus_fx.deploy.simulated_energy import simulated_iteration
 from kareus_fx.plan.plan_format import Plan, load_plan
-from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD
+from kareus_fx.plan.power_limit_baseline import POWER_LIMIT_METHOD
 from kareus_fx.policies.base import FrontierPoint
 from kareus_fx.policies.forecast import PerfectForecaster, SeasonalForecaster
 from kareus_fx.policies.replay import FixedPoint, ReplayResult, foresight_schedule, replay
 from kareus_fx.policies.signal_budget import SignalBudgetPolicy
 from kareus_fx.policies.signals import HourlyTrace, SignalWarning, load_hourly_trace
-from kareus_fx.runtime.frequency import ClockRequest
+from kareus_fx.runtime.clock_controller import ClockRequest
 
 TRACES_DIR = Path(__file__).parent / "traces" / "carbon_intensity_eia_2022"
 SHIPPED_TRACES = ("CISO", "ERCO", "PJM")

@@ -8,7 +8,7 @@ Assumptions, stated once:
 - Dense BF16 peak scales linearly with the SM clock; the spec's peak is quoted at
   ``peak_clock_mhz`` (1410 MHz on A100, 1830 MHz tensor clock on H100/H200).
 - HBM bandwidth does not depend on the SM clock (memory clock is separate).
-- Static power is the ready-state (P0) power with no significant work running (DESIGN.md).
+- Static power is the ready-state (P0) power with no significant work running (docs/design.md).
 On a real GPU the supported clocks come from NVML (``runtime``); these specs are the default
 when no GPU is present.
 """

@@ -155,7 +155,7 @@ class PowerModel:
         )
 
     def static_energy_j(self, time_s: float) -> float:
-        """Static energy = the GPU's ready-state power x time (DESIGN.md)."""
+        """Static energy = the GPU's ready-state power x time (docs/design.md)."""
         return self.spec.static_power_w * time_s
 
     def energy_j(self, terms: EnergyTerms) -> float:

@@ -29,7 +29,7 @@ Appendix A, assumption 3); dynamic energy follows the clock's distribution (the 
 dynamic power x that time), which by Jensen's inequality costs more than a steady clock with the
 same average (Appendix A, theorem 1): a throttled execution runs slower than a steady clock at the
 TDP would, at the same power. A swing of 0 is the steady clock at the TDP. Static energy is the
-spec's static power x time; dynamic energy is the rest (DESIGN.md).
+spec's static power x time; dynamic energy is the rest (docs/design.md).
 
 Kernel rates and whole lanes are cached per clock and SM count: a call costs tens of
 microseconds once the caches are warm.

@@ -41,8 +41,8 @@ from kareus_fx.models import ParallelLayout, PipelineStage, build_model
 from kareus_fx.models.stage_module import StageModule
 from kareus_fx.plan.plan_format import Plan, load_plan
 from kareus_fx.runtime.clock_backends import open_clock_backend
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.energy import IterationEnergyMonitor, compare_with_plan
-from kareus_fx.runtime.frequency import FrequencyController
 
 
 def parse_args() -> argparse.Namespace:
@@ -97,9 +97,7 @@ def main() -> None:
 
     prepare_collectives(plan, target, [layout.tp_group, layout.cp_group])
     # Every mode records its requests here, so the example can print them (open() records in dry-run only).
-    controller = FrequencyController(
-        open_clock_backend(args.clock_mode, gpu_index=device.index or 0), record_requests=True
-    )
+    controller = ClockController(open_clock_backend(args.clock_mode, gpu_index=device.index or 0), record_requests=True)
     stage = kareus_stage(
         module,
         stage_index,

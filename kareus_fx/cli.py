@@ -73,7 +73,7 @@ def _add_clocks_parser(sub: argparse._SubParsersAction) -> None:
     clocks = sub.add_parser(
         "clocks",
         help="list GPU clock locks left by processes that are gone; --reset-stale restores those GPUs",
-        description="Every FrequencyController records the clock it holds locked in a lock directory "
+        description="Every ClockController records the clock it holds locked in a lock directory "
         "($KAREUS_CLOCK_LOCK_DIR, else kareus-clock-locks-<uid> in the temporary directory) until it restores "
         "it. A record whose process is gone is stale: the GPU may still run at that clock.",
     )
@@ -83,7 +83,7 @@ def _add_clocks_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    from kareus_fx.bench.runner import ABLATIONS, SUITES
+    from kareus_fx.regression.runner import ABLATIONS, SUITES
 
     bench = sub.add_parser(
         "bench",
@@ -318,7 +318,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     import json
 
     from kareus_fx.compose.perseus_csv import write_perseus_profile
-    from kareus_fx.plan.buckets import make_bucketed_plan, validate_buckets
+    from kareus_fx.plan.bucketed_plan import make_bucketed_plan, validate_buckets
     from kareus_fx.plan.plan_format import write_plan
     from kareus_fx.plan.planner import make_plan, validate_plan_request
     from kareus_fx.report.plan_report import metrics_table, profiling_text, write_frontier_csv, write_report_html
@@ -455,7 +455,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from kareus_fx.bench.runner import run_bench_command
+    from kareus_fx.regression.runner import run_bench_command
 
     return run_bench_command(
         args.suite, args.baseline, update=args.update, as_json=args.json, ablate=args.ablate, console=_console()

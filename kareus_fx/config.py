@@ -18,7 +18,7 @@ from kareus_fx.errors import OptionsError, UnknownGPUError
 
 if TYPE_CHECKING:
     from kareus_fx.deploy.switching import PointSwitcher
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
 _OPTION_HELP: dict[str, str] = {
     "dump_dir": "directory to write one JSON graph dump per compiled graph (str or Path)",
@@ -35,7 +35,7 @@ _OPTION_HELP: dict[str, str] = {
     "microbatches": "microbatches per iteration when 'tune' plans the live graph (int, default 1)",
     "tune_seq": "sequence-length buckets 'tune' plans when the live graph's sequence length is symbolic "
     "(list of ints; default: the lengths it has seen)",
-    "clock_controller": "a kareus_fx.runtime.frequency.FrequencyController the clock hooks request from",
+    "clock_controller": "a kareus_fx.runtime.clock_controller.ClockController the clock hooks request from",
     "power_limit": "deploy the plan as one GPU power limit instead of clocks: 'real' (through Zeus) or 'dry-run'",
     "switching": "a kareus_fx.deploy.switching.PointSwitcher (it names the plan and target): switch frontier "
     "points between iterations",
@@ -65,7 +65,7 @@ class KareusOptions:
     tune_request: Mapping[str, Any] | None = None
     microbatches: int = 1
     tune_seq: tuple[int, ...] | None = None
-    clock_controller: FrequencyController | None = None
+    clock_controller: ClockController | None = None
     power_limit: Literal["real", "dry-run"] | None = None
     switching: PointSwitcher | None = None
 
@@ -153,12 +153,12 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
             )
         values["tune_seq"] = tuple(sorted(set(seqs)))
     if options.get("clock_controller") is not None:
-        from kareus_fx.runtime.frequency import FrequencyController
+        from kareus_fx.runtime.clock_controller import ClockController
 
-        if not isinstance(options["clock_controller"], FrequencyController):
+        if not isinstance(options["clock_controller"], ClockController):
             raise OptionsError(
-                "option 'clock_controller' must be a kareus_fx.runtime.frequency.FrequencyController "
-                f"(e.g. FrequencyController.open('dry-run')), got {type(options['clock_controller']).__name__}"
+                "option 'clock_controller' must be a kareus_fx.runtime.clock_controller.ClockController "
+                f"(e.g. ClockController.open('dry-run')), got {type(options['clock_controller']).__name__}"
             )
         values["clock_controller"] = options["clock_controller"]
     if options.get("power_limit") is not None:

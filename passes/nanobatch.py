@@ -1,4 +1,4 @@
-"""Nanobatch split of a Dynamo-level FX graph (paper section 2.2; DESIGN.md data flow step 2).
+"""Nanobatch split of a Dynamo-level FX graph (paper section 2.2; docs/design.md data flow step 2).
 
 :func:`split_nanobatches` rewrites the graph a ``torch.compile`` backend receives into one that
 runs two independent copies of the computation, nanobatch A on the first ``ceil(B/2)`` batch

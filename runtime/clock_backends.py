@@ -1,6 +1,6 @@
 """Where a GPU SM clock actually goes: the real GPU (Zeus), a dry run, or a simulated GPU.
 
-A backend applies one clock at a time, synchronously; :mod:`kareus_fx.runtime.frequency` calls it
+A backend applies one clock at a time, synchronously; :mod:`kareus_fx.runtime.clock_controller` calls it
 from a worker thread so that the training loop never waits on it. Three backends:
 
 - :class:`ZeusClockBackend` (``"real"``): locks the SM clock with Zeus's GPU management
@@ -133,7 +133,7 @@ def read_simulated_clock_state(path: str | Path) -> SimulatedClockState:
     except (OSError, ValueError, TypeError) as err:
         raise ClockControlError(
             f"{path} is not a readable simulated clock state file ({err}); it is written by "
-            "FrequencyController.open('simulated', state_path=...)"
+            "ClockController.open('simulated', state_path=...)"
         ) from err
 
 

@@ -1,6 +1,6 @@
 """A sidecar process that restores a GPU's clock when the process that locked it dies, SIGKILL included.
 
-The same process guards a GPU power limit (:mod:`kareus_fx.runtime.power_limit`): its spec then
+The same process guards a GPU power limit (:mod:`kareus_fx.runtime.power_limit_controller`): its spec then
 names the limit to set back (``power_limit_restore.power_limit_restorer``), and there is no lock record.
 
 Python cannot run anything after SIGKILL (the OOM killer, a scheduler's preemption after its grace
@@ -102,7 +102,7 @@ def start_guardian(spec: ResetSpec, lock_file: Path | None, timeout_s: float = 6
         process.wait()
         raise ClockControlError(
             f"the clock guardian did not start within {timeout_s:.0f} s (exit status {process.returncode}; "
-            "its error, if any, is on stderr above); fix that, or pass guard=False to FrequencyController.open "
+            "its error, if any, is on stderr above); fix that, or pass guard=False to ClockController.open "
             "to run without one (a SIGKILL then leaves the clock locked until the next start repairs it)"
         )
     return ClockGuardian(process)

@@ -1,6 +1,6 @@
 """Records of locked GPU clocks, so a lock left by a dead process is found and repaired.
 
-While a :class:`~kareus_fx.runtime.frequency.FrequencyController` holds a GPU's clock locked it
+While a :class:`~kareus_fx.runtime.clock_controller.ClockController` holds a GPU's clock locked it
 keeps one small JSON record per GPU in a lock directory: the locking process (pid and its start
 time, so a reused pid is not taken for the locker), the GPU (``gpu_key``), the clock, when it was
 locked, and how another process resets that GPU (the backend's ``reset_spec``). Restoring the

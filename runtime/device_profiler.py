@@ -44,7 +44,7 @@ with a warning once per profiler. Static energy = the GPU's static power
 (``cost_models.hardware``) x time; dynamic = total - static. Before each measurement the GPU
 cools until its temperature is within ``cooldown_tolerance_c`` of its idle temperature (given, or read before the first
 measurement) or ``cooldown_timeout_s`` passes. The clock goes through a
-:class:`~kareus_fx.runtime.frequency.FrequencyController`; ``close()`` restores it.
+:class:`~kareus_fx.runtime.clock_controller.ClockController`; ``close()`` restores it.
 
 A configuration that runs out of GPU memory, or whose collective fails or times out
 (``torch.distributed.DistBackendError``), raises :class:`~kareus_fx.workload.MeasurementFailedError`
@@ -76,8 +76,8 @@ import torch
 from kareus_fx.capture.node_arguments import decode_arguments
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, gpu_spec
 from kareus_fx.errors import KareusError
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
-from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.fused_replay import fused_slot_kernel
 from kareus_fx.runtime.recorded_ops import NodeTable, random_tensor, resolve_overload
 from kareus_fx.workload import (
@@ -598,7 +598,7 @@ class DeviceProfiler:
         gpu_name: str = DEFAULT_GPU,
         *,
         gpu_index: int = 0,
-        frequency: FrequencyController | None = None,
+        frequency: ClockController | None = None,
         node_tables: Mapping[str, NodeTable] | None = None,
         tables_by_ops: Mapping[str, NodeTable] | None = None,
         min_window_s: float = 5.0,

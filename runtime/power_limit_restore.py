@@ -1,6 +1,6 @@
 """What sets a GPU power limit back, shared by the controller and the guardian process.
 
-:mod:`kareus_fx.runtime.power_limit` sets a job's limit; the clock guardian's sidecar process
+:mod:`kareus_fx.runtime.power_limit_controller` sets a job's limit; the clock guardian's sidecar process
 (:mod:`kareus_fx.runtime.clock_guardian`) puts the limit found at open back when the job dies. Both
 need the restore specs, the simulated GPU (a JSON state file other processes read and write) and
 :func:`power_limit_restorer`, so they live here, below both: neither imports the other for them.

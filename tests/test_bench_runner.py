@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from kareus_fx.bench import reference
-from kareus_fx.bench.reference import ReferenceTiming
-from kareus_fx.bench.runner import (
+from kareus_fx.cli import main
+from kareus_fx.regression import reference
+from kareus_fx.regression.reference import ReferenceTiming
+from kareus_fx.regression.runner import (
     RULES,
     SUITES,
     BenchCase,
@@ -23,7 +24,6 @@ from kareus_fx.bench.runner import (
     run_case,
     write_baseline,
 )
-from kareus_fx.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED_BASELINE = REPO / "bench" / "baseline.json"

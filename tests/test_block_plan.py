@@ -48,8 +48,8 @@ def _train_on_blocks(rank: int, world_size: int, plan_path: str) -> dict:
     from kareus_fx.deploy.deployment import prepare_collectives
     from kareus_fx.integrations.torchtitan import compile_blocks
     from kareus_fx.models import ParallelLayout, build_model
-    from kareus_fx.runtime.frequency import FrequencyController
-    from kareus_fx.runtime.pipeline_hook import StepContext
+    from kareus_fx.runtime.clock_controller import ClockController
+    from kareus_fx.runtime.step_context import StepContext
 
     plan = load_plan(plan_path)
     point = plan.point_index("max-throughput")
@@ -66,7 +66,7 @@ def _train_on_blocks(rank: int, world_size: int, plan_path: str) -> dict:
     model, reference = (build_model("tiny-llama", layout, num_layers=LAYERS, dtype=torch.float32) for _ in range(2))
     for m in (model, reference):
         m.init_weights(seed=0)  # the same weights (and shards) in both
-    controller = FrequencyController.open("dry-run")
+    controller = ClockController.open("dry-run")
     compile_blocks(model, {"plan": plan_path, "clock_controller": controller, "inductor": False})
     batches = [model.example_batch(mbs=MBS, seq=SEQ, seed=replica * MICROBATCHES + mb) for mb in range(MICROBATCHES)]
     losses = []
@@ -94,7 +94,7 @@ def _check(plan_path: str, results: list[dict]) -> None:
     plan = load_plan(plan_path)
     assert plan.compile_unit == "block" and plan.workload["compile_unit"] == "block"
     schedule = clock_schedule(plan, plan.point_index("max-throughput"))
-    from kareus_fx.runtime.pipeline_hook import PipelineNode
+    from kareus_fx.runtime.step_context import PipelineNode
 
     want = [
         schedule.clock_mhz(PipelineNode(0, instruction, mb))
@@ -200,7 +200,7 @@ def _pipelined_blocks(rank: int, world_size: int, plan_path: str) -> dict:
     from kareus_fx.integrations.torchtitan import compile_blocks
     from kareus_fx.models import build_model
     from kareus_fx.models.stage_module import StageModule
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     cpu = torch.device("cpu")
     models = [build_model("tiny-llama", num_layers=LAYERS, dtype=torch.float32) for _ in range(2)]
@@ -208,7 +208,7 @@ def _pipelined_blocks(rank: int, world_size: int, plan_path: str) -> dict:
         m.init_weights(seed=0)
     parts = [models[0].example_batch(mbs=MBS, seq=SEQ, seed=mb) for mb in range(MICROBATCHES)]
     batch = {k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "labels")}
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     compile_blocks(models[1], {"plan": plan_path, "clock_controller": controller, "inductor": False})
     runs = []
     for model, stage_cls in zip(models, (PipelineStage, KareusPipelineStage)):

@@ -23,19 +23,19 @@ from conftest import wait_gone
 
 from kareus_fx.cli import main
 from kareus_fx.runtime.clock_backends import SimulatedClockBackend, read_simulated_clock_state, visible_device
+from kareus_fx.runtime.clock_controller import ClockController, StaleClockLockWarning
 from kareus_fx.runtime.clock_guardian import start_guardian
 from kareus_fx.runtime.clock_locks import process_alive, read_lock, stale_locks, write_lock
-from kareus_fx.runtime.frequency import FrequencyController, StaleClockLockWarning
 
 DEFAULT_MHZ, LOCKED_MHZ = 1410, 900
 
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     state_path, lock_dir = sys.argv[1], sys.argv[2]
-    controller = FrequencyController.open("simulated", default_clock_mhz=1410, state_path=state_path,
+    controller = ClockController.open("simulated", default_clock_mhz=1410, state_path=state_path,
                                           lock_dir=lock_dir)
     controller.request(900)
     controller.flush()
@@ -77,7 +77,7 @@ def test_sigkill_of_the_lock_holder_restores_the_clock_within_1_s(tmp_path):
 
 
 def test_normal_close_disarms_the_guardian_without_touching_the_clock(tmp_path):
-    controller = FrequencyController.open(
+    controller = ClockController.open(
         "simulated",
         default_clock_mhz=DEFAULT_MHZ,
         state_path=tmp_path / "c.json",
@@ -96,8 +96,8 @@ def test_normal_close_disarms_the_guardian_without_touching_the_clock(tmp_path):
 
 
 def test_no_guardian_where_nothing_outside_the_process_is_locked():
-    assert FrequencyController.open("dry-run", handle_sigterm=False).guardian is None
-    assert FrequencyController.open("simulated", default_clock_mhz=DEFAULT_MHZ, handle_sigterm=False).guardian is None
+    assert ClockController.open("dry-run", handle_sigterm=False).guardian is None
+    assert ClockController.open("simulated", default_clock_mhz=DEFAULT_MHZ, handle_sigterm=False).guardian is None
 
 
 def _leave_stale_lock(tmp_path: Path) -> int:
@@ -116,7 +116,7 @@ def test_stale_lock_from_a_dead_pid_is_repaired_at_the_next_start(tmp_path):
     ((_, lock),) = stale_locks(tmp_path / "locks")
     assert (lock.pid, lock.clock_mhz) == (dead_pid, LOCKED_MHZ)
     with pytest.warns(StaleClockLockWarning, match=rf"left locked at 900 MHz by process {dead_pid} .*clock restored"):
-        controller = FrequencyController.open(
+        controller = ClockController.open(
             "simulated",
             default_clock_mhz=DEFAULT_MHZ,
             state_path=tmp_path / "clock.json",
@@ -156,7 +156,7 @@ def test_a_zeus_stand_in_gets_no_guardian():
     """A test's stand-in for Zeus never yields a reset spec, so no guardian touches a real card."""
     from test_runtime import FakeZeusGPUs
 
-    controller = FrequencyController.open("real", zeus_gpus=FakeZeusGPUs(permitted=True), handle_sigterm=False)
+    controller = ClockController.open("real", zeus_gpus=FakeZeusGPUs(permitted=True), handle_sigterm=False)
     assert controller.backend.reset_spec() is None and controller.guardian is None
     controller.close()
 

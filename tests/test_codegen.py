@@ -128,13 +128,13 @@ def _graph_nodes(gm):
 def _deploy_worker(rank, world_size, plan_path):
     from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.deploy.hook_ops import recording_hooks
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     model = _tiny_model(WORKLOAD["seq"])
     batches = [model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb) for mb in range(2)]
 
     eager_losses, eager_grads = train_microbatches(model, model, batches)
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     compiled = torch.compile(
         model, backend="kareus", fullgraph=True, options={"plan": plan_path, "clock_controller": controller}
     )

@@ -28,7 +28,7 @@ from kareus_fx.compose import (
     write_perseus_plan,
     write_perseus_profile,
 )
-from kareus_fx.compose.pipeline import (
+from kareus_fx.compose.pipeline_schedule import (
     build_pipeline_dag,
     iteration_energy_j,
     makespan_s,

@@ -12,7 +12,7 @@ from kareus_fx.compose import (
     compose_iteration,
     count_solver_steps,
 )
-from kareus_fx.compose.pipeline import makespan_s
+from kareus_fx.compose.pipeline_schedule import makespan_s
 from kareus_fx.plan.planner import (
     FINE_SOLVER_STEPS,
     FINE_UNIT_TIME_S,

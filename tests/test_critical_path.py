@@ -10,7 +10,7 @@ import kareus_fx.compose.solver_loop as solver_loop
 from kareus_fx.compose import InstructionOption, compose_iteration
 from kareus_fx.compose.critical_path import LevelledDag, NodeWeightedDag
 from kareus_fx.compose.iteration import _longest_path
-from kareus_fx.compose.pipeline import build_pipeline_dag
+from kareus_fx.compose.pipeline_schedule import build_pipeline_dag
 
 
 def _event_times_by_edge(num_nodes, tails, heads, source, sink, durations):

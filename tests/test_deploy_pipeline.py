@@ -77,8 +77,8 @@ def _pipeline_plan(data, path):
 def _run_1f1b(fn, model, stage, batches, layout):
     """One iteration of 1F1B of ``fn`` (``model`` or its compiled form) over ``batches``; returns
     the last stage's losses and every gradient."""
-    from kareus_fx.compose.pipeline import one_f_one_b_order
-    from kareus_fx.runtime.pipeline_hook import next_instruction
+    from kareus_fx.compose.pipeline_schedule import one_f_one_b_order
+    from kareus_fx.runtime.step_context import next_instruction
 
     rank, peer_offset = dist.get_rank(), layout.tp * layout.cp
     model.zero_grad(set_to_none=True)
@@ -116,11 +116,11 @@ def _run_1f1b(fn, model, stage, batches, layout):
 def _pipeline_worker(rank, world_size, plan_path):
     from kareus_fx.deploy.deployment import clock_schedule, deployed_graphs, prepare_collectives
     from kareus_fx.models import ParallelLayout, build_model
-    from kareus_fx.models.pipeline import PipelineStage
+    from kareus_fx.models.stage_layers import PipelineStage
     from kareus_fx.plan.plan_format import load_plan
+    from kareus_fx.runtime.clock_controller import ClockController
     from kareus_fx.runtime.collectives import CollectiveBackendError, backends_for
-    from kareus_fx.runtime.frequency import FrequencyController
-    from kareus_fx.runtime.pipeline_hook import StepContext
+    from kareus_fx.runtime.step_context import StepContext
 
     torch._dynamo.reset()
     layout = ParallelLayout.from_default_group(tp=WORKLOAD["tp"], pp=WORKLOAD["pp"])
@@ -150,7 +150,7 @@ def _pipeline_worker(rank, world_size, plan_path):
     with StepContext(clock_schedule(plan, point), None, stage=stage):
         eager_losses, eager_grads = _run_1f1b(model, model, stage, batches, layout)
     sm_counts = prepare_collectives(plan, "max-throughput", [layout.tp_group])
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     compiled = torch.compile(
         model, backend="kareus", fullgraph=True, options={"plan": plan_path, "stage": stage, "inductor": False}
     )
@@ -190,7 +190,7 @@ def _pipeline_worker(rank, world_size, plan_path):
 
 
 def test_tp2_pp2_pipeline_with_split_and_unsplit_microbatches_matches_eager(plan_data, tmp_path):
-    from kareus_fx.compose.pipeline import one_f_one_b_order
+    from kareus_fx.compose.pipeline_schedule import one_f_one_b_order
 
     plan_path = tmp_path / "plan.json"
     data = _pipeline_plan(plan_data, plan_path)

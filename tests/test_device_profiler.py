@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from kareus_fx.capture.dump import load_dump, partition_types_from_dump
 from kareus_fx.capture.tracing import TraceSpec, trace_full_size
 from kareus_fx.errors import KareusError
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.device_profiler import (
     DeviceProfiler,
     DeviceProfilerError,
@@ -30,7 +31,6 @@ from kareus_fx.runtime.device_profiler import (
     replay_partition,
     wait_for_cooldown,
 )
-from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.fused_replay import FusedReplayError, fused_slot_kernel, slot_graph
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
 
@@ -261,7 +261,7 @@ def test_measurement_window_energy_split_and_clock(monkeypatch):
     """The measurement logic with a CPU replay and a fake energy counter (no GPU here)."""
     monkeypatch.setattr(DeviceProfiler, "_check_cuda", lambda self: None)
     temperatures = iter([45.0, 45.0])
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     zeus = FakeZeus(power_w=200.0)
     profiler = DeviceProfiler(
         "A100-SXM4-40GB",

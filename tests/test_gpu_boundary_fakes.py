@@ -35,10 +35,10 @@ from zeus.device.gpu.common import GPUs
 from zeus.monitor.energy import ZeusMonitor
 
 from kareus_fx.runtime.clock_backends import ClockControlError, ClockPermissionError, open_clock_backend
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.clock_guardian import _reset_function
 from kareus_fx.runtime.device_profiler import DeviceProfiler, PartitionReplay
 from kareus_fx.runtime.energy import EnergyMeasurementError, IterationEnergyMonitor
-from kareus_fx.runtime.frequency import FrequencyController
 
 MEMORY_CLOCKS_MHZ = [2619, 1593]
 GRAPHICS_CLOCKS_MHZ = [1980, 1755, 1410, 1005, 210]
@@ -256,9 +256,9 @@ CLOCK_FUNCTIONS = (
 GPU0 = FakeHandle(0)
 
 
-def _open(tmp_path, **kwargs: Any) -> FrequencyController:
+def _open(tmp_path, **kwargs: Any) -> ClockController:
     # guard=False: the guardian is another process, which would load the real NVML
-    return FrequencyController.open("real", guard=False, lock_dir=tmp_path, **kwargs)
+    return ClockController.open("real", guard=False, lock_dir=tmp_path, **kwargs)
 
 
 def test_clock_is_locked_in_mhz_and_restored(nvml, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
 from kareus_fx.compose import CompositionError, InstructionOption, compose_iteration
-from kareus_fx.compose.pipeline import PipelineNode, build_pipeline_dag, check_interleaving, interleaved_order
+from kareus_fx.compose.pipeline_schedule import PipelineNode, build_pipeline_dag, check_interleaving, interleaved_order
 
 CASES = [(2, 2, 4), (4, 2, 8), (4, 3, 12)]
 

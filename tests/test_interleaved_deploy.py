@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_distributed
 
-from kareus_fx.compose.pipeline import interleaved_order
+from kareus_fx.compose.pipeline_schedule import interleaved_order
 
 WORKLOAD = {
     "model": "tiny-llama",
@@ -83,7 +83,7 @@ def _worker(rank, world_size, plan_path):
     from kareus_fx.deploy.deployment import prepare_collectives
     from kareus_fx.deploy.pipelining import follow_plan, kareus_stage, pipeline_group, stage_loss
     from kareus_fx.models import ParallelLayout
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     torch._dynamo.reset()
     layout = ParallelLayout.from_default_group(tp=WORKLOAD["tp"], pp=WORKLOAD["pp"])
@@ -112,7 +112,7 @@ def _worker(rank, world_size, plan_path):
         for s in my_stages
     ]
     schedule = ScheduleInterleaved1F1B(kstages, microbatches, loss_fn=stage_loss)
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     with follow_plan(schedule, plan_path, "max-throughput", controller):
         losses, grads = _step(schedule, chunks, batch, holds_first, holds_last)
     controller.close()

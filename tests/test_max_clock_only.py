@@ -21,8 +21,8 @@ from kareus_fx.deploy.deployment import clock_binding, clock_schedule
 from kareus_fx.errors import OptionsError
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, load_plan, validate_plan
 from kareus_fx.plan.planner import PlanRequest, validate_plan_request
-from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.runtime.pipeline_hook import StepContext
+from kareus_fx.runtime.clock_controller import ClockController
+from kareus_fx.runtime.step_context import StepContext
 
 # small_real_plan's workload (conftest), as ``kareus plan`` arguments.
 ARGV = [arg for key, value in SMALL_REAL_WORKLOAD.items() for arg in (f"--{key}", str(value))]
@@ -63,7 +63,7 @@ def test_deploying_a_max_clock_plan_requests_no_clock(max_clock_plan, small_real
     assert ordinary.locks_clocks
     for plan, expected in ((max_clock_plan, 0), (ordinary, 4)):
         point = plan.point_index("max-throughput")
-        controller = FrequencyController.open("dry-run", handle_sigterm=False)
+        controller = ClockController.open("dry-run", handle_sigterm=False)
         try:
             with StepContext(clock_schedule(plan, point), controller, stage=0) as steps:
                 for mb in range(2):

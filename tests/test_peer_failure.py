@@ -58,7 +58,7 @@ def _rank(rank: int, port: int, plan_path: str, tmp: str, sys_path: list[str], e
         from kareus_fx.deploy.peer_failure import PeerFailureError
         from kareus_fx.models import ParallelLayout, build_model
         from kareus_fx.runtime.clock_backends import read_simulated_clock_state
-        from kareus_fx.runtime.frequency import FrequencyController
+        from kareus_fx.runtime.clock_controller import ClockController
 
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
         torch.manual_seed(0)
@@ -72,7 +72,7 @@ def _rank(rank: int, port: int, plan_path: str, tmp: str, sys_path: list[str], e
         model.init_weights(seed=0)
         batches = [model.example_batch(mbs=WORKLOAD["mbs"], seq=WORKLOAD["seq"], seed=mb) for mb in range(2)]
         state_path = os.path.join(tmp, f"clock{rank}.json")
-        controller = FrequencyController.open(
+        controller = ClockController.open(
             "simulated",
             default_clock_mhz=DEFAULT_MHZ,
             state_path=state_path,

@@ -30,7 +30,7 @@ from kareus_fx.models import (
     group_stages,
     stage_layer_range,
 )
-from kareus_fx.models.pipeline import even_layer_counts
+from kareus_fx.models.stage_layers import even_layer_counts
 from kareus_fx.plan.presets import PRESETS
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from dist_harness import run_distributed
 from test_deploy_pipeline import WORKLOAD, _configs, plan_data  # noqa: F401
 
-from kareus_fx.compose.pipeline import one_f_one_b_order
+from kareus_fx.compose.pipeline_schedule import one_f_one_b_order
 from kareus_fx.plan.plan_format import instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -95,7 +95,7 @@ def _linear_stage_worker(rank, world_size, plan_path):
 
     from kareus_fx.deploy.pipelining import KareusPipelineStage, follow_plan
     from kareus_fx.deploy.switching import PointSwitcher
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     torch.manual_seed(0)
     modules = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(2)]
@@ -119,7 +119,7 @@ def _linear_stage_worker(rank, world_size, plan_path):
     eager = step(Schedule1F1B(PipelineStage(module, rank, 2, cpu), microbatches, loss_fn=loss_fn))
     switcher = PointSwitcher(plan_path, candidates=[0, 1, 2, 3])
     schedule = Schedule1F1B(KareusPipelineStage(module, rank, 2, cpu), microbatches, loss_fn=loss_fn)
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     iterations = []
     with follow_plan(schedule, plan_path, "max-throughput", controller):
         for iteration, point in enumerate(ORDER):
@@ -164,7 +164,7 @@ def _compiled_worker(rank, world_size, plan_path):
     from kareus_fx.deploy.pipelining import KareusPipelineStage, follow_plan, kareus_stage, pipeline_group, stage_loss
     from kareus_fx.deploy.switching import PointSwitcher
     from kareus_fx.models import ParallelLayout
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     torch._dynamo.reset()
     layout = ParallelLayout.from_default_group(tp=WORKLOAD["tp"], pp=WORKLOAD["pp"])
@@ -190,7 +190,7 @@ def _compiled_worker(rank, world_size, plan_path):
     schedule = Schedule1F1B(
         KareusPipelineStage(compiled, stage, num_stages, cpu, group=group), microbatches, loss_fn=stage_loss
     )
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     iterations, compiled_after_first = [], None
     with follow_plan(schedule, plan_path, "max-throughput", controller):
         for iteration, point in enumerate(ORDER):

@@ -212,7 +212,7 @@ def test_small_plan_kareus_frontier_dominates_the_baselines(small_plan):
 def test_small_plan_frontier_points_replay_from_their_choices(small_plan):
     """Each Kareus frontier point's time is the 1F1B critical path of the options it chose, then the
     step after the last microbatch (``step_tail``)."""
-    from kareus_fx.compose.pipeline import build_1f1b_dag, makespan_s
+    from kareus_fx.compose.pipeline_schedule import build_1f1b_dag, makespan_s
 
     plan = load_plan(small_plan / "plan.json")
     w = plan.workload

@@ -33,7 +33,7 @@ def bucketed_plan(tmp_path_factory, session_traces):
     """A real plan of WORKLOAD's two buckets; the 256-token bucket's stage graphs are those of
     conftest's ``tiny_tp2_plan_data`` when the session traced them (the same graphs: the tracer
     does not read the microbatch count; ``sharing_traces``); tuning and composing run per bucket."""
-    from kareus_fx.plan.buckets import make_bucketed_plan
+    from kareus_fx.plan.bucketed_plan import make_bucketed_plan
     from kareus_fx.plan.planner import PlanRequest
 
     request = PlanRequest(**WORKLOAD, seq=256, clock_stride_mhz=120, dtype="float32")
@@ -99,7 +99,7 @@ def _deployed_model(plan_path):
     """tiny-llama TP=2 (fp32, seeded) and its compile with ``plan_path`` deployed on a dry-run
     clock controller: (model, controller, compiled)."""
     from kareus_fx.models import ParallelLayout, build_model
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     torch.manual_seed(0)
     torch._dynamo.reset()
@@ -110,7 +110,7 @@ def _deployed_model(plan_path):
         dtype=torch.float32,
     )
     model.init_weights(seed=0)
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     compiled = torch.compile(
         model, backend="kareus", fullgraph=True, options={"plan": plan_path, "clock_controller": controller}
     )

@@ -16,8 +16,8 @@ from kareus_fx.errors import OptionsError
 from kareus_fx.plan import planner as planner_module
 from kareus_fx.plan.planner import PlanRequest, make_plan, validate_plan_request
 from kareus_fx.runtime.clock_backends import ClockControlError
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.device_profiler import DeviceProfiler, build_kernel, node_tables_from_dump
-from kareus_fx.runtime.frequency import FrequencyController
 
 TINY = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 1, "mbs": 2, "seq": 64, "layers": 2}
 TINY_ARGV = ["--model", "tiny-llama", "--tp", "2", "--mbs", "2", "--seq", "64", "--layers", "2"]
@@ -135,13 +135,13 @@ def test_cuda_factory_builds_one_device_profiler_replaying_each_graph_from_its_d
 
 def test_cuda_factory_opens_the_controller_in_the_requested_mode(tiny_traced, tmp_path, monkeypatch):
     opened: list[str] = []
-    open_controller = FrequencyController.open
+    open_controller = ClockController.open
 
     def record(mode, **kwargs):
         opened.append(mode)
         return open_controller("dry-run", handle_sigterm=False)
 
-    monkeypatch.setattr(planner_module.FrequencyController, "open", record)
+    monkeypatch.setattr(planner_module.ClockController, "open", record)
     for clock_mode, expected in ((None, "real"), ("real", "real"), ("dry-run", "dry-run")):
         req = PlanRequest(**TINY, profiler="cuda", clock_mode=clock_mode, device_window_s=0.5)
         with planner_module._profiler_factory(req, tiny_traced, tmp_path / "profile.sqlite") as factory:

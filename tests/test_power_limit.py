@@ -11,7 +11,7 @@ from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import load_plan
-from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD, ZEUS_POWER_LIMIT_STEP_W
+from kareus_fx.plan.power_limit_baseline import POWER_LIMIT_METHOD, ZEUS_POWER_LIMIT_STEP_W
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_a_power_limit_slows_the_simulated_gpu_and_keys_its_own_cache():
         SimulatedProfiler("a100", power_limit_w=spec.tdp_w + 1)
 
 
-# ----- Kareus's own power-limit frontier (kareus_fx/plan/kareus_power_limit.py) -------------------------
+# ----- Kareus's own power-limit frontier (kareus_fx/plan/kareus_power_limit_curves.py) -------------------------
 def _partition(type_id: str, flops: float, nbytes: float, count: int):
     from kareus_fx.workload import CollectiveSpec, OpCost, PartitionType, SlotSpec
 
@@ -92,7 +92,7 @@ def test_under_a_limit_each_partition_throttles_on_its_own():
     the one under it (memory-bound) at its clock, where a clock lock slows both."""
     from kareus_fx.compose.microbatch import MicrobatchPoint
     from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-    from kareus_fx.plan.kareus_power_limit import NodeWork, price_option
+    from kareus_fx.plan.kareus_power_limit_curves import NodeWork, price_option
     from kareus_fx.workload import PartitionConfig
 
     spec = gpu_spec("a100")
@@ -138,10 +138,10 @@ def test_kareus_limit_curve_prices_shared_stage_graphs_once_with_each_stages_wai
     """Stages that share their graphs are priced once per limit, option and clock, each with its own
     link wait: the curve equals pricing every instruction on its own over the networkx DAG."""
     from kareus_fx.compose.microbatch import MicrobatchPoint
-    from kareus_fx.compose.pipeline import build_pipeline_dag, iteration_energy_j, makespan_s
+    from kareus_fx.compose.pipeline_schedule import build_pipeline_dag, iteration_energy_j, makespan_s
     from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curves, price_option
-    from kareus_fx.plan.power_limit import limit_grid
+    from kareus_fx.plan.kareus_power_limit_curves import NodeWork, kareus_power_limit_curves, price_option
+    from kareus_fx.plan.power_limit_baseline import limit_grid
     from kareus_fx.workload import PartitionConfig
 
     spec = gpu_spec("a100")
@@ -182,9 +182,9 @@ def test_kareus_limit_curves_together_equal_separate_curves():
     """Both curves in one call (the floor priced once) equal one call per curve, locked clocks
     included: each curve prices on profilers of its own."""
     from kareus_fx.compose.microbatch import MicrobatchPoint
-    from kareus_fx.compose.pipeline import build_pipeline_dag
+    from kareus_fx.compose.pipeline_schedule import build_pipeline_dag
     from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-    from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curves
+    from kareus_fx.plan.kareus_power_limit_curves import NodeWork, kareus_power_limit_curves
     from kareus_fx.workload import PartitionConfig
 
     spec = gpu_spec("a100")

@@ -7,7 +7,7 @@ import inspect
 import pytest
 from zeus.device.gpu.common import GPUs
 
-from kareus_fx.runtime.power_limit import PowerLimitController, PowerLimitError
+from kareus_fx.runtime.power_limit_controller import PowerLimitController, PowerLimitError
 
 
 class RecordingGPUs:

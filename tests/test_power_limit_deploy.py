@@ -8,7 +8,7 @@ import torch
 from kareus_fx.deploy.power_limit_mode import active_power_limit_controller
 from kareus_fx.errors import KareusError, OptionsError
 from kareus_fx.plan.plan_format import load_plan
-from kareus_fx.plan.power_limit import PowerLimitPoint, curve_of_plan, limit_for_target
+from kareus_fx.plan.power_limit_baseline import PowerLimitPoint, curve_of_plan, limit_for_target
 
 CURVE = [PowerLimitPoint(400, 1.00, 1000.0), PowerLimitPoint(375, 1.02, 960.0), PowerLimitPoint(350, 1.06, 940.0)]
 

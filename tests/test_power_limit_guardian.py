@@ -24,7 +24,7 @@ from conftest import wait_gone
 from zeus.device.gpu.common import GPUs
 
 from kareus_fx.runtime.clock_locks import process_alive
-from kareus_fx.runtime.power_limit import PowerLimitController
+from kareus_fx.runtime.power_limit_controller import PowerLimitController
 from kareus_fx.runtime.power_limit_restore import PowerLimitError, SimulatedPowerLimitGPUs, read_simulated_power_limit
 
 FOUND_MW, SET_W = 350_000, 250
@@ -32,7 +32,7 @@ FOUND_MW, SET_W = 350_000, 250
 CHILD = textwrap.dedent(
     """
     import sys, time
-    from kareus_fx.runtime.power_limit import PowerLimitController
+    from kareus_fx.runtime.power_limit_controller import PowerLimitController
 
     controller = PowerLimitController.open("simulated", state_path=sys.argv[1])
     controller.set_limit_w(250)

@@ -50,7 +50,7 @@ def test_limit_candidates_set_their_limit_and_run_the_fastest_points_variants(ti
     from kareus_fx.deploy.plan_clocks import clock_schedule
     from kareus_fx.deploy.switching import PointSwitcher
     from kareus_fx.plan.plan_format import load_plan
-    from kareus_fx.runtime.power_limit import PowerLimitController
+    from kareus_fx.runtime.power_limit_controller import PowerLimitController
 
     path = tmp_path / "plan.json"
     _plan(tiny_tp2_plan_data, path)
@@ -64,7 +64,7 @@ def test_limit_candidates_set_their_limit_and_run_the_fastest_points_variants(ti
     limited = switcher.clock_schedule(6)
     planned = clock_schedule(plan, 2)
     for node in ((0, "forward", 0), (0, "backward", 1)):
-        from kareus_fx.compose.pipeline import PipelineNode
+        from kareus_fx.compose.pipeline_schedule import PipelineNode
 
         assert limited.clock_mhz(PipelineNode(*node)) == max_mhz
         assert switcher.clock_schedule(2).clock_mhz(PipelineNode(*node)) == planned.clock_mhz(PipelineNode(*node))
@@ -78,7 +78,7 @@ def test_bad_limit_candidates_are_refused_naming_the_fix(tiny_tp2_plan_data, tmp
     from kareus_fx.deploy.switching import PointSwitcher, PointSwitchError
     from kareus_fx.errors import OptionsError
     from kareus_fx.plan.plan_format import load_plan
-    from kareus_fx.runtime.power_limit import PowerLimitController
+    from kareus_fx.runtime.power_limit_controller import PowerLimitController
 
     path = tmp_path / "plan.json"
     data = _plan(tiny_tp2_plan_data, path)
@@ -97,14 +97,14 @@ def _union_worker(rank, world_size, plan_path):
     from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.deploy.hook_ops import recording_hooks
     from kareus_fx.deploy.switching import PointSwitcher
-    from kareus_fx.runtime.frequency import FrequencyController
-    from kareus_fx.runtime.power_limit import PowerLimitController
+    from kareus_fx.runtime.clock_controller import ClockController
+    from kareus_fx.runtime.power_limit_controller import PowerLimitController
 
     model, layout = _tiny_model()
     limits = PowerLimitController.open("dry-run", guard=False)
     switcher = PointSwitcher(plan_path, candidates=[0, 1, 2, 3], limit_candidates=LIMIT_ROWS, power_limit=limits)
     switcher.prepare_collectives([layout.tp_group])
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     compiled = torch.compile(
         model,
         backend="kareus",
@@ -140,7 +140,7 @@ def _union_worker(rank, world_size, plan_path):
 
 @pytest.mark.slow  # gloo TP2 with compiles (about 90 s loaded); fast siblings: the two tests above
 def test_switching_clock_and_power_limit_points_keeps_parity_and_gets_each_schedule(tiny_tp2_plan_data, tmp_path):
-    from kareus_fx.compose.pipeline import PipelineNode
+    from kareus_fx.compose.pipeline_schedule import PipelineNode
     from kareus_fx.deploy.plan_clocks import clock_schedule
     from kareus_fx.plan.plan_format import load_plan
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from dist_harness import run_distributed
 from zeus.device.gpu import ZeusGPUNoPermissionError
 
-from kareus_fx.compose.pipeline import PipelineNode, one_f_one_b_order
+from kareus_fx.compose.pipeline_schedule import PipelineNode, one_f_one_b_order
 from kareus_fx.errors import KareusError
 from kareus_fx.runtime.clock_backends import (
     ClockControlError,
@@ -30,14 +30,14 @@ from kareus_fx.runtime.clock_backends import (
     ClockRequestError,
     read_simulated_clock_state,
 )
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.collectives import CollectiveBackends, nccl_options_for
 from kareus_fx.runtime.energy import (
     IterationEnergyMonitor,
     IterationMeasurement,
     compare_with_plan,
 )
-from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.runtime.pipeline_hook import (
+from kareus_fx.runtime.step_context import (
     ClockSchedule,
     ClockScheduleError,
     StepContext,
@@ -76,7 +76,7 @@ def test_dry_run_controller_receives_plan_clocks_in_1f1b_order():
     schedule = schedule_for(num_stages, num_microbatches)
     for stage in range(num_stages):
         order = one_f_one_b_order(num_stages, num_microbatches, stage)
-        with FrequencyController.open("dry-run", handle_sigterm=False) as controller:
+        with ClockController.open("dry-run", handle_sigterm=False) as controller:
             with StepContext(schedule, controller, stage=stage) as steps:
                 for _ in range(iterations):
                     for instruction, mb in order:
@@ -114,7 +114,7 @@ class BlockingBackend:
 
 def test_request_returns_while_switch_blocks_and_coalesces_to_latest():
     backend = BlockingBackend()
-    controller = FrequencyController(backend, handle_sigterm=False)
+    controller = ClockController(backend, handle_sigterm=False)
     controller.request(1000)
     assert backend.switch_started.wait(timeout=30)  # the worker is inside a blocked switch
     controller.request(1100)  # both return while the switch is still blocked
@@ -142,7 +142,7 @@ class FailingBackend:
 
 
 def test_worker_failure_is_raised_in_the_caller():
-    controller = FrequencyController(FailingBackend(), handle_sigterm=False)
+    controller = ClockController(FailingBackend(), handle_sigterm=False)
     controller.request(1000)
     with pytest.raises(ClockControlError, match="driver went away"):
         controller.flush(timeout_s=30)
@@ -152,7 +152,7 @@ def test_worker_failure_is_raised_in_the_caller():
 def test_context_manager_restores_simulated_clock_on_exception(tmp_path):
     state_path = tmp_path / "clock.json"
     with pytest.raises(RuntimeError, match="training failed"):
-        with FrequencyController.open(
+        with ClockController.open(
             "simulated", default_clock_mhz=1980, state_path=state_path, handle_sigterm=False
         ) as controller:
             controller.request(1200)
@@ -167,10 +167,10 @@ def test_context_manager_restores_simulated_clock_on_exception(tmp_path):
 CHILD_TRAINING_LOOP = textwrap.dedent(
     """
     import sys, time
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     state_path, steps = sys.argv[1], int(sys.argv[2])  # steps < 0: run until killed
-    controller = FrequencyController.open("simulated", default_clock_mhz=1980, state_path=state_path)
+    controller = ClockController.open("simulated", default_clock_mhz=1980, state_path=state_path)
     clocks_mhz = [1200, 1410, 1005]
     step = 0
     while step != steps:
@@ -221,7 +221,7 @@ def test_sigterm_handler_restores_then_calls_the_previous_handler(tmp_path):
     received = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
     try:
-        controller = FrequencyController.open("simulated", default_clock_mhz=1980, state_path=tmp_path / "clock.json")
+        controller = ClockController.open("simulated", default_clock_mhz=1980, state_path=tmp_path / "clock.json")
         controller.request(1410)
         controller.flush(timeout_s=30)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -266,7 +266,7 @@ class FakeZeusGPUs:
 
 def test_missing_permission_names_the_fix():
     with pytest.raises(ClockPermissionError) as info:
-        FrequencyController.open("real", zeus_gpus=FakeZeusGPUs(permitted=False), handle_sigterm=False)
+        ClockController.open("real", zeus_gpus=FakeZeusGPUs(permitted=False), handle_sigterm=False)
     message = str(info.value)
     for fix in ("zeusd", "ZEUSD_SOCK_PATH", "SYS_ADMIN", "root", "fallback='dry-run'"):
         assert fix in message
@@ -274,7 +274,7 @@ def test_missing_permission_names_the_fix():
 
 def test_missing_permission_falls_back_to_dry_run_with_one_warning():
     with pytest.warns(RuntimeWarning, match="dry-run") as warnings_seen:
-        controller = FrequencyController.open(
+        controller = ClockController.open(
             "real", zeus_gpus=FakeZeusGPUs(permitted=False), fallback="dry-run", handle_sigterm=False
         )
     assert len(warnings_seen) == 1
@@ -286,7 +286,7 @@ def test_missing_permission_falls_back_to_dry_run_with_one_warning():
 
 def test_real_mode_locks_and_resets_through_zeus():
     gpus = FakeZeusGPUs(permitted=True)
-    with FrequencyController.open("real", zeus_gpus=gpus, handle_sigterm=False) as controller:
+    with ClockController.open("real", zeus_gpus=gpus, handle_sigterm=False) as controller:
         controller.request(1410)
         controller.flush(timeout_s=30)
         controller.request(1410)  # already applied: no second call
@@ -298,14 +298,14 @@ def test_real_mode_locks_and_resets_through_zeus():
 
 @pytest.mark.parametrize("bad", [0, -5, 1200.5, True, "1200"])
 def test_bad_clock_requests_are_refused(bad):
-    with FrequencyController.open("dry-run", handle_sigterm=False) as controller:
+    with ClockController.open("dry-run", handle_sigterm=False) as controller:
         with pytest.raises(ClockRequestError, match="positive integer"):
             controller.request(bad)
 
 
 def test_simulated_mode_needs_a_default_clock():
     with pytest.raises(ClockRequestError, match="default_clock_mhz"):
-        FrequencyController.open("simulated", handle_sigterm=False)
+        ClockController.open("simulated", handle_sigterm=False)
 
 
 # --- pipeline hook ----------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def _two_stage_pipeline(rank: int, world_size: int, num_microbatches: int, itera
     inputs = torch.randn(num_microbatches, 2, 4, generator=torch.Generator().manual_seed(1))
     schedule = schedule_for(world_size, num_microbatches)
     losses = []
-    with FrequencyController.open("dry-run", handle_sigterm=False) as controller:
+    with ClockController.open("dry-run", handle_sigterm=False) as controller:
         with StepContext(schedule, controller, stage=rank):
             for _ in range(iterations):
                 layer.zero_grad()

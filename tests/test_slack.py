@@ -14,7 +14,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
 from kareus_fx.compose.iteration import InstructionOption, IterationFrontier, compose_iteration
-from kareus_fx.compose.pipeline import build_pipeline_dag
+from kareus_fx.compose.pipeline_schedule import build_pipeline_dag
 from kareus_fx.compose.slack import reclaim_slack, with_reclaimed_fastest
 
 BLOCKING_W = 80.0

@@ -76,7 +76,7 @@ def _straggler_worker(rank, world_size, plan_path):
 
     from kareus_fx.deploy.switching import PointSwitcher
     from kareus_fx.policies.straggler import ReplicaTimes, StragglerPolicy
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     replica, tp_rank = divmod(rank, 2)
     tp_group = [dist.new_group([0, 1]), dist.new_group([2, 3])][replica]
@@ -85,7 +85,7 @@ def _straggler_worker(rank, world_size, plan_path):
     switcher.prepare_collectives([tp_group])
     replica_times = ReplicaTimes(replicas=2, replica=replica)
     policy = StragglerPolicy(tolerance=0.1, slack=0.03)
-    controller = FrequencyController.open("dry-run", handle_sigterm=False)
+    controller = ClockController.open("dry-run", handle_sigterm=False)
     options = {"switching": switcher, "clock_controller": controller, "inductor": False}
     compiled = torch.compile(model, backend="kareus", fullgraph=True, options=options)
     _check_parity(model, *_iteration(model, compiled, 0, replica))
@@ -112,7 +112,7 @@ def _straggler_worker(rank, world_size, plan_path):
 
 
 def test_a_straggler_replica_slows_the_other_down_and_back(tiny_tp2_plan_data, tmp_path):
-    from kareus_fx.compose.pipeline import PipelineNode
+    from kareus_fx.compose.pipeline_schedule import PipelineNode
     from kareus_fx.deploy.deployment import clock_schedule
     from kareus_fx.plan.plan_format import load_plan
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dist_harness import run_distributed
 from test_deploy_pipeline import CLOCKS_MHZ, UNSPLIT_MB, WORKLOAD, _pipeline_plan, plan_data  # noqa: F401
 
-from kareus_fx.compose.pipeline import one_f_one_b_order
+from kareus_fx.compose.pipeline_schedule import one_f_one_b_order
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 ITERATIONS = 2
@@ -67,7 +67,7 @@ def _schedule_worker(rank, world_size, plan_path):
     from kareus_fx.deploy.hook_ops import recording_hooks
     from kareus_fx.deploy.pipelining import KareusPipelineStage, follow_plan, kareus_stage, pipeline_group, stage_loss
     from kareus_fx.models import ParallelLayout
-    from kareus_fx.runtime.frequency import FrequencyController
+    from kareus_fx.runtime.clock_controller import ClockController
 
     torch._dynamo.reset()
     layout = ParallelLayout.from_default_group(tp=WORKLOAD["tp"], pp=WORKLOAD["pp"])
@@ -93,7 +93,7 @@ def _schedule_worker(rank, world_size, plan_path):
         )
         kstage = KareusPipelineStage(compiled, stage, num_stages, cpu, group=group)
         schedule = schedule_cls(kstage, microbatches, loss_fn=stage_loss)
-        controller = FrequencyController.open("dry-run", handle_sigterm=False)
+        controller = ClockController.open("dry-run", handle_sigterm=False)
         with warnings.catch_warnings(record=True) as caught, recording_hooks() as hooks:
             warnings.simplefilter("always", PlanDeviationWarning)
             with follow_plan(schedule, plan_path, "max-throughput", controller):

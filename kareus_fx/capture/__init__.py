@@ -1,4 +1,4 @@
-"""Capture (DESIGN.md steps 1-3, 7): from a Dynamo graph to analysed, partitioned aten graphs.
+"""Capture (docs/design.md steps 1-3, 7): from a Dynamo graph to analysed, partitioned aten graphs.
 
 - ``backend.py``: the ``kareus`` torch.compile backend (the ``torch_dynamo_backends`` entry point);
 - ``compile_step.py``: the one compile step every path shares (nanobatch split, aot_autograd,

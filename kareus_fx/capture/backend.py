@@ -32,7 +32,7 @@ from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.config import KareusOptions
 from kareus_fx.config_sources import resolve_options
 from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.deploy.buckets import deployment_from_options
+from kareus_fx.deploy.bucket_dispatch import deployment_from_options
 from kareus_fx.deploy.power_limit_mode import deploy_power_limit
 from kareus_fx.plan.live_tuning import LiveTuning
 

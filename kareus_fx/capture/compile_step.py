@@ -37,7 +37,7 @@ from torch._inductor.decomposition import select_decomp_table
 from kareus_fx.capture.codegen import GraphCodegen
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.cost_models.hardware import GPUSpec
-from kareus_fx.deploy.buckets import BucketedDeployment, sequence_input
+from kareus_fx.deploy.bucket_dispatch import BucketedDeployment, sequence_input
 from kareus_fx.deploy.deployment import Deployment, check_plan_recompute
 from kareus_fx.passes.analysis import analyse_graph, sizes_at
 from kareus_fx.passes.issue_order import apply_issue_order

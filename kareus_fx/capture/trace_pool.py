@@ -24,7 +24,7 @@ in C++) fails its call with :class:`TraceWorkerError`, naming it; this process r
 left, and nothing waits on the dead worker.
 ``processes <= 1`` or a single call runs everything here, one after another.
 
-Garbage collection: the calls run with this process's heap frozen (``kareus_fx.plan.heap``; a forked
+Garbage collection: the calls run with this process's heap frozen (``kareus_fx.capture.gc_freeze``; a forked
 worker inherits that), so a trace's collections do not walk torch's and the planner's objects.
 
 Warnings: a worker records the warnings its call issues (those its filters let through: this
@@ -51,8 +51,8 @@ from typing import Generic, TypeVar
 
 import torch
 
+from kareus_fx.capture.gc_freeze import heap_frozen
 from kareus_fx.errors import KareusError
-from kareus_fx.plan.heap import heap_frozen
 
 __all__ = ["TraceWorkerError", "run_calls", "start_method"]
 
@@ -68,7 +68,7 @@ def run_calls(calls: Sequence[Callable[[], T]], processes: int) -> list[T]:
     processes at once (see the module docstring). ``calls`` must pickle (module-level functions,
     ``functools.partial`` of them); each result must pickle too."""
     _no_tqdm_monitor()
-    with heap_frozen():  # this process's heap, out of every process's collections (kareus_fx.plan.heap)
+    with heap_frozen():  # this process's heap, out of every process's collections (kareus_fx.capture.gc_freeze)
         return _run_calls(calls, processes)
 
 

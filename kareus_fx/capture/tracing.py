@@ -7,7 +7,7 @@ graphs exactly as a real rank would.
 
 Pipeline parallelism: a spec with ``pp > 1`` traces one stage (``stage``) of the pipeline: its
 layers, plus the embedding on the first stage and the LM head and loss on the last (see
-``kareus_fx.models.pipeline``). The fake process group has the stage's ``tp * cp`` ranks: the
+``kareus_fx.models.stage_layers``). The fake process group has the stage's ``tp * cp`` ranks: the
 stage's graphs communicate only within its TP x CP grid (sends between stages are outside them).
 :func:`distinct_stages` lists the stages worth tracing: one per group of identical stages.
 """
@@ -28,14 +28,14 @@ import torch.distributed as dist
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
 
 from kareus_fx.errors import ParallelConfigError, UnsupportedGraphError
-from kareus_fx.models.pipeline import (
+from kareus_fx.models.recompute import check_recompute
+from kareus_fx.models.stage_layers import (
     PipelineStage,
     StageGroup,
     check_layer_counts,
     check_stage_layers,
     group_stages,
 )
-from kareus_fx.models.recompute import check_recompute
 
 COMPILE_UNITS = ("stage", "block")
 """What one Dynamo graph covers (:attr:`TraceSpec.compile_unit`)."""

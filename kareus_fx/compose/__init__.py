@@ -2,7 +2,7 @@
 
 - :func:`compose_microbatch` (``microbatch.py``): one clock per microbatch, one configuration per
   partition type, the sequential microbatch always a candidate (Kareus paper 4.4-4.5).
-- :func:`compose_iteration` (``iteration.py`` over the 1F1B DAG of ``pipeline.py``): the Perseus
+- :func:`compose_iteration` (``iteration.py`` over the 1F1B DAG of ``pipeline_schedule.py``): the Perseus
   way, with lowtime's Phillips-Dessouky solver and the GPU's communication-blocking power for
   idle time.
 - ``perseus_csv.py``: Perseus profile CSVs and frequency plans in and out.
@@ -30,7 +30,7 @@ from kareus_fx.compose.perseus_csv import (
     write_perseus_plan,
     write_perseus_profile,
 )
-from kareus_fx.compose.pipeline import (
+from kareus_fx.compose.pipeline_schedule import (
     CompositionError,
     PipelineNode,
     build_1f1b_dag,

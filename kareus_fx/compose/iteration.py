@@ -1,6 +1,6 @@
 """Microbatch frontiers -> iteration frontier over the 1F1B pipeline, the Perseus way.
 
-Every (stage, instruction, microbatch) node of the 1F1B DAG (``pipeline.py``) picks one of the
+Every (stage, instruction, microbatch) node of the 1F1B DAG (``pipeline_schedule.py``) picks one of the
 options of its (stage, instruction): a clock for Perseus, a :class:`MicrobatchPoint` for Kareus.
 Each option has a time and an energy. For every iteration time from the slowest plan down to the
 fastest, lowtime's Phillips-Dessouky solver (what Perseus uses; not reimplemented here) finds
@@ -88,9 +88,10 @@ from lowtime.perseus.instruction import Backward, Forward
 from lowtime.perseus.instruction import Instruction as LowtimeInstruction
 from lowtime.solver import PhillipsDessouky
 
+from kareus_fx.capture.gc_freeze import heap_frozen
 from kareus_fx.compose.critical_path import NodeWeightedDag
 from kareus_fx.compose.microbatch import pareto_front
-from kareus_fx.compose.pipeline import (
+from kareus_fx.compose.pipeline_schedule import (
     INSTRUCTIONS,
     CompositionError,
     Instruction,
@@ -100,7 +101,6 @@ from kareus_fx.compose.pipeline import (
     pipeline_makespan_s,
 )
 from kareus_fx.compose.solver_loop import MIN_CUTS, MinCut, run_phillips_dessouky
-from kareus_fx.plan.heap import heap_frozen
 
 __all__ = [
     "ConvexPiecewiseLinearModel",
@@ -459,7 +459,7 @@ def compose_iteration(
         min_cut: the fast loop's min-cut: ``"dinic"`` (SciPy) or ``"lowtime"`` (lowtime's Rust
             min-cut, the exact reference; ``solver_loop.py``).
         virtual_stages: model chunks per GPU: 1 is 1F1B; above 1 interleaved 1F1B, with
-            ``options`` keyed by global stage (``pipeline.py``: GPU ``r`` holds stages ``r,
+            ``options`` keyed by global stage (``pipeline_schedule.py``: GPU ``r`` holds stages ``r,
             r + pp, ...``) and energy counted per GPU.
         fast_end_walk: walk from the solver's last plan to the least iteration time (module
             docstring): ``None`` only after a coarsened quantum (Perseus's frontier otherwise);

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kareus_fx.compose.pipeline import CompositionError
+from kareus_fx.compose.pipeline_schedule import CompositionError
 from kareus_fx.workload import Measurement, PartitionConfig
 
 __all__ = [

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, Valid
 
 from kareus_fx.capture.validated_input import MAX_MAGNITUDE, error_text, read_bounded_text
 from kareus_fx.compose.iteration import InstructionOption, IterationFrontier, IterationPoint
-from kareus_fx.compose.pipeline import (
+from kareus_fx.compose.pipeline_schedule import (
     INSTRUCTIONS,
     CompositionError,
     Instruction,

@@ -31,7 +31,7 @@ import numpy as np
 
 from kareus_fx.compose.iteration import IterationFrontier, IterationPoint
 from kareus_fx.compose.microbatch import pareto_front
-from kareus_fx.compose.pipeline import iteration_energy_j, pipeline_dag
+from kareus_fx.compose.pipeline_schedule import iteration_energy_j, pipeline_dag
 
 __all__ = ["reclaim_slack", "with_reclaimed_fastest"]
 

@@ -38,7 +38,7 @@ from kareus_fx.compose.iteration import (
     compose_iteration,
     count_solver_steps,
 )
-from kareus_fx.compose.pipeline import Instruction
+from kareus_fx.compose.pipeline_schedule import Instruction
 
 __all__ = ["compose_iterations"]
 

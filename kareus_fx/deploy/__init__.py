@@ -1,4 +1,4 @@
-"""Deployment (DESIGN.md step 7): a plan written into the aten graphs and run.
+"""Deployment (docs/design.md step 7): a plan written into the aten graphs and run.
 
 - ``deployment.py``: plan checks, per-microbatch stream-scheduled variants, SM-limited
   communicators prepared at startup, the clock schedule;

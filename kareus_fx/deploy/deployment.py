@@ -27,12 +27,12 @@
    time a dispatcher picks the split or un-split graph (at the Dynamo level, before the forward)
    and the variant of the running microbatch.
    The running microbatch comes from the active
-   :class:`~kareus_fx.runtime.pipeline_hook.StepContext` (a pipeline schedule or a loop that
+   :class:`~kareus_fx.runtime.step_context.StepContext` (a pipeline schedule or a loop that
    calls ``next_instruction``) when it runs this instruction, otherwise from a count of this
    graph's forward (backward) calls modulo the plan's microbatches (a plain training loop
    running forward and backward of each microbatch in order).
 4. Clocks: with ``options["clock_controller"]`` (a
-   :class:`~kareus_fx.runtime.frequency.FrequencyController`, any mode) the graphs' clock hooks
+   :class:`~kareus_fx.runtime.clock_controller.ClockController`, any mode) the graphs' clock hooks
    request the plan's clock of the running instruction; without one they do nothing. A plan made
    with ``--max-clock-only`` requests no clock even with a controller (:func:`clock_binding`).
 5. Collectives: each scheduled collective's group argument becomes the runtime's communicator
@@ -88,7 +88,7 @@ import torch.distributed as dist
 import torch.fx
 
 from kareus_fx.capture.dump import graph_record
-from kareus_fx.compose.pipeline import INSTRUCTIONS, PipelineNode
+from kareus_fx.compose.pipeline_schedule import INSTRUCTIONS, PipelineNode
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.deploy.hook_ops import ClockBinding, set_running
@@ -108,9 +108,9 @@ from kareus_fx.passes.stream_schedule import (
 )
 from kareus_fx.plan.graph_workload import graph_fingerprint
 from kareus_fx.plan.plan_format import Plan, Target, load_plan, write_plan
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
-from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.runtime.pipeline_hook import active_step_context
+from kareus_fx.runtime.step_context import active_step_context
 
 if TYPE_CHECKING:
     from kareus_fx.deploy.switching import PointSwitcher
@@ -185,7 +185,7 @@ def prepare_collectives(
     return sm_counts
 
 
-def clock_binding(plan: Plan, point_index: int, controller: FrequencyController | None) -> ClockBinding | None:
+def clock_binding(plan: Plan, point_index: int, controller: ClockController | None) -> ClockBinding | None:
     """What the clock hooks request from: None without a controller or for a plan that locks no clock."""
     if controller is None or not plan.locks_clocks:
         return None
@@ -253,7 +253,7 @@ class Deployment:
     dump_dir: Path | None = None
     sizes: Mapping[Any, int] | None = None
     """Shape symbol -> value at which a symbolic graph is analysed and checked (a bucket's
-    sequence length, ``deploy/buckets.py``); None: at the hints of the compiled call."""
+    sequence length, ``deploy/bucket_dispatch.py``); None: at the hints of the compiled call."""
     switching: PointSwitcher | None = None
     """Run-time point switching (``deploy/switching.py``): variants are compiled for each of its
     candidate points and every call runs its current point; None: ``point_index`` only."""

@@ -6,7 +6,7 @@ backward graphs, where a user printing ``gm.code`` sees them:
 - ``kareus::clock_hook(stage, instruction)``: first op of a graph, i.e. at the microbatch
   boundary. Requests the plan's clock for the running (stage, instruction, microbatch) from the
   frequency controller the deployment was given; does nothing when none was given, or when a
-  :class:`~kareus_fx.runtime.pipeline_hook.StepContext` is running an instruction (its
+  :class:`~kareus_fx.runtime.step_context.StepContext` is running an instruction (its
   ``next_instruction`` already requested that clock).
 - ``kareus::comm_launch(tag, comm_sms, launch_slot, inputs)``: right before a partition's
   collective(s), i.e. after the planned launch slot's predecessor. Records event ``tag`` on the
@@ -43,9 +43,9 @@ import torch
 from torch import Tensor
 from torch._library.effects import EffectType
 
-from kareus_fx.compose.pipeline import PipelineNode
-from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
+from kareus_fx.compose.pipeline_schedule import PipelineNode
+from kareus_fx.runtime.clock_controller import ClockController
+from kareus_fx.runtime.step_context import ClockSchedule, active_step_context
 from kareus_fx.runtime.streams import CudaStreamTable, StreamName, StreamTable, make_stream_table
 
 SEQUENTIAL_LAUNCH_SLOT = -1
@@ -56,7 +56,7 @@ SEQUENTIAL_LAUNCH_SLOT = -1
 class ClockBinding:
     """The controller the clock hooks request from, and the plan's clock of every instruction."""
 
-    controller: FrequencyController
+    controller: ClockController
     schedule: ClockSchedule
 
 

@@ -8,7 +8,7 @@ that backend error into :class:`PeerFailureError`, which names this rank, the ru
 the collective (the partition whose collective was last launched or awaited, its collective
 nodes, SM count and group ranks; for a graph without scheduled partitions, the graph) and the
 timeout, after restoring this rank's clock (the deployment's controller and the running
-:class:`~kareus_fx.runtime.pipeline_hook.StepContext`'s), so no survivor keeps a lowered clock.
+:class:`~kareus_fx.runtime.step_context.StepContext`'s), so no survivor keeps a lowered clock.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from kareus_fx.compose.pipeline import PipelineNode
+from kareus_fx.compose.pipeline_schedule import PipelineNode
 from kareus_fx.deploy.hook_ops import RUNTIME, ClockBinding
 from kareus_fx.errors import KareusError
 from kareus_fx.passes.stream_schedule import ScheduledPartition
 from kareus_fx.runtime.collectives import comm_timeout_s
-from kareus_fx.runtime.pipeline_hook import active_step_context
+from kareus_fx.runtime.step_context import active_step_context
 
 _BACKEND_FAILURE_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out")
 

@@ -1,12 +1,12 @@
 """Follow a plan under ``torch.distributed.pipelining``: the schedule's own calls drive it.
 
 PyTorch's pipeline engine runs the microbatch loop itself (``schedule.step(...)``), so there is no
-place in user code for :func:`~kareus_fx.runtime.pipeline_hook.next_instruction`. Its extension
+place in user code for :func:`~kareus_fx.runtime.step_context.next_instruction`. Its extension
 point is the stage: every schedule (``Schedule1F1B``, ``ScheduleGPipe``,
 ``ScheduleInterleaved1F1B``) runs a microbatch through ``PipelineStage.forward_one_chunk`` and
 ``PipelineStage.backward_one_chunk``. :class:`KareusPipelineStage` overrides those two and, around
 the engine's own code (``super()``), marks (stage_index, instruction, microbatch) as running in
-the active :class:`~kareus_fx.runtime.pipeline_hook.StepContext`: that requests the plan's clock,
+the active :class:`~kareus_fx.runtime.step_context.StepContext`: that requests the plan's clock,
 and the deployed graphs read it to pick the microbatch's variant (split or un-split, per-type
 SM counts and launch slots). Nothing of the schedule is copied.
 
@@ -53,13 +53,13 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from kareus_fx.compose.pipeline import Instruction
+from kareus_fx.compose.pipeline_schedule import Instruction
 from kareus_fx.deploy.deployment import PlanDeviationWarning, PlanMismatchError, clock_schedule
 from kareus_fx.errors import KareusError
 from kareus_fx.models.parallel import ParallelLayout
 from kareus_fx.plan.plan_format import Plan, Target, load_plan
-from kareus_fx.runtime.frequency import FrequencyController
-from kareus_fx.runtime.pipeline_hook import StepContext, active_step_context
+from kareus_fx.runtime.clock_controller import ClockController
+from kareus_fx.runtime.step_context import StepContext, active_step_context
 
 __all__ = [
     "KareusPipelineStage",
@@ -183,7 +183,7 @@ def follow_plan(
     schedule: Any,
     plan: str | Path | Plan,
     target: Target = "max-throughput",
-    controller: FrequencyController | None = None,
+    controller: ClockController | None = None,
 ) -> Iterator[StepContext]:
     """Run ``schedule.step`` calls inside the block on ``plan``'s point ``target``: checks the
     schedule against the plan (stage count, microbatches, supported schedule, stages that

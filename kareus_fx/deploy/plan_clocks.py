@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kareus_fx.compose.pipeline import INSTRUCTIONS
+from kareus_fx.compose.pipeline_schedule import INSTRUCTIONS
 from kareus_fx.plan.plan_format import Plan
-from kareus_fx.runtime.pipeline_hook import ClockSchedule
+from kareus_fx.runtime.step_context import ClockSchedule
 
 __all__ = ["clock_schedule", "plan_num_stages"]
 

@@ -1,10 +1,10 @@
 """Deploy a plan as one job-wide power limit instead of clocks (``options={"power_limit": ...}``).
 
 For clusters that forbid locking clocks but allow power limits: the plan's
-``megatron+power-limit`` curve (Megatron-LM's un-split step under each limit, ``plan/power_limit.py``)
+``megatron+power-limit`` curve (Megatron-LM's un-split step under each limit, ``plan/power_limit_baseline.py``)
 gives the limit for the target; the graph compiles un-split (what that curve priced: no nanobatch
 split, no clock hooks) and this process's GPU runs under the limit. One
-:class:`~kareus_fx.runtime.power_limit.PowerLimitController` per process (a process drives one
+:class:`~kareus_fx.runtime.power_limit_controller.PowerLimitController` per process (a process drives one
 GPU: ``LOCAL_RANK``'s), opened at the first compiled graph and restored at exit.
 """
 
@@ -15,8 +15,8 @@ import os
 from kareus_fx.config import KareusOptions
 from kareus_fx.errors import OptionsError
 from kareus_fx.plan.plan_format import load_plan
-from kareus_fx.plan.power_limit import PowerLimitPoint, curve_of_plan, limit_for_target
-from kareus_fx.runtime.power_limit import PowerLimitController
+from kareus_fx.plan.power_limit_baseline import PowerLimitPoint, curve_of_plan, limit_for_target
+from kareus_fx.runtime.power_limit_controller import PowerLimitController
 
 _controller: PowerLimitController | None = None
 

@@ -3,7 +3,7 @@
 On CPU no counter measures GPU energy (``runtime/energy.py`` reports None), so a run that follows
 a plan cannot compare its energy with the plan's prediction. This prices the iteration that
 actually ran on the plan's simulated GPU, from what each pipeline rank's clock controller received
-(:class:`~kareus_fx.runtime.frequency.ClockRequest`: which (stage, instruction, microbatch), at
+(:class:`~kareus_fx.runtime.clock_controller.ClockRequest`: which (stage, instruction, microbatch), at
 which clock, in which order):
 
 - each instruction costs the time and energy of the plan's microbatch option it ran: the option
@@ -11,7 +11,7 @@ which clock, in which order):
   the same kernel schedule at the requested clock (the fastest at that clock if none has it);
 - the iteration's time is the critical path of the ranks' orders as run (one chain per GPU) and
   the pipeline's dependencies (a stage's forward after the previous stage's, its backward after
-  the next stage's), as the planner composes 1F1B (``compose/pipeline.py``);
+  the next stage's), as the planner composes 1F1B (``compose/pipeline_schedule.py``);
 - every GPU waits at the blocking power when it runs nothing (Perseus's accounting), and the
   energy counts every GPU of the job: ``tp x cp x dp`` times each pipeline rank's.
 
@@ -32,11 +32,11 @@ from typing import Any, cast
 
 import networkx as nx
 
-from kareus_fx.compose.pipeline import Instruction, PipelineNode, iteration_energy_j, makespan_s
+from kareus_fx.compose.pipeline_schedule import Instruction, PipelineNode, iteration_energy_j, makespan_s
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.errors import KareusError
 from kareus_fx.plan.plan_format import Plan, instruction_key
-from kareus_fx.runtime.frequency import ClockRequest
+from kareus_fx.runtime.clock_controller import ClockRequest
 
 __all__ = ["SimulatedIteration", "SimulationError", "parse_node", "simulated_iteration"]
 

@@ -1,4 +1,4 @@
-"""Switch frontier points between iterations without recompiling (issue 31, item 1).
+"""Switch frontier points between iterations without recompiling.
 
 A plan holds a whole iteration frontier; a :class:`PointSwitcher` lets the job move along it
 while it trains::
@@ -26,13 +26,13 @@ while it trains::
   an iteration is under way (a microbatch's forward ran without its backward, a StepContext is
   running an instruction) is refused.
 - Clocks: the next instruction's clock hook requests the new point's clock; an active
-  :class:`~kareus_fx.runtime.pipeline_hook.StepContext` gets the new point's clock schedule.
+  :class:`~kareus_fx.runtime.step_context.StepContext` gets the new point's clock schedule.
 - Power limits (``limit_candidates``, ``power_limit``): candidates may also be points of the
-  plan's Kareus power-limit curve (``methods.kareus.power_limits``, ``plan/kareus_power_limit.py``:
+  plan's Kareus power-limit curve (``methods.kareus.power_limits``, ``plan/kareus_power_limit_curves.py``:
   the max-throughput point's schedule, every clock request at the maximum, under one job-wide
   limit). Such a point has index ``len(plan.frontier) + j`` (``j``: its row of the curve); it runs
   the max-throughput point's variants, requests the maximum clock for every instruction and sets
-  its limit through the :class:`~kareus_fx.runtime.power_limit.PowerLimitController`; a clock
+  its limit through the :class:`~kareus_fx.runtime.power_limit_controller.PowerLimitController`; a clock
   point runs under the curve's first (unlimited: the TDP) limit. A switch sets the limit only when
   it changes, at the same iteration boundary as the clocks.
 
@@ -57,8 +57,8 @@ from kareus_fx.errors import KareusError, OptionsError
 from kareus_fx.plan.plan_format import Plan, Target, load_plan
 from kareus_fx.policies.base import FrontierPoint, Observation, Policy
 from kareus_fx.runtime.collectives import prepare_comm_groups
-from kareus_fx.runtime.pipeline_hook import ClockSchedule, active_step_context
-from kareus_fx.runtime.power_limit import PowerLimitController
+from kareus_fx.runtime.power_limit_controller import PowerLimitController
+from kareus_fx.runtime.step_context import ClockSchedule, active_step_context
 
 __all__ = ["DEFAULT_CANDIDATES", "PointSwitchError", "PointSwitcher", "Switch", "spread_candidates"]
 

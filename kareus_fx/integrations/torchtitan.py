@@ -1,4 +1,4 @@
-"""A kareus ``parallelize_fn`` for torchtitan's ``ModelSpec`` (issue 30, item 3).
+"""A kareus ``parallelize_fn`` for torchtitan's ``ModelSpec``.
 
 torchtitan (0.3.0) compiles each ``TransformerBlock`` with ``block.compile(backend=..., fullgraph=True)``
 and refuses every backend but ``inductor`` and ``aot_eager`` for a model with FlexAttention; its

@@ -4,7 +4,7 @@
 ``forward(input_ids, labels)`` returns the mean token loss; ``model.example_batch(mbs, seq)``
 gives this rank's inputs. See ``transformer.py`` for the collectives each layout issues.
 ``build_model(..., stage=PipelineStage(index, num_stages))`` builds one pipeline stage
-(``pipeline.py``: layer split, stage roles, groups of stages with the same graph structure).
+(``stage_layers.py``: layer split, stage roles, groups of stages with the same graph structure).
 Attention is the fused ``kareus::attention`` op (``attention_op.py``), which the analysis prices
 and the on-device profiler replays.
 """
@@ -17,7 +17,7 @@ from kareus_fx.models.parallel import (
     gather_from_tp,
     reduce_from_tp,
 )
-from kareus_fx.models.pipeline import (
+from kareus_fx.models.stage_layers import (
     PipelineStage,
     StageGroup,
     group_stages,

@@ -58,7 +58,7 @@ An unsharded model's weights (or gradients) map onto a layout with
 :meth:`Transformer.shard_full_state_dict` / :meth:`Transformer.load_full_state_dict`, which
 is how the tests build identical sharded and unsharded copies.
 
-Pipeline parallelism (``stage=PipelineStage(index, num_stages)``; see ``pipeline.py`` for the
+Pipeline parallelism (``stage=PipelineStage(index, num_stages)``; see ``stage_layers.py`` for the
 layer split): a stage holds its own decoder layers, numbered from 0 (``layers.0`` of stage 1 is
 global layer ``stage_layer_range(...)[0]``; :meth:`Transformer.full_parameter_name` maps back).
 The first stage also holds ``embed_tokens`` and returns the hidden states after its layers; a
@@ -96,8 +96,8 @@ from kareus_fx.models.parallel import (
     gather_from_tp,
     reduce_from_tp,
 )
-from kareus_fx.models.pipeline import PipelineStage, stage_layer_range
 from kareus_fx.models.recompute import check_recompute
+from kareus_fx.models.stage_layers import PipelineStage, stage_layer_range
 
 
 class RMSNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""Planning (DESIGN.md steps 4-6): from traced graphs to a versioned plan file.
+"""Planning (docs/design.md steps 4-6): from traced graphs to a versioned plan file.
 
 - ``planner.py``: ``kareus plan`` end to end (trace, tune, baselines, compose, plan data);
 - ``presets.py``: the paper's testbed workloads;

@@ -536,12 +536,12 @@ def _measurer(req: PlanRequest, session: Session) -> Iterator[GroupMeasurer]:
     from zeus.device import get_gpus
 
     from kareus_fx.runtime.clock_backends import parse_clock_mode
+    from kareus_fx.runtime.clock_controller import ClockController
     from kareus_fx.runtime.device_profiler import wait_for_cooldown
-    from kareus_fx.runtime.frequency import FrequencyController
 
     spec = gpu_spec(canonical_gpu_name(req.gpu))
     index = session.local_rank
-    controller = FrequencyController.open(parse_clock_mode(req.clock_mode or "real"), gpu_index=index)
+    controller = ClockController.open(parse_clock_mode(req.clock_mode or "real"), gpu_index=index)
     try:
         gpus = get_gpus()
         idle_c = float(gpus.get_gpu_temperature(index))  # before the first measurement heats the GPU

@@ -16,8 +16,8 @@ Dynamo's compile, because aot_autograd compiles a backward only when one runs):
 
 Dynamic shapes: when the graph's sequence length is symbolic, steps 1-2 run once per bucket
 (``options["tune_seq"]``, or else the lengths seen: the compiled example's and the first call's),
-each traced on fake inputs of that length, and the plan is a bucketed plan (``plan/buckets.py``)
-deployed per call like one made by ``kareus plan --seq`` (``deploy/buckets.py``). The deployment
+each traced on fake inputs of that length, and the plan is a bucketed plan (``plan/bucketed_plan.py``)
+deployed per call like one made by ``kareus plan --seq`` (``deploy/bucket_dispatch.py``). The deployment
 is compiled on Dynamo's symbolic example values inside the compile's tracing context, so it stays
 symbolic.
 
@@ -46,7 +46,7 @@ from kareus_fx.capture.compile_step import compile_autograd, compile_graph
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.config import KareusOptions
 from kareus_fx.cost_models.hardware import GPUSpec
-from kareus_fx.deploy.buckets import deployment_from_options, sequence_input
+from kareus_fx.deploy.bucket_dispatch import deployment_from_options, sequence_input
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.models.recompute import live_recompute
 from kareus_fx.passes.nanobatch import NanobatchResult, graph_communicates, split_nanobatches

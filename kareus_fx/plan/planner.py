@@ -1,4 +1,4 @@
-"""``kareus plan``: trace, partition, tune, compose and compare, end to end (DESIGN.md steps 1-6).
+"""``kareus plan``: trace, partition, tune, compose and compare, end to end (docs/design.md steps 1-6).
 
 1. Trace every distinct pipeline stage on the meta device under the ``fake`` process group, once
    with Dynamo, and compile the graph twice (``tracing.trace_both_splits``): nanobatched (partition
@@ -55,7 +55,7 @@ from kareus_fx.compose.iteration import (
     count_solver_steps,
 )
 from kareus_fx.compose.microbatch import MicrobatchFrontier, MicrobatchPoint, pareto_front
-from kareus_fx.compose.pipeline import INSTRUCTIONS, CompositionError, PipelineNode, check_interleaving
+from kareus_fx.compose.pipeline_schedule import INSTRUCTIONS, CompositionError, PipelineNode, check_interleaving
 from kareus_fx.compose.slack import with_reclaimed_fastest
 from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
@@ -66,7 +66,7 @@ from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import OptionsError, ParallelConfigError, UnsupportedGraphError
 from kareus_fx.models.configs import ModelConfig, get_config
-from kareus_fx.models.pipeline import StageRole, even_layer_counts, stage_role
+from kareus_fx.models.stage_layers import StageRole, even_layer_counts, stage_role
 from kareus_fx.plan.async_dgrad import AsyncDgrad, async_dgrad_split, with_async_dgrad
 from kareus_fx.plan.dropout_traffic import dropout_ops
 from kareus_fx.plan.graph_workload import (
@@ -77,7 +77,7 @@ from kareus_fx.plan.graph_workload import (
     sequential_graphs,
     with_extra_ops,
 )
-from kareus_fx.plan.kareus_power_limit import NodeWork, kareus_power_limit_curves
+from kareus_fx.plan.kareus_power_limit_curves import NodeWork, kareus_power_limit_curves
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, block_dump, extend_dump, slice_pays
 from kareus_fx.plan.main_grad_traffic import main_grad_ops
 from kareus_fx.plan.methods import (
@@ -91,7 +91,13 @@ from kareus_fx.plan.methods import (
 )
 from kareus_fx.plan.metrics import frontier_metrics
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
-from kareus_fx.plan.power_limit import POWER_LIMIT_METHOD, PowerLimitPoint, iteration_of, power_limit_curve, zeus_choice
+from kareus_fx.plan.power_limit_baseline import (
+    POWER_LIMIT_METHOD,
+    PowerLimitPoint,
+    iteration_of,
+    power_limit_curve,
+    zeus_choice,
+)
 from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
@@ -99,12 +105,12 @@ from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
 from kareus_fx.plan.step_tail import StepTail, stage_parameters, step_tail, with_step_tail
 from kareus_fx.plan.testbed_config import HF_DEFAULTS, MegatronSettings
 from kareus_fx.runtime.clock_backends import parse_clock_mode
+from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.device_profiler import DeviceProfiler, node_tables_from_dump, replay_key
-from kareus_fx.runtime.frequency import FrequencyController
 from kareus_fx.runtime.recorded_ops import NodeTable
 from kareus_fx.tuner.mbo import MBOSettings, TuningResult
-from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ, clock_grid_mhz
+from kareus_fx.tuner.tune_pool import CachedProfilerFactory, tune_partition_types
 from kareus_fx.workload import GraphName, Measurement, OpCost, PartitionType
 
 __all__ = [
@@ -147,8 +153,8 @@ SOLVER_NODE_STEPS = 160_000
 """The solve's work bound, steps x pipeline nodes (:func:`solver_step_cap`): 500 steps at 320 nodes
 (Llama 3.3 70B PP10 x 16 microbatches), up to ``FINE_SOLVER_STEPS`` on smaller pipelines, which
 also solve from a finer floor, ``FINE_UNIT_TIME_S``. The testbed presets (2 stages x 8
-microbatches, 32 nodes) then solve at 0.5 ms, where 500 steps coarsened them to 1.4-2.8 ms (README,
-round six (composition resolution); ``bench/compose_resolution.py``)."""
+microbatches, 32 nodes) then solve at 0.5 ms, where 500 steps coarsened them to 1.4-2.8 ms
+(``bench/compose_resolution.py``)."""
 FINE_SOLVER_STEPS = 4000
 """The most solver steps per method on a small pipeline (:func:`solver_step_cap`)."""
 FINE_UNIT_TIME_S = 0.5e-3
@@ -221,7 +227,7 @@ class PlanRequest:
     gradient collectives, which the plan does not schedule, are outside it)."""
     virtual_stages: int = 1
     """Model chunks per GPU (``--virtual-stages``): above 1 the pipeline runs interleaved 1F1B
-    (``compose.pipeline``) over ``pp x virtual_stages`` global stages, GPU ``r`` holding stages ``r,
+    (``compose.pipeline_schedule``) over ``pp x virtual_stages`` global stages, GPU ``r`` holding stages ``r,
     r + pp, ...``; every stage-indexed field (``stage_layers``, the plan's ``stages``) counts global stages."""
 
     megatron: MegatronSettings = HF_DEFAULTS
@@ -954,7 +960,7 @@ def _profiler_factory(
     tables = _replay_tables(traced)
     device = DeviceProfiler(
         gpu,
-        frequency=FrequencyController.open(parse_clock_mode(req.clock_mode or "real")),
+        frequency=ClockController.open(parse_clock_mode(req.clock_mode or "real")),
         tables_by_ops=tables,
         min_window_s=req.device_window_s,
     )
@@ -1023,7 +1029,7 @@ class _Composed:
     power_limit_choice: PowerLimitPoint | None
     """The limit Zeus's selector picks on that curve (None without a curve)."""
     kareus_power_limits: list[PowerLimitPoint]
-    """Kareus's max-throughput schedule under each job-wide power limit (``kareus_power_limit.py``);
+    """Kareus's max-throughput schedule under each job-wide power limit (``kareus_power_limit_curves.py``);
     empty when the profiler cannot price power limits."""
     kareus_locked_power_limits: list[PowerLimitPoint]
     """The same with each instruction's clock locked as the point plans it, the limit on top."""
@@ -1191,7 +1197,7 @@ def _kareus_power_limit_curves(
     processes: int = 1,
 ) -> dict[bool, list[PowerLimitPoint]]:
     """Kareus's max-throughput point's schedule under each job-wide power limit, by whether clocks
-    are locked as planned (True) or unlocked (False) (``kareus_power_limit.py``), the two curves
+    are locked as planned (True) or unlocked (False) (``kareus_power_limit_curves.py``), the two curves
     in up to ``processes`` processes (the same curves: each prices on profilers of its own);
     empty curves for a profiler that cannot price a power limit."""
     if req.profiler != "simulated":
@@ -1306,7 +1312,7 @@ def _power_limit_curve(
     lowest_clock_mhz: int,
     energy_scale: float,
 ) -> list[PowerLimitPoint]:
-    """Megatron-LM's iteration under each job-wide power limit (``power_limit.py``); empty for
+    """Megatron-LM's iteration under each job-wide power limit (``power_limit_baseline.py``); empty for
     a profiler that cannot price a power limit (the on-device one never sets it)."""
     if req.profiler != "simulated":
         return []

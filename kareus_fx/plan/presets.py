@@ -38,7 +38,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from kareus_fx.compose.pipeline import CompositionError, check_interleaving
+from kareus_fx.compose.pipeline_schedule import CompositionError, check_interleaving
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.errors import KareusError
 from kareus_fx.models.configs import get_config
@@ -154,7 +154,7 @@ def _emulation_presets() -> list[Preset]:
 
 
 def interleaving_runs(pp: int, virtual_stages: int, microbatches: int) -> bool:
-    """Whether interleaved 1F1B can run ``microbatches`` over ``pp`` GPUs (``compose.pipeline``)."""
+    """Whether interleaved 1F1B can run ``microbatches`` over ``pp`` GPUs (``compose.pipeline_schedule``)."""
     try:
         check_interleaving(pp, virtual_stages, microbatches)
     except CompositionError:

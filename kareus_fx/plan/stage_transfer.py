@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kareus_fx.compose.pipeline import Instruction
+from kareus_fx.compose.pipeline_schedule import Instruction
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.errors import OptionsError
 

@@ -1,1 +1,1 @@
-"""Run-time policies: which frontier point the next iteration runs (issue 31)."""
+"""Run-time policies: which frontier point the next iteration runs."""

@@ -1,4 +1,4 @@
-"""What people read (DESIGN.md step 6 and the inspector): tables, plots, HTML and diffs.
+"""What people read (docs/design.md step 6 and the inspector): tables, plots, HTML and diffs.
 
 - ``plan_report.py``: the metrics table, frontier plot, ``frontier.csv`` and ``report.html``;
 - ``plan_summary.py``, ``timeline_plot.py``: ``kareus inspect`` on a plan, with per-type timelines;

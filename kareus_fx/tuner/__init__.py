@@ -23,8 +23,8 @@ from kareus_fx.tuner.mbo import (
     size_class,
     tune_partition,
 )
-from kareus_fx.tuner.parallel import CachedProfilerFactory, tune_partition_types, type_seed
 from kareus_fx.tuner.space import SearchSpace, build_search_space
+from kareus_fx.tuner.tune_pool import CachedProfilerFactory, tune_partition_types, type_seed
 
 __all__ = [
     "DEFAULT_BUDGETS",

@@ -18,8 +18,8 @@ medium   2-3          24      12    6           81 of 540 (cap), 96 of 720 (13 %
 large    4 or more    40      10    6           81 of 540 (cap), 100 of 900-2,160 (11-5 %)
 ======== ============ ======= ===== =========== ==============================================
 
-The large class's batch was 20 (160 measurements at most) until the profiling cost of issue 16:
-most of a plan's device time is these runs. Its batch of 10 was chosen with
+Most of a plan's device time is the large class's runs, so its batch is the smallest that keeps
+the frontier (a batch of 20 allowed 160 measurements). The batch of 10 was chosen with
 ``bench/mbo_budget_sweep.py --size large --seeds 8`` on the large types of three presets other than
 the one the cost is reported on (Llama-3.2-3B TP8 and CP2TP4, 4 types each, and ``syn_large``),
 as the cheapest of the (initial, batch) settings tried, all with 6 batches, that kept every type's

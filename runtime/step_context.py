@@ -4,7 +4,7 @@ A plan gives one SM clock per (stage, instruction, microbatch) (Perseus-style, p
 :class:`ClockSchedule` holds that lookup. A :class:`StepContext` is told at every instruction
 boundary which instruction runs next (:meth:`StepContext.next_instruction`, or the
 module-level :func:`next_instruction` while the context is active) and asks its
-:class:`~kareus_fx.runtime.frequency.FrequencyController` for that instruction's clock. It
+:class:`~kareus_fx.runtime.clock_controller.ClockController` for that instruction's clock. It
 works from a plain training loop::
 
     with StepContext(schedule, controller, stage=0) as steps:
@@ -29,9 +29,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 
-from kareus_fx.compose.pipeline import INSTRUCTIONS, Instruction, PipelineNode
+from kareus_fx.compose.pipeline_schedule import INSTRUCTIONS, Instruction, PipelineNode
 from kareus_fx.errors import KareusError
-from kareus_fx.runtime.frequency import FrequencyController
+from kareus_fx.runtime.clock_controller import ClockController
 
 
 class ClockScheduleError(KareusError, ValueError):
@@ -109,7 +109,7 @@ class StepContext:
     def __init__(
         self,
         schedule: ClockSchedule,
-        controller: FrequencyController | None = None,
+        controller: ClockController | None = None,
         stage: int = 0,
     ) -> None:
         self.schedule = schedule

@@ -4,7 +4,7 @@ One plan per bucket, made by :func:`~kareus_fx.plan.planner.make_plan` with the 
 sequence length set to the bucket's, each in its own work directory (``seq<S>/``: its dumps and
 profile database; no measurement of one bucket is one of another's), combined into
 one plan file (:func:`~kareus_fx.plan.plan_format.bucketed_plan_data`). A deployment picks, per
-call, the smallest bucket holding the call's sequence length (``deploy/buckets.py``).
+call, the smallest bucket holding the call's sequence length (``deploy/bucket_dispatch.py``).
 """
 
 from __future__ import annotations

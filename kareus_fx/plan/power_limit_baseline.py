@@ -26,7 +26,7 @@ from typing import Any
 
 from zeus.optimizer.power_limit import PowerLimitMeasurement, ZeusCost
 
-from kareus_fx.compose.pipeline import iteration_energy_j, pipeline_makespan_s
+from kareus_fx.compose.pipeline_schedule import iteration_energy_j, pipeline_makespan_s
 from kareus_fx.errors import KareusError
 from kareus_fx.workload import Measurement
 

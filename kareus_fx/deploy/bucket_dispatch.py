@@ -1,6 +1,6 @@
 """Deploy a bucketed plan (``kareus plan --seq 2048,4096,8192``): pick the bucket per call.
 
-A bucketed plan holds one plan per sequence length (``plan/buckets.py``). On a Dynamo graph whose
+A bucketed plan holds one plan per sequence length (``plan/bucketed_plan.py``). On a Dynamo graph whose
 sequence length is symbolic (automatic dynamic, ``mark_dynamic``, ``dynamic=True``) every bucket
 is deployed as a :class:`~kareus_fx.deploy.deployment.Deployment` of its own: the graph is
 compiled once per bucket with its symbolic sizes evaluated at the bucket's length (the analysis,

@@ -1,11 +1,11 @@
 """Kareus's own power-limit frontier: its max-throughput schedule under each job-wide power limit.
 
-Where a cluster forbids locking clocks but allows power limits (issue 31, item 3), Kareus still
+Where a cluster forbids locking clocks but allows power limits, Kareus still
 controls what a clock lock does not: the nanobatch split, each collective's SM count and launch
 slot. This prices Kareus's max-throughput point's schedule (per pipeline instruction and
 microbatch, the option that point runs: split or sequential, per partition type's configuration)
 with every clock request at the GPU's maximum (no lock: the GPU boosts as far as the limit lets
-it) under each limit from the TDP down in Zeus's 25 W steps (:func:`~kareus_fx.plan.power_limit.limit_grid`).
+it) under each limit from the TDP down in Zeus's 25 W steps (:func:`~kareus_fx.plan.power_limit_baseline.limit_grid`).
 
 What differs from a clock point, in the simulated GPU: a clock point locks one clock per
 instruction for all its partitions; under a power limit each measured unit throttles on its own
@@ -32,10 +32,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kareus_fx.compose.microbatch import MicrobatchPoint
-from kareus_fx.compose.pipeline import PipelineNode, iteration_energy_j, pipeline_dag, pipeline_makespan_s
+from kareus_fx.compose.pipeline_schedule import PipelineNode, iteration_energy_j, pipeline_dag, pipeline_makespan_s
 from kareus_fx.plan.async_dgrad import AsyncDgrad, with_async_dgrad
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
-from kareus_fx.plan.power_limit import PowerLimitPoint, limit_grid
+from kareus_fx.plan.power_limit_baseline import PowerLimitPoint, limit_grid
 from kareus_fx.workload import Measurement, SequenceProfiler
 
 __all__ = ["NodeWork", "kareus_power_limit_curves", "price_option", "schedule_iteration"]
@@ -102,7 +102,7 @@ def schedule_iteration(
     """(time_s, energy_j) of the 1F1B (interleaved over ``virtual_stages``) iteration whose every
     instruction costs ``costs[node]``: the critical path, and every GPU at the blocking power when
     idle (the composer's accounting), times ``energy_scale`` (the plan's ranks per traced rank)."""
-    dag = pipeline_dag(pp, microbatches, virtual_stages)  # built once per size (compose/pipeline.py)
+    dag = pipeline_dag(pp, microbatches, virtual_stages)  # built once per size (compose/pipeline_schedule.py)
     time_s = pipeline_makespan_s(pp, microbatches, virtual_stages, lambda node: costs[node].time_s)
     busy_s = sum(costs[node].time_s for node in dag)
     busy_j = sum(costs[node].energy_j for node in dag)

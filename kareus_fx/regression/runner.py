@@ -12,7 +12,7 @@ records, per case:
 - ``mbo.fraction_measured_worst_type``: the largest share of a type's space the tuner measured;
 - ``wall.*_per_ref``: wall time of tracing (the passes run inside it), tuning, composing, and in
   total, in units of a fixed reference workload timed in the same process just before and after
-  the case (:mod:`kareus_fx.bench.reference`), so the baseline holds on a slower or loaded machine.
+  the case (:mod:`kareus_fx.regression.reference`), so the baseline holds on a slower or loaded machine.
   The seconds themselves go into the case's ``info``.
 
 Every number but the wall times is a simulator prediction (a calibrated cost model), deterministic
@@ -166,8 +166,8 @@ RULES: dict[str, MetricRule] = {
 # ----- running a case ---------------------------------------------------------------------------
 def run_case(case: BenchCase, ablate: str | None = None) -> dict[str, Any]:
     """Plan ``case`` and return ``{"metrics": {name: value}, "info": {...}}`` (see module doc)."""
-    from kareus_fx.bench.reference import ReferenceTiming, time_reference_s
     from kareus_fx.plan.planner import make_plan
+    from kareus_fx.regression.reference import ReferenceTiming, time_reference_s
 
     request = case.request(ablate)
     with tempfile.TemporaryDirectory(prefix="kareus-bench-") as work:
@@ -399,7 +399,7 @@ def write_baseline(path: Path, results: Mapping[str, Any]) -> None:
         "version": BASELINE_VERSION,
         "updated_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "note": "quality metrics are simulator predictions (deterministic); wall metrics are in units of a "
-        "reference workload timed in the same process (kareus_fx/bench/reference.py) and only "
+        "reference workload timed in the same process (kareus_fx/regression/reference.py) and only "
         "regress when more than 2x slower; info.wall_s has the seconds on the recording machine",
         "results": {**kept, **results},
     }

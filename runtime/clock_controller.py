@@ -1,6 +1,6 @@
 """Asynchronous GPU clock controller that always restores the clock.
 
-:class:`FrequencyController` takes clock requests from the training loop (one per pipeline
+:class:`ClockController` takes clock requests from the training loop (one per pipeline
 instruction, paper section 5.1) and applies them on a worker thread through a
 :class:`~kareus_fx.runtime.clock_backends.ClockBackend`, so a switch never stalls the caller:
 
@@ -72,7 +72,7 @@ class ClockRequest:
     instruction: str | None
 
 
-class FrequencyController:
+class ClockController:
     """Applies requested SM clocks off-thread through ``backend``; restores them on every exit.
 
     ``record_requests`` (default: only in dry-run mode) keeps every request in
@@ -148,7 +148,7 @@ class FrequencyController:
         handle_sigterm: bool = True,
         guard: bool = True,
         lock_dir: str | Path | None = None,
-    ) -> FrequencyController:
+    ) -> ClockController:
         """A controller over the backend for ``mode`` (see ``open_clock_backend``).
 
         ``gpu_index`` is this process's GPU as Zeus and ``torch.cuda`` number it (under
@@ -187,7 +187,7 @@ class FrequencyController:
         with self._cond:
             self._raise_worker_error()
             if self._closing:
-                raise ClockControlError("this FrequencyController was closed (its clock restored); open a new one")
+                raise ClockControlError("this ClockController was closed (its clock restored); open a new one")
             if self._record_requests:
                 self._requests.append(ClockRequest(time.monotonic(), clock_mhz, instruction))
             self._pending_clock_mhz = clock_mhz
@@ -230,7 +230,7 @@ class FrequencyController:
 
     close = restore
 
-    def __enter__(self) -> FrequencyController:
+    def __enter__(self) -> ClockController:
         return self
 
     def __exit__(
@@ -283,7 +283,7 @@ class FrequencyController:
     def _install_sigterm(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             logger.warning(
-                "FrequencyController created outside the main thread: no SIGTERM handler; "
+                "ClockController created outside the main thread: no SIGTERM handler; "
                 "the clock is restored by close(), the with block and atexit only"
             )
             return

@@ -1,6 +1,6 @@
 """A job-wide GPU power limit, set through Zeus and always put back, SIGKILL included.
 
-For clusters that forbid locking clocks but allow power limits (issue 31): a deployment in power-
+For clusters that forbid locking clocks but allow power limits: a deployment in power-
 limit mode sets one limit on this process's GPU (the plan's ``megatron+power-limit`` curve gives
 the limit for a target) instead of requesting clocks. Three modes:
 
