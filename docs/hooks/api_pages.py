@@ -1,0 +1,138 @@
+"""MkDocs hook: one API reference page per module, generated from the source tree at build time.
+
+The modules are read from ``pyproject.toml`` (``[tool.setuptools] packages`` and ``package-dir``),
+the list setuptools installs, so a module or package added or moved in the source gets its page
+(and its entry in the navigation) at the next build without editing the docs. Each page holds one
+mkdocstrings directive (``::: kareus_fx.x.y``) that renders the module's docstrings.
+
+``passes/``, ``runtime/`` and ``cost_models/`` install as ``kareus_fx.passes`` / ``.runtime`` /
+``.cost_models`` through ``package-dir``, which griffe (mkdocstrings' loader) cannot read: it looks
+for ``kareus_fx/passes`` on disk. So the hook first lays out an import view,
+``build/docs-api-view/kareus_fx/``, made of symlinks: every entry of ``kareus_fx/`` plus one link per
+remapped folder, and mkdocs.yml points mkdocstrings' ``paths`` at it (the same idea as
+``typings/kareus_fx/`` for mypy).
+"""
+
+from __future__ import annotations
+
+import ast
+import shutil
+from pathlib import Path
+from typing import Any
+
+import tomllib
+from mkdocs.config.defaults import MkDocsConfig
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[2]
+VIEW = ROOT / "build" / "docs-api-view"
+"""The import view griffe reads (mkdocs.yml: ``plugins.mkdocstrings.handlers.python.paths``)."""
+REFERENCE = "reference"
+"""Folder of the generated pages, relative to docs/."""
+NAV_TITLE = "API reference"
+
+
+def package_folders(root: Path = ROOT) -> dict[str, Path]:
+    """Installed package name -> source folder, as setuptools installs them (pyproject.toml)."""
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dir = setuptools.get("package-dir", {})
+    return {name: root / package_dir.get(name, name.replace(".", "/")) for name in setuptools["packages"]}
+
+
+def module_names(packages: dict[str, Path]) -> dict[str, list[str]]:
+    """Package -> its modules' dotted names (the package itself first, then its ``.py`` files by
+    name). Private modules (a leading underscore) are left out: they are no API."""
+    modules = {}
+    for package, folder in sorted(packages.items()):
+        names = [package]
+        for path in sorted(folder.glob("*.py")):
+            if not path.stem.startswith("_"):
+                names.append(f"{package}.{path.stem}")
+        modules[package] = names
+    return modules
+
+
+def build_view(packages: dict[str, Path], view: Path = VIEW) -> None:
+    """Lay out ``view`` so that every package sits at its import path: real folders along the way,
+    a symlink for each source entry and for each remapped package folder."""
+    if view.exists():
+        shutil.rmtree(view)
+    remapped = {name: folder for name, folder in packages.items() if folder != ROOT / name.replace(".", "/")}
+    parents = {name.rsplit(".", 1)[0] for name in remapped}
+    for parent in sorted(parents):
+        target = view / parent.replace(".", "/")
+        target.mkdir(parents=True)
+        for entry in (ROOT / parent.replace(".", "/")).iterdir():
+            if entry.name != "__pycache__" and not (target / entry.name).exists():
+                (target / entry.name).symlink_to(entry)
+    for name, folder in remapped.items():
+        link = view / name.replace(".", "/")
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(folder)
+    for name in packages:  # top-level packages that nothing remaps into
+        top = name.split(".")[0]
+        if not (view / top).exists():
+            (view / top).symlink_to(ROOT / top)
+
+
+def docstring_summary(path: Path) -> str:
+    """The module docstring's first sentence, on one line, for the reference index ("" when none)."""
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    if not docstring:
+        return ""
+    paragraph = " ".join(docstring.strip().split("\n\n")[0].split())
+    sentence_end = paragraph.find(". ")
+    return paragraph if sentence_end < 0 else paragraph[: sentence_end + 1]
+
+
+def _page_path(module: str, package: str) -> str:
+    parts = module.split(".")
+    if module == package:
+        return f"{REFERENCE}/{'/'.join(parts)}/index.md"
+    return f"{REFERENCE}/{'/'.join(parts)}.md"
+
+
+def _source(module: str, packages: dict[str, Path]) -> Path:
+    if module in packages:
+        return packages[module] / "__init__.py"
+    package, name = module.rsplit(".", 1)
+    return packages[package] / f"{name}.py"
+
+
+@event_priority(100)  # before mkdocstrings reads its paths
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    """Build the import view and add the reference section to the navigation."""
+    packages = package_folders()
+    build_view(packages)
+    modules = module_names(packages)
+    section: list[Any] = [f"{REFERENCE}/index.md"]
+    for package, names in modules.items():
+        section.append({package: [{name: _page_path(name, package)} for name in names]})
+    config.nav = [*(config.nav or []), {NAV_TITLE: section}]
+    return config
+
+
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """Add the generated pages: one per module and the index of them all."""
+    packages = package_folders()
+    index = [
+        f"# {NAV_TITLE}",
+        "",
+        "Generated at build time from the docstrings (mkdocstrings), one page per module of every package "
+        "that `pyproject.toml` installs. `passes/`, `runtime/` and `cost_models/` install as "
+        "`kareus_fx.passes`, `kareus_fx.runtime` and `kareus_fx.cost_models`.",
+        "",
+    ]
+    for package, names in module_names(packages).items():
+        index += [f"## `{package}`", "", "| module | what it holds |", "|---|---|"]
+        for name in names:
+            page = _page_path(name, package)
+            files.append(File.generated(config, page, content=f"# `{name}`\n\n::: {name}\n"))
+            summary = docstring_summary(_source(name, packages)).replace("|", "\\|")
+            link = page.removeprefix(f"{REFERENCE}/")
+            index.append(f"| [`{name}`]({link}) | {summary} |")
+        index.append("")
+    files.append(File.generated(config, f"{REFERENCE}/index.md", content="\n".join(index)))
+    return files
