@@ -276,7 +276,7 @@ def carbon_verdicts() -> str:
         [trace, f"{100 * entry['daily_swing']:.0f} %", *("yes" if entry["verdicts"][n] else "no" for n in names)]
         for trace, entry in report.items()
     ]
-    return _table(["trace", "daily swing (of the daily mean)", *(f"`{n}`" for n in names)], rows)
+    return _table(["trace", "daily swing (of the daily mean)", *(n.replace("_", " ") for n in names)], rows)
 
 
 def straggler_replay() -> str:
