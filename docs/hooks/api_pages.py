@@ -34,10 +34,22 @@ NAV_TITLE = "API reference"
 
 
 def package_folders(root: Path = ROOT) -> dict[str, Path]:
-    """Installed package name -> source folder, as setuptools installs them (pyproject.toml)."""
+    """Installed package name -> source folder, as setuptools installs them (pyproject.toml).
+
+    A package under a remapped one sits in the remapped folder (``kareus_fx.passes.x`` in
+    ``passes/x/``), as setuptools resolves it: the longest ``package-dir`` prefix wins."""
     setuptools = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-    package_dir = setuptools.get("package-dir", {})
-    return {name: root / package_dir.get(name, name.replace(".", "/")) for name in setuptools["packages"]}
+    package_dir: dict[str, str] = setuptools.get("package-dir", {})
+    folders = {}
+    for name in setuptools["packages"]:
+        prefixes = [p for p in package_dir if p and (name == p or name.startswith(p + "."))]
+        if prefixes:
+            prefix = max(prefixes, key=len)
+            rest = name[len(prefix) :].lstrip(".").replace(".", "/")
+            folders[name] = root / package_dir[prefix] / rest
+        else:
+            folders[name] = root / name.replace(".", "/")
+    return folders
 
 
 def module_names(packages: dict[str, Path]) -> dict[str, list[str]]:
@@ -53,28 +65,30 @@ def module_names(packages: dict[str, Path]) -> dict[str, list[str]]:
     return modules
 
 
-def build_view(packages: dict[str, Path], view: Path = VIEW) -> None:
+def _natural_folder(name: str, packages: dict[str, Path], root: Path) -> Path:
+    """Where ``name`` would sit without ``package-dir``: inside its parent package's folder."""
+    parent, _, last = name.rpartition(".")
+    return packages[parent] / last if parent in packages else root / name.replace(".", "/")
+
+
+def build_view(packages: dict[str, Path], view: Path = VIEW, root: Path = ROOT) -> None:
     """Lay out ``view`` so that every package sits at its import path: real folders along the way,
     a symlink for each source entry and for each remapped package folder."""
     if view.exists():
         shutil.rmtree(view)
-    remapped = {name: folder for name, folder in packages.items() if folder != ROOT / name.replace(".", "/")}
-    parents = {name.rsplit(".", 1)[0] for name in remapped}
-    for parent in sorted(parents):
+    remapped = {name: folder for name, folder in packages.items() if folder != _natural_folder(name, packages, root)}
+    for parent in sorted({name.rpartition(".")[0] for name in remapped} - {""}):
         target = view / parent.replace(".", "/")
         target.mkdir(parents=True)
-        for entry in (ROOT / parent.replace(".", "/")).iterdir():
-            if entry.name != "__pycache__" and not (target / entry.name).exists():
+        for entry in packages[parent].iterdir():
+            if entry.name != "__pycache__" and entry.name not in {n.rpartition(".")[2] for n in remapped}:
                 (target / entry.name).symlink_to(entry)
     for name, folder in remapped.items():
-        link = view / name.replace(".", "/")
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(folder)
-    for name in packages:  # top-level packages that nothing remaps into
-        top = name.split(".")[0]
-        if not (view / top).exists():
-            (view / top).symlink_to(ROOT / top)
+        (view / name.replace(".", "/")).symlink_to(folder)
+    for name in packages:  # top-level packages that nothing is remapped into
+        top = view / name.split(".")[0]
+        if not top.exists():
+            top.symlink_to(root / name.split(".")[0])
 
 
 def docstring_summary(path: Path) -> str:
