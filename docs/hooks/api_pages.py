@@ -16,8 +16,10 @@ remapped folder, and mkdocs.yml points mkdocstrings' ``paths`` at it (the same i
 from __future__ import annotations
 
 import ast
+import importlib.util
 import shutil
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import tomllib
@@ -26,6 +28,19 @@ from mkdocs.plugins import event_priority
 from mkdocs.structure.files import File, Files
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_sibling(name: str) -> ModuleType:
+    """A module of docs/hooks/ (MkDocs loads each hook by path; they are no package)."""
+    spec = importlib.util.spec_from_file_location(f"docs_hooks_{name}", Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+markdown_docstring = _load_sibling("griffe_rst_roles").markdown_docstring
+"""The API pages' docstring markup rule, applied to the index's summaries too."""
 VIEW = ROOT / "build" / "docs-api-view"
 """The import view griffe reads (mkdocs.yml: ``plugins.mkdocstrings.handlers.python.paths``)."""
 REFERENCE = "reference"
@@ -123,7 +138,9 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
     modules = module_names(packages)
     section: list[Any] = [f"{REFERENCE}/index.md"]
     for package, names in modules.items():
-        section.append({package: [{name: _page_path(name, package)} for name in names]})
+        # Under its package's heading a module is listed by its own name (the page says the full one).
+        entries = [{name.rpartition(".")[2] if name != package else name: _page_path(name, package)} for name in names]
+        section.append({package: entries})
     config.nav = [*(config.nav or []), {NAV_TITLE: section}]
     return config
 
@@ -144,7 +161,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
         for name in names:
             page = _page_path(name, package)
             files.append(File.generated(config, page, content=f"# `{name}`\n\n::: {name}\n"))
-            summary = docstring_summary(_source(name, packages)).replace("|", "\\|")
+            summary = markdown_docstring(docstring_summary(_source(name, packages))).replace("|", "\\|")
             link = page.removeprefix(f"{REFERENCE}/")
             index.append(f"| [`{name}`]({link}) | {summary} |")
         index.append("")
