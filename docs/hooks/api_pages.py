@@ -163,7 +163,8 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
             files.append(File.generated(config, page, content=f"# `{name}`\n\n::: {name}\n"))
             summary = markdown_docstring(docstring_summary(_source(name, packages))).replace("|", "\\|")
             link = page.removeprefix(f"{REFERENCE}/")
-            index.append(f"| [`{name}`]({link}) | {summary} |")
+            label = name if name == package else name.rpartition(".")[2]
+            index.append(f"| [`{label}`]({link}) | {summary} |")
         index.append("")
     files.append(File.generated(config, f"{REFERENCE}/index.md", content="\n".join(index)))
     return files
