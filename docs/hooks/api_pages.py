@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import posixpath
 import shutil
 from pathlib import Path
 from types import ModuleType
@@ -145,9 +146,23 @@ def on_config(config: MkDocsConfig) -> MkDocsConfig:
     return config
 
 
+def _module_table(names: list[str], package: str, packages: dict[str, Path], relative_to: str) -> list[str]:
+    """A table of ``names`` (modules of ``package``, or packages): each linked relative to the page at
+    ``relative_to``, with its docstring's first sentence."""
+    rows = ["| module | what it holds |", "|---|---|"]
+    for name in names:
+        page = _page_path(name, name if name in packages else package)
+        link = posixpath.relpath(page, posixpath.dirname(relative_to))
+        label = name if name == package else name.rpartition(".")[2]
+        summary = markdown_docstring(docstring_summary(_source(name, packages))).replace("|", "\\|")
+        rows.append(f"| [`{label}`]({link}) | {summary} |")
+    return rows
+
+
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    """Add the generated pages: one per module and the index of them all."""
+    """Add the generated pages: one per module (a package's lists its modules) and the index."""
     packages = package_folders()
+    index_page = f"{REFERENCE}/index.md"
     index = [
         f"# {NAV_TITLE}",
         "",
@@ -157,14 +172,13 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
         "",
     ]
     for package, names in module_names(packages).items():
-        index += [f"## `{package}`", "", "| module | what it holds |", "|---|---|"]
-        for name in names:
-            page = _page_path(name, package)
-            files.append(File.generated(config, page, content=f"# `{name}`\n\n::: {name}\n"))
-            summary = markdown_docstring(docstring_summary(_source(name, packages))).replace("|", "\\|")
-            link = page.removeprefix(f"{REFERENCE}/")
-            label = name if name == package else name.rpartition(".")[2]
-            index.append(f"| [`{label}`]({link}) | {summary} |")
-        index.append("")
-    files.append(File.generated(config, f"{REFERENCE}/index.md", content="\n".join(index)))
+        index += [f"## `{package}`", "", *_module_table(names, package, packages, index_page), ""]
+        package_page = _page_path(package, package)
+        children = [name for name in packages if name.rpartition(".")[0] == package] + names[1:]
+        modules = _module_table(children, package, packages, package_page) if children else []
+        content = [f"# `{package}`", "", f"::: {package}", "", *(["## Contents", "", *modules] if modules else [])]
+        files.append(File.generated(config, package_page, content="\n".join(content) + "\n"))
+        for name in names[1:]:
+            files.append(File.generated(config, _page_path(name, package), content=f"# `{name}`\n\n::: {name}\n"))
+    files.append(File.generated(config, index_page, content="\n".join(index)))
     return files
