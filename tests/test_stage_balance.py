@@ -154,7 +154,7 @@ def test_planner_resolves_balanced_to_the_split_whose_full_stages_are_most_even(
 
 def test_every_bucket_of_a_balanced_bucketed_plan_gets_the_largest_buckets_split(monkeypatch, tmp_path):
     """One model runs every bucket: the largest bucket resolves ``balanced``, the others reuse it."""
-    from kareus_fx.plan import buckets
+    from kareus_fx.plan import bucketed_plan
     from kareus_fx.plan.planner import PlanOutcome
 
     planned = []
@@ -164,11 +164,11 @@ def test_every_bucket_of_a_balanced_bucketed_plan_gets_the_largest_buckets_split
         split = [3, 1] if req.stage_layers == "balanced" else list(req.stage_layers)
         return PlanOutcome(data={"workload": {"stage_layers": split}}, wall_s={"total_s": 0.0})
 
-    monkeypatch.setattr(buckets, "make_plan", plan)
-    monkeypatch.setattr(buckets, "bucketed_plan_data", lambda by_seq: {"buckets": sorted(by_seq)})
+    monkeypatch.setattr(bucketed_plan, "make_plan", plan)
+    monkeypatch.setattr(bucketed_plan, "bucketed_plan_data", lambda by_seq: {"buckets": sorted(by_seq)})
     req = PlanRequest(
         model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=128, layers=4, stage_layers="balanced"
     )
-    outcome = buckets.make_bucketed_plan(req, [128, 64, 32], tmp_path)
+    outcome = bucketed_plan.make_bucketed_plan(req, [128, 64, 32], tmp_path)
     assert planned == [(128, "balanced"), (32, (3, 1)), (64, (3, 1))]
     assert outcome.data["buckets"] == [32, 64, 128]
