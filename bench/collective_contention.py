@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 8 bench/collective_contention.py --out contention.csv
         [--sizes-mb 64,128,170] [--tokens 16384,40960] [--repeats 20]
 
-Issue 32's remaining misses (README, "How far to trust the simulated planner", round six) rest on
+The remaining fidelity misses (docs/fidelity.md, "What the misses are made of") rest on
 one coefficient: how much an NCCL all-reduce over 8 NVLink GPUs slows beside the GEMMs and the
 memory-bound kernels of the nanobatch it overlaps (``comm_contention_compute`` and
 ``comm_contention`` in ``cost_models/sim_params.py``). The calibration data fit the first

@@ -1,4 +1,4 @@
-"""Import torchtitan 0.3.0 on a machine without Triton (CPU CI; DESIGN.md: no triton there).
+"""Import torchtitan 0.3.0 on a machine without Triton (CPU CI; docs/design.md: no Triton there).
 
 Every torchtitan model imports ``torchtitan.distributed.minimal_async_ep.kernels`` (Triton kernels
 for MoE expert parallelism) at import time. The dense llama3 model never calls them. Without

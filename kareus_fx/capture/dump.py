@@ -1,6 +1,6 @@
 """Graph dumps: one JSON file per compiled graph, readable without the model code.
 
-Schema (``schema_version`` 1; documented in README.md, "Graph dump format")::
+Schema (``schema_version`` 1; documented in docs/formats.md, "Graph dump format")::
 
     {"schema_version": 1, "kareus_fx_version": str, "gpu": str, "rank": int, "world_size": int,
      "graph_id": str,
