@@ -7,7 +7,7 @@ Sections, each independent (a failure is recorded with its error and the next on
   supported graphics clocks (min, max, step), the power limit and its range, board power and
   temperature sampled before any work (an idle reading, to set beside the spec's static power).
 - ``sm_limited_reduce``: the on-device profiler's collective proxy (Triton ``dst += src``, bf16,
-  ``runtime/device_profiler.py``) launched with 1..132 programs, against ``torch.add``: median
+  ``runtime/collective_stand_in.py``) launched with 1..132 programs, against ``torch.add``: median
   time (CUDA events) and bandwidth (3 bytes moved per element byte: two reads, one write). The
   sum is checked against torch's. Whether the SM limit holds shows as bandwidth growing with
   the program count.
@@ -49,7 +49,7 @@ PROGRAM_COUNTS = (1, 2, 4, 8, 16, 32, 64, 132)
 
 
 def _median_ms(run: Callable[[], object], warmup: int = 3, repeats: int = 10) -> float:
-    from kareus_fx.runtime.device_profiler import timed_runs
+    from kareus_fx.runtime.partition_replay import timed_runs
 
     return statistics.median(timed_runs(run, torch.device("cuda"), warmup=warmup, repeats=repeats)) * 1e3
 
@@ -105,7 +105,7 @@ def device_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def sm_limited_reduce_section(args: argparse.Namespace) -> dict[str, Any]:
-    from kareus_fx.runtime.device_profiler import _triton_reduce
+    from kareus_fx.runtime.collective_stand_in import _triton_reduce
 
     reduce = _triton_reduce()
     if reduce is None:
@@ -131,7 +131,7 @@ def sm_limited_reduce_section(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def two_streams_section(args: argparse.Namespace) -> dict[str, Any]:
-    from kareus_fx.runtime.device_profiler import _triton_reduce
+    from kareus_fx.runtime.collective_stand_in import _triton_reduce
     from kareus_fx.runtime.streams import CudaStreamTable, make_stream_table
 
     reduce = _triton_reduce()
@@ -211,7 +211,8 @@ def _traced_partitions(args: argparse.Namespace) -> tuple[str, float, list[Any],
 def replay_profiler_section(args: argparse.Namespace) -> dict[str, Any]:
     from kareus_fx.cost_models.hardware import gpu_name_for_device, gpu_spec
     from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
-    from kareus_fx.runtime.device_profiler import DeviceProfiler, PartitionReplay
+    from kareus_fx.runtime.device_profiler import DeviceProfiler
+    from kareus_fx.runtime.partition_replay import PartitionReplay
     from kareus_fx.workload import PartitionConfig
 
     trace, trace_s, chosen, tables = _traced_partitions(args)
@@ -269,7 +270,7 @@ def replay_graph_section(args: argparse.Namespace) -> dict[str, Any]:
     """The profiler's replay issued op by op from Python against the same replay captured once in
     a CUDA graph (how the profiler measures since this comparison: ``DeviceProfiler(cuda_graphs=True)``).
     A graph removes the CPU's launch cost, so where the two differ the eager replay was launch-bound."""
-    from kareus_fx.runtime.device_profiler import PartitionReplay, timed_runs
+    from kareus_fx.runtime.partition_replay import PartitionReplay, timed_runs
 
     trace, trace_s, chosen, tables = _traced_partitions(args)
     device = torch.device("cuda")

@@ -1,7 +1,7 @@
 """How many kernels (and input buffers) the on-device profiler holds to replay an un-split microbatch.
 
 Traces tiny-llama (TP=2, microbatch 2 x 64) un-split at several layer counts and prints, per
-graph, the ops replayed and the distinct kernels :func:`~kareus_fx.runtime.device_profiler.build_kernels`
+graph, the ops replayed and the distinct kernels :func:`~kareus_fx.runtime.kernel_rebuild.build_kernels`
 builds for them (ops with the same target and recorded shapes share one kernel and its inputs).
 A count that stays flat as layers grow means the replay holds about one layer's buffers.
 
@@ -17,7 +17,7 @@ import tempfile
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.capture.tracing import TraceSpec, trace_full_size
 from kareus_fx.plan.graph_workload import sequential_graphs
-from kareus_fx.runtime.device_profiler import kernel_signature, node_tables_from_dump
+from kareus_fx.runtime.kernel_rebuild import kernel_signature, node_tables_from_dump
 
 
 def main() -> None:

@@ -85,12 +85,11 @@ from kareus_fx.passes.batch_dims import (
     Step,
     Unsupported,
     Whole,
-    _shape,
-    _size,
     is_barrier,
     is_symbolic,
     op_name,
 )
+from kareus_fx.passes.batch_dims.values import _shape, _size
 from kareus_fx.passes.nanobatch_verify import FakeRun, verify_split
 
 __all__ = [

@@ -41,7 +41,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from kareus_fx.passes.batch_dims import BatchDim, Unsupported, _shape, is_barrier, is_inplace, op_name
+from kareus_fx.passes.batch_dims import BatchDim, Unsupported, is_barrier, is_inplace, op_name
+from kareus_fx.passes.batch_dims.values import _shape
 
 __all__ = ["FakeRun", "verify_split"]
 

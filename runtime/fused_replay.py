@@ -1,7 +1,7 @@
 """A partition slot's recorded ops rebuilt as one FX graph and compiled by Inductor: the device
 profiler's fused replay (``PartitionReplay.build(..., fused=True)``).
 
-The per-op replay (:mod:`kareus_fx.runtime.device_profiler`) runs one aten kernel per recorded
+The per-op replay (:mod:`kareus_fx.runtime.kernel_rebuild`) runs one aten kernel per recorded
 op, each on its own random inputs, so every pointwise op reads and writes its tensors in HBM. A
 deployment runs Inductor's kernels, which fuse those ops; on one H200 the per-op replay of
 memory-bound backward partitions took 2.5-3.9x the simulated time, growing with the op count

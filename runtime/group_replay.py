@@ -4,7 +4,7 @@ Used by the distributed profilers (``--profiler cpu-replay`` and ``--profiler cu
 one process; :mod:`kareus_fx.plan.distributed_plan`). Every rank of the group calls
 :meth:`GroupMeasurer.measure` with the same arguments at the same time:
 
-- Kernels: the recorded ops replayed (or their proxies), as :mod:`~kareus_fx.runtime.device_profiler`
+- Kernels: the recorded ops replayed (or their proxies), as :mod:`~kareus_fx.runtime.kernel_rebuild`
   builds them, on this rank's device.
 - The collective is the real functional collective (``torch.ops._c10d_functional``: all-reduce,
   all-gather, reduce-scatter, all-to-all of the recorded buffer size, bf16) over the rank's TP or CP
@@ -41,8 +41,9 @@ import torch.distributed as dist
 
 from kareus_fx.errors import KareusError, ParallelConfigError
 from kareus_fx.runtime.collectives import nccl_options_for
-from kareus_fx.runtime.device_profiler import build_kernels, timed_runs
 from kareus_fx.runtime.energy import open_zeus_monitor, zeus_errors
+from kareus_fx.runtime.kernel_rebuild import build_kernels
+from kareus_fx.runtime.partition_replay import timed_runs
 from kareus_fx.runtime.recorded_ops import NodeTable
 from kareus_fx.workload import CollectiveSpec, Measurement, OpCost
 

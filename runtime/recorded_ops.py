@@ -1,6 +1,6 @@
 """Recorded ops of a graph dump made runnable again: the overload a record names and random
 inputs of its recorded shapes. Shared by the on-device profiler's per-op replay
-(:mod:`kareus_fx.runtime.device_profiler`) and its fused replay (:mod:`kareus_fx.runtime.fused_replay`).
+(:mod:`kareus_fx.runtime.kernel_rebuild`) and its fused replay (:mod:`kareus_fx.runtime.fused_replay`).
 
 Random inputs: floating tensors standard normal, booleans fair coins, integers 0 or 1 (valid
 indices for any non-empty dimension; the op's cost does not depend on their values).

@@ -18,20 +18,11 @@ from kareus_fx.capture.dump import load_dump, partition_types_from_dump
 from kareus_fx.capture.tracing import TraceSpec, trace_full_size
 from kareus_fx.errors import KareusError
 from kareus_fx.runtime.clock_controller import ClockController
-from kareus_fx.runtime.device_profiler import (
-    DeviceProfiler,
-    DeviceProfilerError,
-    Kernel,
-    PartitionReplay,
-    build_collective_kernel,
-    build_kernel,
-    build_kernels,
-    collective_traffic_bytes,
-    node_tables_from_dump,
-    replay_partition,
-    wait_for_cooldown,
-)
+from kareus_fx.runtime.collective_stand_in import build_collective_kernel, collective_traffic_bytes
+from kareus_fx.runtime.device_profiler import DeviceProfiler, DeviceProfilerError, wait_for_cooldown
 from kareus_fx.runtime.fused_replay import FusedReplayError, fused_slot_kernel, slot_graph
+from kareus_fx.runtime.kernel_rebuild import Kernel, build_kernel, build_kernels, node_tables_from_dump
+from kareus_fx.runtime.partition_replay import PartitionReplay, replay_partition
 from kareus_fx.workload import CollectiveSpec, OpCost, PartitionConfig, PartitionType, SlotSpec
 
 MATMULS = ("aten.mm.default", "aten.bmm.default", "aten.addmm.default")

@@ -1,4 +1,4 @@
-"""Nanobatch split of the ``flex_attention`` higher-order op (passes/batch_dims.py, passes/nanobatch.py).
+"""Nanobatch split of the ``flex_attention`` higher-order op (passes/batch_dims/attention.py, passes/nanobatch.py).
 
 Each nanobatch runs flex_attention on its rows of q/k/v and of every batched BlockMask tensor; its
 score and mask functions read captured full-batch buffers at global batch indices. Forward only:

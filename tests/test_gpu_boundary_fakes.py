@@ -37,8 +37,9 @@ from zeus.monitor.energy import ZeusMonitor
 from kareus_fx.runtime.clock_backends import ClockControlError, ClockPermissionError, open_clock_backend
 from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.clock_guardian import _reset_function
-from kareus_fx.runtime.device_profiler import DeviceProfiler, PartitionReplay
+from kareus_fx.runtime.device_profiler import DeviceProfiler
 from kareus_fx.runtime.energy import EnergyMeasurementError, IterationEnergyMonitor
+from kareus_fx.runtime.partition_replay import PartitionReplay
 
 MEMORY_CLOCKS_MHZ = [2619, 1593]
 GRAPHICS_CLOCKS_MHZ = [1980, 1755, 1410, 1005, 210]

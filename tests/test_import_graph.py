@@ -112,9 +112,11 @@ def test_few_loose_modules_at_the_top() -> None:
 
 
 def test_readme_layout_table_has_one_row_per_room() -> None:
-    """README "Layout": one row per package folder, none for a folder that is gone."""
+    """README "Layout": one row per room, none for a folder that is gone. A room is ``kareus_fx`` or
+    one of its direct subpackages; a deeper package (``kareus_fx.passes.batch_dims``) is part of its
+    room's row."""
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("## Layout") :].split("\n\n")[1]
     rows = [line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]]
-    rooms = {str(folder.relative_to(ROOT)) + "/" for folder in _package_folders().values()}
+    rooms = {str(folder.relative_to(ROOT)) + "/" for name, folder in _package_folders().items() if name.count(".") <= 1}
     assert sorted(r for r in rows if r in rooms or r.startswith("kareus_fx/")) == sorted(rooms)

@@ -965,7 +965,7 @@ def test_activation_checkpoint_splits():
     ],
 )
 def test_reshape_rule(in_shape, batch, out_shape, expect):
-    from kareus_fx.passes.batch_dims import _reshape_batch
+    from kareus_fx.passes.batch_dims.views import _reshape_batch
 
     class _An:
         batch = 4
@@ -977,7 +977,8 @@ def test_reshape_rule(in_shape, batch, out_shape, expect):
 
 
 def test_reshape_mixing_batch_is_refused():
-    from kareus_fx.passes.batch_dims import Unsupported, _reshape_batch
+    from kareus_fx.passes.batch_dims import Unsupported
+    from kareus_fx.passes.batch_dims.views import _reshape_batch
 
     class _An:
         batch = 4

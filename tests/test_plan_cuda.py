@@ -17,7 +17,8 @@ from kareus_fx.plan import planner as planner_module
 from kareus_fx.plan.planner import PlanRequest, make_plan, validate_plan_request
 from kareus_fx.runtime.clock_backends import ClockControlError
 from kareus_fx.runtime.clock_controller import ClockController
-from kareus_fx.runtime.device_profiler import DeviceProfiler, build_kernel, node_tables_from_dump
+from kareus_fx.runtime.device_profiler import DeviceProfiler, node_tables_from_dump
+from kareus_fx.runtime.kernel_rebuild import build_kernel
 
 TINY = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 1, "mbs": 2, "seq": 64, "layers": 2}
 TINY_ARGV = ["--model", "tiny-llama", "--tp", "2", "--mbs", "2", "--seq", "64", "--layers", "2"]

@@ -13,7 +13,7 @@
   ``kareus::attention`` op, or SDPA) is checkpointed; projections, norms and collectives are saved.
 
 Under ``torch.compile`` a checkpointed region is one ``tag_activation_checkpoint`` node in
-Dynamo's graph; the nanobatch split copies it per nanobatch (``passes/batch_dims.py``) and
+Dynamo's graph; the nanobatch split copies it per nanobatch (``passes/batch_dims/higher_order.py``) and
 aot_autograd's min-cut partitioner puts the recomputed forward into the backward graph, so
 partitions and their types come out of the traced backward as for any other graph.
 """
