@@ -529,6 +529,8 @@ class _Emitter:
                 else:
                     if info.p != 1:
                         raise Unsupported(f"output {a.name} holds the batch {info.p} times over")
+                    if info.order is not None:
+                        raise Unsupported(f"output {a.name} holds routed rows, not in batch order")
                     out = self._fn(torch.cat, [self.half[0][a], self.half[1][a]], info.dim)
                     self.expected[out] = (self.an.vals.get(a), None, None)
                     cache[a] = out

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from dist_harness import run_distributed
+from eager_parity import assert_matches_eager, eager_reference
 
 
 class ExpertExchange(nn.Module):
@@ -47,17 +48,13 @@ def _run(rank: int, world_size: int) -> list[str]:
     torch.manual_seed(0)
     model = ExpertExchange()
     x = torch.randn(4, 3, 8) + rank
-    ref = model(x)
-    ref.backward()
-    ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    eager_loss, eager_grads = eager_reference(model, {"x": x})
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         loss = torch.compile(model, backend="kareus")(x)
         loss.backward()
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=0)
-    for k, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[k], rtol=1e-4, atol=1e-6, msg=k)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    assert_matches_eager(model, loss, eager_loss, eager_grads, {"rtol": 1e-4, "atol": 1e-6}, f"rank {rank}")
     return [str(w.message) for w in record if issubclass(w.category, NanobatchFallbackWarning)]
 
 

@@ -45,6 +45,8 @@ def _rule_all_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
+    if i.order is not None:
+        raise an._fail(node, "gathers routed rows across ranks")
     return Step(BatchDim(0, i.k, i.p * group_size), True)
 
 
@@ -54,7 +56,7 @@ def _rule_reduce_scatter(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
-    if i.p % group_size == 0:
+    if i.p % group_size == 0 and i.order is None:
         return Step(BatchDim(0, i.k, i.p // group_size), True)
     raise an._fail(node, "scatters the batch dim across ranks")
 
