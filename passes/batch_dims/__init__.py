@@ -54,6 +54,7 @@ from kareus_fx.passes.batch_dims.propagation import (
     BatchRuleRegistry,
     Body,
     register_batch_rule,
+    register_inplace_rule,
     register_partial_rule,
 )
 from kareus_fx.passes.batch_dims.values import (
@@ -94,6 +95,7 @@ __all__ = [
     "is_symbolic",
     "op_name",
     "register_batch_rule",
+    "register_inplace_rule",
     "register_partial_rule",
 ]
 
