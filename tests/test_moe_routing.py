@@ -1,7 +1,8 @@
 """Mixture-of-experts routing under the nanobatch split (passes/batch_dims/routing.py).
 
 Hugging Face Mixtral and Qwen3-MoE from tiny configs (no weights; one decoder layer, 4 experts,
-top-2; Mixtral normalises the top-k weights in place) on one process: each must split into two
+top-2; Mixtral normalises the top-k weights in place) on one process, and (slow) with
+tensor-parallel attention on 2 gloo ranks through ``backend="kareus"``: each must split into two
 nanobatches with no ``NanobatchFallbackWarning``, each nanobatch routing its own tokens, and match
 eager (fp32; loss rtol 1e-5, gradients rtol 1e-4 atol 1e-6). Routings the split cannot make
 exact (an expert capacity, a descending sort, counts that are not one bin per expert) fall back
@@ -154,3 +155,50 @@ def test_routing_the_split_cannot_make_exact_falls_back(variant, reason):
     splits, fallbacks = _compile_and_compare(SortedMoE(variant), {"x": x})
     assert len(fallbacks) == 1 and reason in fallbacks[0], fallbacks
     assert [s.split for s in splits] == [False]
+
+
+def _tp_attention_worker(rank: int, world_size: int, arch: str) -> tuple[list[bool], list[str]]:
+    """Rank ``rank`` of tensor-parallel attention (q/k/v column-parallel, o row-parallel; the
+    experts replicated) compiled with ``backend="kareus"``; eager parity on this rank's shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import AutoModelForCausalLM
+
+    from kareus_fx.capture import compile_step
+
+    splits: list[bool] = []
+
+    def recording_split(gm, example_inputs, **kwargs):
+        result = split_nanobatches(gm, example_inputs, **kwargs)
+        splits.append(result.split)
+        return result
+
+    compile_step.split_nanobatches = recording_split
+    torch.manual_seed(0)
+    model = _LossOf(AutoModelForCausalLM.from_config(_tiny_moe_config(arch)))
+    mesh = init_device_mesh("cpu", (world_size,))
+    plan = {f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"} | {"self_attn.o_proj": RowwiseParallel()}
+    for layer in model.model.model.layers:
+        parallelize_module(layer, mesh, plan)
+    batch = _batch()
+    eager_loss, eager_grads = eager_reference(model, batch)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loss = torch.compile(model, backend="kareus", fullgraph=True, options={"inductor": False})(**batch)
+        loss.backward()
+    torch.testing.assert_close(loss, eager_loss, **LOSS_TOL)
+    for name, p in model.named_parameters():
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        want = eager_grads[name].to_local() if hasattr(eager_grads[name], "to_local") else eager_grads[name]
+        torch.testing.assert_close(grad, want, **GRAD_TOL, msg=lambda m, name=name: f"rank {rank}, {name}: {m}")
+    return splits, [str(w.message) for w in record if issubclass(w.category, NanobatchFallbackWarning)]
+
+
+@pytest.mark.slow  # about 50 s a case on a loaded machine (two ranks import transformers and compile)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_hf_moe_with_tensor_parallel_attention_splits_on_two_ranks(arch):
+    from dist_harness import run_distributed
+
+    for splits, fallbacks in run_distributed(_tp_attention_worker, 2, arch, timeout_s=600):
+        assert not fallbacks, fallbacks
+        assert splits == [True]
