@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 from eager_parity import assert_matches_eager, eager_reference
+from split_recording import record_splits
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
 
@@ -164,16 +165,7 @@ def _tp_attention_worker(rank: int, world_size: int, arch: str) -> tuple[list[bo
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from transformers import AutoModelForCausalLM
 
-    from kareus_fx.capture import compile_step
-
-    splits: list[bool] = []
-
-    def recording_split(gm, example_inputs, **kwargs):
-        result = split_nanobatches(gm, example_inputs, **kwargs)
-        splits.append(result.split)
-        return result
-
-    compile_step.split_nanobatches = recording_split
+    splits = record_splits()
     torch.manual_seed(0)
     model = _LossOf(AutoModelForCausalLM.from_config(_tiny_moe_config(arch)))
     mesh = init_device_mesh("cpu", (world_size,))
