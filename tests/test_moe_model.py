@@ -35,21 +35,26 @@ class _MeanSquare(nn.Module):
         return self.moe(x).square().mean()
 
 
-def _parity(rank: int, world_size: int) -> tuple[list[bool], list[str]]:
+def _compiled_parity(rank: int, model: nn.Module, x: torch.Tensor) -> tuple[list[bool], list[str]]:
+    """Whether each graph split, and the fallback warnings, of ``model`` compiled with
+    ``backend="kareus"``; its loss and gradients checked against eager on this rank."""
     from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
 
     splits = record_splits()
-    torch.manual_seed(0)
-    model = _MeanSquare(ExpertParallelMoE(8, 16, experts=4, top_k=2, group=dist.group.WORLD, std=0.3))
-    batch = {"x": torch.randn(4, 3, 8) + rank}
-    eager_loss, eager_grads = eager_reference(model, batch)
+    eager_loss, eager_grads = eager_reference(model, {"x": x})
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        loss = torch.compile(model, backend="kareus", options={"inductor": False})(**batch)
+        loss = torch.compile(model, backend="kareus", options={"inductor": False})(x)
         loss.backward()
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     assert_matches_eager(model, loss, eager_loss, eager_grads, {"rtol": 1e-4, "atol": 1e-6}, f"rank {rank}")
     return splits, [str(w.message) for w in record if issubclass(w.category, NanobatchFallbackWarning)]
+
+
+def _parity(rank: int, world_size: int) -> tuple[list[bool], list[str]]:
+    torch.manual_seed(0)
+    model = _MeanSquare(ExpertParallelMoE(8, 16, experts=4, top_k=2, group=dist.group.WORLD, std=0.3))
+    return _compiled_parity(rank, model, torch.randn(4, 3, 8) + rank)
 
 
 def test_expert_parallel_moe_splits_without_fallback_and_matches_eager():
@@ -78,20 +83,9 @@ class _AttentionMoEBlock(nn.Module):
 
 
 def _tp_attention_parity(rank: int, world_size: int) -> tuple[list[bool], list[str]]:
-    from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
-
-    splits = record_splits()
     torch.manual_seed(0)
     model = _AttentionMoEBlock(ParallelLayout.from_default_group(tp=world_size))
-    batch = {"x": torch.randn(4, 6, 64)}
-    eager_loss, eager_grads = eager_reference(model, batch)
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        loss = torch.compile(model, backend="kareus", options={"inductor": False})(**batch)
-        loss.backward()
-    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
-    assert_matches_eager(model, loss, eager_loss, eager_grads, {"rtol": 1e-4, "atol": 1e-6}, f"rank {rank}")
-    return splits, [str(w.message) for w in record if issubclass(w.category, NanobatchFallbackWarning)]
+    return _compiled_parity(rank, model, torch.randn(4, 6, 64))
 
 
 @pytest.mark.slow  # about a minute on a loaded machine (two ranks compile attention and the MoE)
