@@ -30,7 +30,8 @@ from pathlib import Path
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.plan.async_dgrad import predict_unsplit
-from kareus_fx.plan.planner import engine_stage_graphs, plan_request_from_preset, trace_plan_stages
+from kareus_fx.plan.request import plan_request_from_preset
+from kareus_fx.plan.stage_tracing import engine_stage_graphs, trace_plan_stages
 from kareus_fx.workload import PartitionConfig
 
 

@@ -263,7 +263,7 @@ def _stage_layers(text: str) -> str | tuple[int, ...]:
 
 def _plan_request(args: argparse.Namespace):
     from kareus_fx.models.configs import HF_CONFIG_PREFIX
-    from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
+    from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
 
     shape = {
         k: getattr(args, k) for k in ("tp", "cp", "pp", "virtual_stages", "dp", "microbatches", "mbs", "seq", "layers")
@@ -320,7 +320,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from kareus_fx.compose.perseus_csv import write_perseus_profile
     from kareus_fx.plan.bucketed_plan import make_bucketed_plan, validate_buckets
     from kareus_fx.plan.plan_format import write_plan
-    from kareus_fx.plan.planner import make_plan, validate_plan_request
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import validate_plan_request
     from kareus_fx.report.plan_report import metrics_table, profiling_text, write_frontier_csv, write_report_html
 
     request = _plan_request(args)
@@ -385,7 +386,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _distributed_mode(args: argparse.Namespace, request) -> str | None:
     """ "launch" (--nproc: start the processes), "run" (one process of a distributed plan) or None."""
     from kareus_fx.plan.distributed_plan import distributed_env
-    from kareus_fx.plan.planner import DISTRIBUTED_PROFILERS
+    from kareus_fx.plan.request import DISTRIBUTED_PROFILERS
 
     env = distributed_env()
     if args.nproc is not None and env is None:

@@ -156,7 +156,8 @@ def test_the_testbed_s_engine_prices_the_dgrad_all_reduces_beside_their_wgrad_ge
     # defaults keep the traced order.
     import dataclasses
 
-    from kareus_fx.plan.planner import _with_async, plan_request_from_preset
+    from kareus_fx.plan.request import plan_request_from_preset
+    from kareus_fx.plan.stage_tracing import with_engine_async_dgrad
     from kareus_fx.plan.testbed_config import HF_DEFAULTS
 
     testbed = plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k")
@@ -172,7 +173,7 @@ def test_the_testbed_s_engine_prices_the_dgrad_all_reduces_beside_their_wgrad_ge
     clock = sim.spec.clock_max_mhz
     measured = {clock: sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=clock).measurement}
     overlapped = sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock)
-    assert _with_async(user, measured, seq, split)[clock].time_s == measured[clock].time_s
-    priced = _with_async(testbed, measured, seq, split)[clock].time_s
+    assert with_engine_async_dgrad(user, measured, seq, split)[clock].time_s == measured[clock].time_s
+    priced = with_engine_async_dgrad(testbed, measured, seq, split)[clock].time_s
     assert priced == pytest.approx(overlapped.measurement.time_s, rel=1e-9)
     assert priced < measured[clock].time_s
