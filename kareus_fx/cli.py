@@ -215,6 +215,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "then holds one block's graphs and prices a stage as its blocks",
     )
     plan.add_argument(
+        "--framework",
+        default=None,
+        metavar="NAME",
+        help="the training framework whose step the plan prices: traced-order (the traced model as it runs), "
+        "megatron-lm (Megatron-LM/TE under the preset's settings) or torchtitan-fsdp (torchtitan's FSDP2 + TP "
+        "step tail); default: megatron-lm for the presets that carry Megatron settings, else traced-order",
+    )
+    plan.add_argument(
         "--full-trace",
         action="store_true",
         help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
@@ -291,6 +299,8 @@ def _plan_request(args: argparse.Namespace):
         common["stage_layers"] = args.stage_layers
     if args.recompute is not None:
         common["recompute"] = args.recompute
+    if args.framework is not None:
+        common["framework"] = args.framework
     given = [
         flag
         for flag, value in (("--preset", args.preset), ("--model", args.model), ("--hf-config", args.hf_config))

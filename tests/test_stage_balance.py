@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 from kareus_fx import cli
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import ParallelConfigError
+from kareus_fx.frameworks.pipeline_sends import stage_transfer_s
 from kareus_fx.models import get_config
 from kareus_fx.plan.layer_slice import SLICE_LAYERS
 from kareus_fx.plan.presets import PRESETS
 from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
 from kareus_fx.plan.stage_tracing import trace_plan_stages, trace_stages
-from kareus_fx.plan.stage_transfer import stage_transfer_s
 
 
 def _compositions(total: int, parts: int):

@@ -1,4 +1,4 @@
-"""The pipeline's send/recv between stages (``kareus_fx/plan/stage_transfer.py``).
+"""The pipeline's send/recv between stages (``kareus_fx/frameworks/pipeline_sends.py``).
 
 The boundary tensor is read from a real traced dump; the link times follow from the hardware facts
 (AWS p4d: 400 Gbps between nodes shared by 8 A100s; NVLink inside a node) computed here by hand;
@@ -14,8 +14,8 @@ from kareus_fx.compose.iteration import InstructionOption
 from kareus_fx.compose.microbatch import MicrobatchPoint
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.errors import OptionsError
+from kareus_fx.frameworks.pipeline_sends import boundary_bytes, link_wait_s, stage_transfer_s
 from kareus_fx.plan.composition import with_link_wait
-from kareus_fx.plan.stage_transfer import boundary_bytes, link_wait_s, stage_transfer_s
 
 A100 = gpu_spec("A100-SXM4-40GB")
 QWEN_TP8_BYTES = 8 * 4096 * 2048 * 2  # mbs x seq x hidden, bf16

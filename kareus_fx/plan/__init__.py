@@ -4,6 +4,7 @@
 - ``request.py``: the request and its validation;
 - ``stage_tracing.py``: tracing the pipeline's distinct stages;
 - ``profilers.py``: the profiler behind the profile database, and the distinct partition types;
+- ``profiler_capabilities.py``: what each profiler can price beyond the traced graphs;
 - ``composition.py`` and ``solver_sizing.py``: the methods' iteration frontiers and the solve's resolution;
 - ``plan_data.py``: the plan file's data;
 - ``presets.py``: the paper's testbed workloads;

@@ -1,5 +1,5 @@
 """Step 3 of ``kareus plan``: measure the baselines' microbatches, lengthen each instruction by the
-pipeline send it ends with (``stage_transfer.py``), compose every method's iteration frontier
+pipeline send it ends with (``pipeline_sends.py``), compose every method's iteration frontier
 over the pipeline (lowtime), add the step tail and price the power-limit curves."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from kareus_fx.cost_models.hardware import GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import OptionsError
-from kareus_fx.plan.async_dgrad import with_async_dgrad
+from kareus_fx.frameworks.base import BackwardReprice
+from kareus_fx.frameworks.registry import framework_for
+from kareus_fx.frameworks.step_tail import StepTail, with_step_tail
 from kareus_fx.plan.graph_workload import PartitionedGraph
 from kareus_fx.plan.kareus_power_limit_curves import NodeWork, kareus_power_limit_curves
 from kareus_fx.plan.methods import (
@@ -41,18 +43,15 @@ from kareus_fx.plan.power_limit_baseline import (
     power_limit_curve,
     zeus_choice,
 )
+from kareus_fx.plan.profiler_capabilities import profiler_capabilities
 from kareus_fx.plan.profilers import LocalKey, simulated_profiler
 from kareus_fx.plan.request import LIVE_GRAPH_MODEL, PlanRequest
 from kareus_fx.plan.solver_sizing import composition_quantum
 from kareus_fx.plan.stage_tracing import (
     StageGraphs,
     parallel_processes,
-    priced_model_config,
-    stage_layer_counts,
-    with_engine_async_dgrad,
+    repriced,
 )
-from kareus_fx.plan.stage_transfer import stage_transfer_s
-from kareus_fx.plan.step_tail import StepTail, step_tail, with_step_tail
 from kareus_fx.tuner.space import clock_grid_mhz
 from kareus_fx.workload import GraphName, Measurement
 
@@ -84,7 +83,9 @@ class Composed:
     where the profiler does not price it."""
 
 
-def compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progress) -> Composed:
+def compose_methods(req, traced, repricing, ptypes, local_to_plan, tuned, profiler, progress) -> Composed:
+    """Every method's iteration frontier over the pipeline (module docstring); ``repricing``: per
+    traced stage group, how the framework runs its backward (``stage_tracing.backward_repricing``)."""
     spec: GPUSpec = gpu_spec(canonical_gpu_name(req.gpu))
     clocks = list(clock_grid_mhz(spec, req.clock_stride_mhz))
     max_clock = [max(clocks)]
@@ -101,9 +102,7 @@ def compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progres
         for name in INSTRUCTIONS:
             sequential = sequential_measurements(profiler, stage.sequential[name], clocks)
             if name == "backward":
-                sequential = with_engine_async_dgrad(
-                    req, sequential, stage.sequential[name], stage.async_dgrad.get("sequential")
-                )
+                sequential = repriced(sequential, stage.sequential[name], repricing[g].get("sequential"), req.gpu)
             options: dict[str, Sequence[Any]] = {
                 "megatron": as_options("megatron", sequential, max_clock),
                 "megatron+perseus": as_options("megatron+perseus", sequential, clocks),
@@ -116,7 +115,7 @@ def compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progres
                 graph = _with_plan_ids(stage.partitioned[name], g, local_to_plan)
                 outside = sequential_measurements(profiler, graph.outside, clocks)
                 if name == "backward":
-                    outside = with_engine_async_dgrad(req, outside, graph.outside, stage.async_dgrad.get("outside"))
+                    outside = repriced(outside, graph.outside, repricing[g].get("outside"), req.gpu)
                 nanobatched, nb_points = nanobatching_measurements(profiler, graph, outside, default_sms)
                 candidates = {
                     t.type_id: [
@@ -171,7 +170,9 @@ def compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progres
     curve: list[PowerLimitPoint] = []
 
     def price_power_limits() -> None:  # while the workers solve (it needs no frontier)
-        curve.extend(_power_limit_curve(req, traced, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale))
+        curve.extend(
+            _power_limit_curve(req, traced, repricing, stage_group, waits_s, spec, spec.tuning_clock_min_mhz, scale)
+        )
 
     iteration = compose_iterations(
         by_method,
@@ -205,6 +206,7 @@ def compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progres
     kareus_curves = _kareus_power_limit_curves(
         req,
         traced,
+        repricing,
         stage_group,
         waits_s,
         spec,
@@ -236,6 +238,7 @@ def compose_methods(req, traced, ptypes, local_to_plan, tuned, profiler, progres
 def _kareus_power_limit_curves(
     req: PlanRequest,
     traced: Sequence[StageGraphs],
+    repricing: Sequence[Mapping[str, BackwardReprice | None]],
     stage_group: Mapping[int, int],
     waits_s: Mapping[tuple[int, GraphName], float],
     spec: GPUSpec,
@@ -248,13 +251,14 @@ def _kareus_power_limit_curves(
     are locked as planned (True) or unlocked (False) (``kareus_power_limit_curves.py``), the two curves
     in up to ``processes`` processes (the same curves: each prices on profilers of its own);
     empty curves for a profiler that cannot price a power limit."""
-    if req.profiler != "simulated":
+    if not profiler_capabilities(req.profiler).prices_power_limits:
         return {False: [], True: []}
     gpu = canonical_gpu_name(req.gpu)
     fastest = min(kareus.points, key=lambda p: (p.time_s, p.energy_j))
 
     def work(node: PipelineNode, option: MicrobatchPoint) -> NodeWork:
         stage = traced[stage_group[node.stage]]
+        reprices = repricing[stage_group[node.stage]]
         partitioned = stage.partitioned and stage.partitioned.get(node.instruction)
         return NodeWork(
             option=option,
@@ -263,8 +267,8 @@ def _kareus_power_limit_curves(
             if not partitioned
             else _with_plan_ids(partitioned, stage_group[node.stage], local_to_plan),
             wait_s=waits_s[(node.stage, node.instruction)],
-            sequential_async=stage.async_dgrad.get("sequential") if node.instruction == "backward" else None,
-            outside_async=stage.async_dgrad.get("outside") if node.instruction == "backward" else None,
+            sequential_reprice=reprices.get("sequential") if node.instruction == "backward" else None,
+            outside_reprice=reprices.get("outside") if node.instruction == "backward" else None,
         )
 
     curves = functools.partial(
@@ -291,6 +295,7 @@ def _kareus_power_limit_curves(
 def _power_limit_curve(
     req: PlanRequest,
     traced: Sequence[StageGraphs],
+    repricing: Sequence[Mapping[str, BackwardReprice | None]],
     stage_group: Mapping[int, int],
     waits_s: Mapping[tuple[int, GraphName], float],
     spec: GPUSpec,
@@ -299,27 +304,22 @@ def _power_limit_curve(
 ) -> list[PowerLimitPoint]:
     """Megatron-LM's iteration under each job-wide power limit (``power_limit_baseline.py``); empty for
     a profiler that cannot price a power limit (the on-device one never sets it)."""
-    if req.profiler != "simulated":
+    if not profiler_capabilities(req.profiler).prices_power_limits:
         return []
     gpu = canonical_gpu_name(req.gpu)
 
     def measure_at(limit_w: int | None, clock_mhz: int = spec.clock_max_mhz) -> dict[tuple[int, str], Measurement]:
         profiler = SimulatedProfiler(gpu, power_limit_w=limit_w)
         # once per distinct stage (its stages run the same graphs), deterministic
-        by_group = {
-            (g, name): with_async_dgrad(
-                {
-                    clock_mhz: profiler.measure_sequence(
-                        graphs.sequential[name].ops, graphs.sequential[name].collectives, clock_mhz
-                    )
-                },
-                graphs.sequential[name],
-                graphs.async_dgrad.get("sequential") if name == "backward" else None,
-                profiler.simulator,
-            )[clock_mhz]
-            for g, graphs in enumerate(traced)
-            for name in ("forward", "backward")
-        }
+        by_group = {}
+        for g, graphs in enumerate(traced):
+            for instruction in INSTRUCTIONS:
+                graph = graphs.sequential[instruction]
+                measured = {clock_mhz: profiler.measure_sequence(graph.ops, graph.collectives, clock_mhz)}
+                reprice = repricing[g].get("sequential") if instruction == "backward" else None
+                if reprice is not None:
+                    measured = reprice.reprice(measured, graph, profiler.simulator)
+                by_group[(g, instruction)] = measured[clock_mhz]
         nodes = {}
         for s in range(req.num_stages):
             for name in ("forward", "backward"):
@@ -348,24 +348,12 @@ def _power_limit_curve(
 
 
 def planned_step_tail(req: PlanRequest, spec: GPUSpec) -> StepTail | None:
-    """The work after the last microbatch (``step_tail.py``) on the simulated GPU; None for a
-    measured profiler (it measures the microbatches' graphs, not the optimizer) or a live graph
-    (no model config to count parameters)."""
-    if req.profiler != "simulated" or req.model == LIVE_GRAPH_MODEL:
+    """The work after the last microbatch (``TrainingFramework.step_tail``) on the simulated GPU;
+    None for a profiler that cannot price work the traced model does not run (it measures the
+    microbatches' graphs, not the optimizer) or a live graph (no model config to count parameters)."""
+    if not profiler_capabilities(req.profiler).prices_untraced_work or req.model == LIVE_GRAPH_MODEL:
         return None
-    cfg = priced_model_config(req)
-    layers = stage_layer_counts(req)
-    simulator = SimulatedProfiler(spec.name).simulator
-    return step_tail(
-        simulator,
-        cfg,
-        layers,
-        tp=req.tp,
-        cp=req.cp,
-        dp=req.dp,
-        pp=req.pp,
-        distributed_optimizer=req.megatron.distributed_optimizer,
-    )
+    return framework_for(req).step_tail(req, SimulatedProfiler(spec.name).simulator)
 
 
 def _with_tail_points(points: Sequence[PowerLimitPoint], tail: StepTail, scale: float) -> list[PowerLimitPoint]:
@@ -379,7 +367,7 @@ def _with_tail_points(points: Sequence[PowerLimitPoint], tail: StepTail, scale: 
 def _send_recv_s(
     req: PlanRequest, traced: Sequence[StageGraphs], stage_group: Mapping[int, int], spec: GPUSpec
 ) -> dict[tuple[int, GraphName], float]:
-    """Per (stage, instruction), the blocking pipeline send it ends with (``stage_transfer.py``)."""
+    """Per (stage, instruction), the blocking pipeline send it ends with (``pipeline_sends.py``)."""
     if req.num_stages == 1:
         return {(0, "forward"): 0.0, (0, "backward"): 0.0}
     sent_bytes = {g: stage.sent_bytes for g, stage in enumerate(traced) if stage.sent_bytes is not None}
@@ -389,9 +377,7 @@ def _send_recv_s(
             f"a {req.num_stages}-stage pipeline needs the activation each stage sends on, but the traced "
             f"stage group(s) {missing} hold none: build them with stage_graphs_from_dumps(boundary=...)"
         )
-    return stage_transfer_s(
-        [sent_bytes[stage_group[s]] for s in range(req.num_stages)], req.tp, req.cp, spec, ranks=req.pp
-    )
+    return framework_for(req).pipeline_sends(req, [sent_bytes[stage_group[s]] for s in range(req.num_stages)], spec)
 
 
 def with_link_wait(options: Sequence[Any], wait_s: float, power_w: float) -> list[Any]:

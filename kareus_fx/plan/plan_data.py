@@ -13,12 +13,13 @@ from kareus_fx.compose.microbatch import MicrobatchPoint
 from kareus_fx.compose.pipeline_schedule import INSTRUCTIONS
 from kareus_fx.cost_models.hardware import canonical_gpu_name
 from kareus_fx.cost_models.profile_db import fingerprint
+from kareus_fx.frameworks.registry import framework_for
+from kareus_fx.frameworks.traced_order import model_layers
 from kareus_fx.plan.composition import Composed
 from kareus_fx.plan.methods import BASELINES, METHODS
 from kareus_fx.plan.plan_format import PLAN_FORMAT, PLAN_SCHEMA_VERSION, instruction_key
 from kareus_fx.plan.power_limit_baseline import POWER_LIMIT_METHOD
 from kareus_fx.plan.request import LIVE_GRAPH_MODEL, PlanRequest
-from kareus_fx.plan.stage_tracing import model_layers, stage_layer_counts
 from kareus_fx.tuner.mbo import TuningResult
 from kareus_fx.workload import GraphName, PartitionType
 
@@ -180,7 +181,7 @@ def plan_data(
     )
     live = req.model == LIVE_GRAPH_MODEL
     layers = req.layers if live else model_layers(req)
-    stage_layers = None if live else stage_layer_counts(req)
+    stage_layers = None if live else framework_for(req).stage_layer_counts(req)
     return {
         "format": PLAN_FORMAT,
         "schema_version": PLAN_SCHEMA_VERSION,

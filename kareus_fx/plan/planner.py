@@ -10,8 +10,9 @@
 2. Tune each distinct partition type once (types of different stages with the same structure
    share one tuning run) with multi-objective Bayesian optimisation; every measurement goes
    through the profile database in the output directory, so a killed run resumes.
-3. Measure the baselines' microbatches on the same profiler (``methods.py``), lengthen every
-   instruction that ends with a pipeline send by that send (``stage_transfer.py``: the stage's
+3. Measure the baselines' microbatches on the same profiler (``methods.py``), as the request's
+   training framework runs them (``kareus_fx.frameworks``: its backward repricing, sends and step
+   tail), lengthen every instruction that ends with a pipeline send by that send (the stage's
    output activation, or its gradient, over NVLink or the node network, at the blocking power;
    every method alike), compose each method's microbatch options into an iteration frontier over
    the 1F1B pipeline (lowtime), and compute the paper's metrics (``metrics.py``).
@@ -42,7 +43,7 @@ from kareus_fx.plan.plan_data import plan_data
 from kareus_fx.plan.profilers import QUEUE_FILE, distinct_types, profiler_factory
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.request import PlanRequest, validate_plan_request, validate_tuning_request
-from kareus_fx.plan.stage_tracing import StageGraphs, engine_stage_graphs, trace_plan_stages
+from kareus_fx.plan.stage_tracing import StageGraphs, backward_repricing, trace_plan_stages
 from kareus_fx.tuner.mbo import MBOSettings
 from kareus_fx.tuner.tune_pool import tune_partition_types
 
@@ -98,7 +99,7 @@ def plan_traced(
     ``tp x cp`` devices (the distributed profilers, ``distributed_plan.py``; ``device`` says what
     measured); None builds the request's profiler."""
     validate_tuning_request(req)
-    traced = engine_stage_graphs(req, traced)
+    repricing = backward_repricing(req, traced)
     started = time.perf_counter()
     wall: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -116,7 +117,7 @@ def plan_traced(
 
         t0 = time.perf_counter()
         composing = ledger.wrap(factory())
-        composed = compose_methods(req, traced, ptypes, local_to_plan, tuned, composing, progress)
+        composed = compose_methods(req, traced, repricing, ptypes, local_to_plan, tuned, composing, progress)
         wall["compose_s"] = time.perf_counter() - t0
     wall["total_s"] = time.perf_counter() - started
     data = plan_data(req, traced, ptypes, local_to_plan, tuned, composed, composing.kind, wall, device)

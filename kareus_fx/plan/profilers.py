@@ -9,19 +9,22 @@ import functools
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.cost_models.hardware import canonical_gpu_name
 from kareus_fx.cost_models.profile_db import fingerprint
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
-from kareus_fx.plan.request import PlanRequest
-from kareus_fx.plan.stage_tracing import StageGraphs
 from kareus_fx.runtime.clock_backends import parse_clock_mode
 from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.device_profiler import DeviceProfiler, node_tables_from_dump, replay_key
 from kareus_fx.runtime.recorded_ops import NodeTable
 from kareus_fx.tuner.tune_pool import CachedProfilerFactory
 from kareus_fx.workload import GraphName, PartitionType
+
+if TYPE_CHECKING:
+    from kareus_fx.plan.request import PlanRequest
+    from kareus_fx.plan.stage_tracing import StageGraphs
 
 QUEUE_FILE = "profile-queue.sqlite"
 """The work queue and measurement log beside ``profile.sqlite`` (``cost_models.profile_queue``)."""

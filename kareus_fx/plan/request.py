@@ -12,8 +12,10 @@ from kareus_fx.capture.tracing import TraceSpec, validate_trace_spec
 from kareus_fx.compose.pipeline_schedule import CompositionError, check_interleaving
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, ParallelConfigError
+from kareus_fx.frameworks.megatron_settings import HF_DEFAULTS, MegatronSettings
+from kareus_fx.frameworks.registry import get_framework
 from kareus_fx.plan.presets import Preset, get_preset
-from kareus_fx.plan.testbed_config import HF_DEFAULTS, MegatronSettings
+from kareus_fx.plan.profiler_capabilities import profiler_capabilities
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ
 
 PROFILERS = ("simulated", "cuda", "cpu-replay")
@@ -29,7 +31,7 @@ CLOCK_MODES = ("real", "dry-run")
 leave the card's clock alone and only record the requests (``dry-run``)."""
 DEFAULT_DEVICE_WINDOW_S = 5.0
 MIN_DEVICE_WINDOW_S = 1.0
-"""Energy windows of ``--profiler cuda`` (``--device-window``): the issue's 5 s by default; below
+"""Energy windows of ``--profiler cuda`` (``--device-window``): 5 s by default (NVML's energy counter error near 2 %); below
 1 s NVML's ~100 ms counter update is more than a tenth of the window."""
 STAGE_SPLITS = ("even", "balanced")
 """The named ``--stage-layers`` rules (see :attr:`PlanRequest.stage_layers`)."""
@@ -80,7 +82,7 @@ class PlanRequest:
     """How the pipeline's stages split the decoder layers (``--stage-layers``): ``"even"`` (Megatron-LM's
     default), ``"balanced"`` (the split that evens out the stages' step times on the simulated GPU;
     ``stage_balance.py``; the emulation presets' default; the testbed presets give the artifact's
-    15 + 13, ``testbed_config.py``) or one count per stage. :func:`trace_plan_stages`
+    15 + 13, ``megatron_settings.py``) or one count per stage. :func:`trace_plan_stages`
     resolves ``"balanced"`` to counts."""
     recompute: str = "none"
     """Activation checkpointing of the traced model (``--recompute``): ``"none"``, ``"full"`` (every
@@ -97,10 +99,16 @@ class PlanRequest:
     r + pp, ...``; every stage-indexed field (``stage_layers``, the plan's ``stages``) counts global stages."""
 
     megatron: MegatronSettings = HF_DEFAULTS
-    """Training settings outside the traced model that the plan prices (``testbed_config.py``):
-    tied embeddings, distributed optimizer (``step_tail.py``), dropout (``dropout_traffic.py``).
+    """The Megatron-LM framework's training settings outside the traced model (``megatron_settings.py``):
+    tied embeddings, distributed optimizer (``step_tail.py``), dropout (``megatron_dropout.py``).
     The testbed presets carry the paper's artifact's; otherwise the traced model's tying, no
     distributed optimizer, no dropout."""
+
+    framework: str | None = None
+    """The training framework whose step the plan prices (``--framework``, a name of
+    ``frameworks.registry.FRAMEWORKS``): what it adds to the traced model's step. None takes what the
+    request implies: ``megatron-lm`` where ``megatron`` holds settings other than the defaults (the
+    testbed presets), else ``traced-order`` (the traced model as it runs)."""
 
     compile_unit: str = "stage"
     """What the job compiles as one graph (``--compile-unit``): the whole stage (``"stage"``:
@@ -179,7 +187,10 @@ def validate_plan_request(req: PlanRequest) -> None:
 def _validate_block_request(req: PlanRequest) -> None:
     """``--compile-unit block``: what a plan of one compiled block can price (``block_dump``)."""
     refused = [
-        (req.profiler != "simulated", f"--profiler {req.profiler} (it replays a whole stage's recorded ops)"),
+        (
+            not profiler_capabilities(req.profiler).prices_untraced_work,
+            f"--profiler {req.profiler} (it replays a whole stage's recorded ops)",
+        ),
         (req.recompute != "none", f"--recompute {req.recompute} (the checkpoint wraps the block from outside)"),
         (req.stage_layers == "balanced", "--stage-layers balanced (it prices the stages' slices)"),
     ]
@@ -226,6 +237,8 @@ def validate_tuning_request(req: PlanRequest) -> None:
     except CompositionError as err:
         raise ParallelConfigError(f"--virtual-stages {req.virtual_stages}: {err}") from None
     torch_dtype(req.dtype)
+    if req.framework is not None:
+        get_framework(req.framework)  # unknown name -> error listing the frameworks
     if req.workers < 1 or req.clock_stride_mhz < 1:
         raise OptionsError("--workers and --clock-stride must be positive integers")
     if req.max_clock_only and req.clock_stride_mhz != DEFAULT_CLOCK_STRIDE_MHZ:

@@ -23,10 +23,12 @@ from kareus_fx.cost_models.hardware import canonical_gpu_name
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import UnsupportedGraphError
-from kareus_fx.models.configs import ModelConfig, get_config
+from kareus_fx.frameworks.base import BackwardReprice
+from kareus_fx.frameworks.pipeline_sends import boundary_bytes
+from kareus_fx.frameworks.registry import framework_for
+from kareus_fx.frameworks.traced_order import model_layers
+from kareus_fx.models.configs import get_config
 from kareus_fx.models.stage_layers import StageRole, even_layer_counts, stage_role
-from kareus_fx.plan.async_dgrad import AsyncDgrad, async_dgrad_split, with_async_dgrad
-from kareus_fx.plan.dropout_traffic import dropout_ops
 from kareus_fx.plan.graph_workload import (
     PartitionedGraph,
     SequentialGraph,
@@ -36,12 +38,10 @@ from kareus_fx.plan.graph_workload import (
     with_extra_ops,
 )
 from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, block_dump, extend_dump, slice_pays
-from kareus_fx.plan.main_grad_traffic import main_grad_ops
+from kareus_fx.plan.profiler_capabilities import profiler_capabilities
 from kareus_fx.plan.request import LIVE_GRAPH_MODEL, PlanRequest
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
-from kareus_fx.plan.stage_transfer import boundary_bytes, stage_transfer_s
-from kareus_fx.plan.step_tail import stage_parameters
-from kareus_fx.workload import GraphName, Measurement, OpCost
+from kareus_fx.workload import GraphName, Measurement
 
 
 @dataclass(frozen=True)
@@ -55,24 +55,21 @@ class StageGraphs:
     """The dumps the graphs come from, by "nanobatched" / "sequential" (the on-device profiler
     replays their recorded ops)."""
     sent_bytes: float | None = None
-    """Bytes of the activation the stage sends on to the next (``stage_transfer.boundary_bytes``)."""
-    async_dgrad: Mapping[str, AsyncDgrad | None] = field(default_factory=dict)
-    """The backward's asynchronous input-gradient all-reduces (``async_dgrad.py``), by
-    "sequential" (the un-split microbatch) and "outside" (the work outside partitions)."""
+    """Bytes of the activation the stage sends on to the next (``pipeline_sends.boundary_bytes``)."""
 
 
 def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, list[StageGraphs]]:
     """``req`` with its stage split resolved, and every distinct stage's graphs (:func:`trace_stages`).
 
     ``"balanced"`` traces each stage role's slices first (``layer_slice.SLICE_LAYERS``), prices
-    them as Megatron-LM runs them on the simulated GPU at its maximum clock and takes the split
-    that evens out the stages (``stage_balance.py``); the stages' graphs then extend the same
+    them as the request's training framework runs them on the simulated GPU at its maximum clock
+    and takes the split that evens out the stages (``stage_balance.py``); the stages' graphs then extend the same
     slices (or trace the stages in full, where slicing does not apply)."""
     if req.stage_layers != "balanced":
-        return req, with_megatron_traffic(req, trace_stages(req, dump_root))
+        return req, with_framework_work(req, trace_stages(req, dump_root))
     if req.num_stages == 1:
         req = dataclasses.replace(req, stage_layers="even")
-        return req, with_megatron_traffic(req, trace_stages(req, dump_root))
+        return req, with_framework_work(req, trace_stages(req, dump_root))
     first_stage_of_role = {stage_role(i, req.num_stages): i for i in reversed(range(req.num_stages))}
     load = LoadedDumps()
     dumps = _run_traces(
@@ -83,48 +80,72 @@ def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, l
     )
     role_slices = {role: dumps[stage] for role, stage in first_stage_of_role.items()}
     req = dataclasses.replace(req, stage_layers=_balanced_stage_layers(req, role_slices, load))
-    return req, with_megatron_traffic(req, trace_stages(req, dump_root, role_slices, load))
+    return req, with_framework_work(req, trace_stages(req, dump_root, role_slices, load))
 
 
-def with_megatron_traffic(req: PlanRequest, traced: list[StageGraphs]) -> list[StageGraphs]:
-    """``traced`` with the work of ``req.megatron`` that the traced model does not run, on the
-    simulated GPU: hidden dropout's memory traffic (``dropout_traffic.py``) and the unfused
-    gradient accumulation (``main_grad_traffic.py``). Unchanged without either, for a measured
-    profiler (it replays the traced ops), a live graph or a block plan (no model config or stage
-    layer count)."""
-    settings = req.megatron
-    if (
-        (settings.hidden_dropout <= 0.0 and settings.gradient_accumulation_fusion is not False)
-        or req.profiler != "simulated"
-        or req.model == LIVE_GRAPH_MODEL
-        or req.compile_unit == "block"
-    ):
+def prices_framework_work(req: PlanRequest) -> bool:
+    """Whether the plan adds the framework's work the traced model does not run
+    (``TrainingFramework.extra_work``): where the profiler can price it and the stages are a
+    reference model's (not a live graph, whose config is unknown, nor a block plan, priced as its
+    blocks alone)."""
+    return (
+        profiler_capabilities(req.profiler).prices_untraced_work
+        and req.model != LIVE_GRAPH_MODEL
+        and req.compile_unit != "block"
+    )
+
+
+def with_framework_work(req: PlanRequest, traced: list[StageGraphs]) -> list[StageGraphs]:
+    """``traced`` with the work the request's training framework runs that the traced model does
+    not (``TrainingFramework.extra_work``), where :func:`prices_framework_work`."""
+    if not prices_framework_work(req):
         return traced
-    cfg = priced_model_config(req)
-    counts = stage_layer_counts(req)
-    params = stage_parameters(cfg, counts, req.tp)
-    elements = req.mbs * req.seq / req.cp * cfg.hidden_size
+    framework = framework_for(req)
+    extras = [framework.extra_work(req, graphs.stages[0]) for graphs in traced]
+    if not any(extras):
+        return traced
     priced = []
-    for graphs in traced:
-        stage = graphs.stages[0]
-        extra: dict[GraphName, tuple[OpCost, ...]] = {"forward": (), "backward": ()}
-        if settings.hidden_dropout > 0.0:
-            for g in extra:
-                extra[g] += dropout_ops(g, counts[stage], elements, req.recompute)
-        if settings.gradient_accumulation_fusion is False:
-            extra["backward"] += main_grad_ops(params[stage])
+    for graphs, extra in zip(traced, extras, strict=True):
         sequential, partitioned = with_extra_ops(graphs.sequential, graphs.partitioned, extra)
-        # the asynchronous-dgrad reprice swaps the backward's sequence for its split: the split runs them too
-        async_dgrad = {
-            k: None
-            if split is None
-            else dataclasses.replace(split, rest=with_extra_ops({"backward": split.rest}, None, extra)[0]["backward"])
-            for k, split in graphs.async_dgrad.items()
-        }
-        priced.append(
-            dataclasses.replace(graphs, sequential=sequential, partitioned=partitioned, async_dgrad=async_dgrad)
-        )
+        priced.append(dataclasses.replace(graphs, sequential=sequential, partitioned=partitioned))
     return priced
+
+
+def backward_repricing(
+    req: PlanRequest, traced: Sequence[StageGraphs], load: Callable[[Path], Mapping[str, Any]] = load_dump
+) -> list[dict[str, BackwardReprice | None]]:
+    """Per traced stage group, how the request's framework runs its backward
+    (``TrainingFramework.backward_repricing``: by "sequential" and "outside"), from the group's
+    dumps, with the framework's extra backward work; empty where the profiler cannot price work
+    the traced model does not run (it measures the traced order)."""
+    if not profiler_capabilities(req.profiler).prices_untraced_work:
+        return [{} for _ in traced]
+    framework = framework_for(req)
+    repricing = []
+    for graphs in traced:
+        kinds = ("sequential",) if graphs.partitioned is None else ("sequential", "nanobatched")
+        extra = framework.extra_work(req, graphs.stages[0]) if prices_framework_work(req) else {}
+        repricing.append(
+            framework.backward_repricing(
+                req, {kind: graphs.dump_paths[kind] for kind in kinds}, load, extra.get("backward", ())
+            )
+        )
+    return repricing
+
+
+def repriced(
+    measured: Mapping[int, Measurement], graph: SequentialGraph, reprice: BackwardReprice | None, gpu: str
+) -> dict[int, Measurement]:
+    """``measured`` as ``reprice`` prices ``graph`` on the simulated ``gpu`` (None: unchanged)."""
+    if reprice is None:
+        return dict(measured)
+    return reprice.reprice(measured, graph, _reprice_simulator(canonical_gpu_name(gpu)))
+
+
+@functools.cache
+def _reprice_simulator(gpu: str) -> Simulator:
+    """One simulator per GPU for the backward repricing (its caches serve every stage and clock)."""
+    return SimulatedProfiler(gpu).simulator
 
 
 def _balanced_stage_layers(
@@ -133,25 +154,28 @@ def _balanced_stage_layers(
     load: LoadedDumps,
 ) -> tuple[int, ...]:
     """The balanced split (``stage_balance.py``): each role's cost priced from its un-split slice
-    dumps, each stage's plus the pipeline sends it ends with (``stage_transfer.py``)."""
+    dumps, each stage's plus the pipeline sends it ends with (``pipeline_sends.py``)."""
     profiler = SimulatedProfiler(canonical_gpu_name(req.gpu))
     spec = profiler.simulator.spec
-    dumps = {role: [load(kinds["sequential"]) for kinds in slices] for role, slices in role_slices.items()}
+    framework = framework_for(req)
+    reprices = profiler_capabilities(req.profiler).prices_untraced_work
+    paths = {role: [kinds["sequential"] for kinds in slices] for role, slices in role_slices.items()}
 
-    def step_s(dump: Mapping[str, Any]) -> float:
+    def step_s(path: Path) -> float:
         total_s = 0.0
-        for name, g in sequential_graphs(dump).items():
+        for name, g in sequential_graphs(load(path)).items():
             m = {spec.clock_max_mhz: profiler.measure_sequence(g.ops, g.collectives, spec.clock_max_mhz)}
-            if name == "backward":
-                m = with_engine_async_dgrad(req, m, g, async_dgrad_split(_backward_graph(dump)))
+            if name == "backward" and reprices:
+                reprice = framework.backward_repricing(req, {"sequential": path}, load).get("sequential")
+                m = repriced(m, g, reprice, req.gpu)
             total_s += m[spec.clock_max_mhz].time_s
         return total_s
 
     role_costs = {
-        role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0]) for role, (short, long) in dumps.items()
+        role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0]) for role, (short, long) in paths.items()
     }
     roles = [stage_role(s, req.num_stages) for s in range(req.num_stages)]
-    sends = stage_transfer_s([boundary_bytes(dumps[role][0]) for role in roles], req.tp, req.cp, spec, ranks=req.pp)
+    sends = framework.pipeline_sends(req, [boundary_bytes(load(paths[role][0])) for role in roles], spec)
     return balanced_layer_counts(
         model_layers(req),
         [
@@ -161,28 +185,6 @@ def _balanced_stage_layers(
             for s, role in enumerate(roles)
         ],
     )
-
-
-def stage_layer_counts(req: PlanRequest) -> list[int]:
-    """Decoder layers per pipeline stage: the request's own list (a named split is resolved to
-    one before the stages are traced), else the even split of the model's layers."""
-    if isinstance(req.stage_layers, tuple):
-        return list(req.stage_layers)
-    return even_layer_counts(model_layers(req), req.num_stages)
-
-
-def priced_model_config(req: PlanRequest) -> ModelConfig:
-    """The reference model's config with the embedding tying ``req.megatron`` trains
-    (``testbed_config.py``; None keeps the config's own)."""
-    cfg = get_config(req.model)
-    if req.megatron.tie_embeddings is not None:
-        cfg = dataclasses.replace(cfg, tie_embeddings=req.megatron.tie_embeddings)
-    return cfg
-
-
-def model_layers(req: PlanRequest) -> int:
-    """The reference model's decoder layer count (``--layers`` or its config's)."""
-    return req.layers or get_config(req.model).num_layers
 
 
 def trace_stages(
@@ -206,7 +208,9 @@ def trace_stages(
     sliced = {
         group.stages[0]
         for group in groups
-        if not req.full_trace and req.profiler == "simulated" and slice_pays(group.num_layers)
+        if not req.full_trace
+        and profiler_capabilities(req.profiler).prices_untraced_work
+        and slice_pays(group.num_layers)
     }
     slice_at: dict[StageRole, int] = {}
     for group in groups:
@@ -421,11 +425,6 @@ def stage_graphs_from_dumps(
         partitioned = None
     sequential_dump = load(sequential)
     sequential_by_name = sequential_graphs(sequential_dump)  # refuses a dump without forward and backward
-    async_dgrad = {"sequential": async_dgrad_split(_backward_graph(sequential_dump))}
-    if partitioned is not None:
-        nanobatched_backward = _backward_graph(load(nanobatched))
-        leftover = nanobatched_backward["leftover"]
-        async_dgrad["outside"] = async_dgrad_split(nanobatched_backward, [*leftover["nodes"], *leftover["collectives"]])
     sent_bytes = (
         None if boundary is None else boundary_bytes(sequential_dump if boundary == sequential else load(boundary))
     )
@@ -435,37 +434,4 @@ def stage_graphs_from_dumps(
         partitioned=partitioned,
         dump_paths={"nanobatched": nanobatched, "sequential": sequential},
         sent_bytes=sent_bytes,
-        async_dgrad=async_dgrad,
     )
-
-
-def engine_stage_graphs(req: PlanRequest, traced: Sequence[StageGraphs]) -> list[StageGraphs]:
-    """``traced`` as the request's engine runs them: without their asynchronous dgrad all-reduces
-    (``async_dgrad.py``) unless it overlaps them (``MegatronSettings.te_async_dgrad``), so the
-    un-split microbatch keeps the traced order, as kareus deploys it."""
-    if req.megatron.te_async_dgrad:
-        return list(traced)
-    return [dataclasses.replace(graphs, async_dgrad={}) for graphs in traced]
-
-
-def _backward_graph(dump: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The dump's backward graph record."""
-    (graph,) = [g for g in dump["graphs"] if g["name"] == "backward"]
-    return graph
-
-
-def with_engine_async_dgrad(
-    req: PlanRequest, measured: Mapping[int, Measurement], graph: SequentialGraph, split: AsyncDgrad | None
-) -> dict[int, Measurement]:
-    """``measured`` with the asynchronous dgrad all-reduces of ``split`` priced (``async_dgrad.py``)
-    on the simulated GPU where the request's engine overlaps them (``MegatronSettings.te_async_dgrad``);
-    a measured profiler's sequences are its own (unchanged)."""
-    if req.profiler != "simulated" or split is None or not req.megatron.te_async_dgrad:
-        return dict(measured)
-    return with_async_dgrad(measured, graph, split, _async_simulator(canonical_gpu_name(req.gpu)))
-
-
-@functools.cache
-def _async_simulator(gpu: str) -> Simulator:
-    """One simulator per GPU for the asynchronous-dgrad prices (its caches serve every stage and clock)."""
-    return SimulatedProfiler(gpu).simulator
