@@ -31,8 +31,8 @@ CLOCK_MODES = ("real", "dry-run")
 leave the card's clock alone and only record the requests (``dry-run``)."""
 DEFAULT_DEVICE_WINDOW_S = 5.0
 MIN_DEVICE_WINDOW_S = 1.0
-"""Energy windows of ``--profiler cuda`` (``--device-window``): 5 s by default (NVML's energy counter error near 2 %); below
-1 s NVML's ~100 ms counter update is more than a tenth of the window."""
+"""Energy windows of ``--profiler cuda`` (``--device-window``): 5 s by default (NVML's energy
+counter error near 2 %); below 1 s NVML's ~100 ms counter update is more than a tenth of the window."""
 STAGE_SPLITS = ("even", "balanced")
 """The named ``--stage-layers`` rules (see :attr:`PlanRequest.stage_layers`)."""
 
