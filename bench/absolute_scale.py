@@ -39,7 +39,8 @@ from validate_end_to_end import csv_number, labelled_testbed_rows
 
 from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.models.configs import ModelConfig, get_config
-from kareus_fx.plan.planner import make_plan, plan_request_from_preset
+from kareus_fx.plan.planner import make_plan
+from kareus_fx.plan.request import plan_request_from_preset
 
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "absolute_scale.json"
 

@@ -4,7 +4,7 @@ Usage:
     python bench/compose_resolution.py [--presets P,...] [--steps 500,1000,2000] [--json] [--results FILE]
 
 Each preset is traced once; its plan is then composed with the planner's own step cap
-(``planner.solver_step_cap``), at each cap in ``--steps`` (the lowtime solver's steps per method,
+(``solver_sizing.solver_step_cap``), at each cap in ``--steps`` (the lowtime solver's steps per method,
 which set the time quantum: the span of the slowest and fastest plans over the steps, down to a
 1 ms floor) and at each quantum floor in ``--floors-ms`` (steps uncapped). Per resolution it reports the quantum, the compose
 and tune wall times, every method's four metrics (``plan/metrics.py``) and each method's frontier
@@ -22,9 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from kareus_fx.plan import planner
+from kareus_fx.plan import solver_sizing
 from kareus_fx.plan.metrics import least_energy_within
-from kareus_fx.plan.planner import plan_request_from_preset, plan_traced, trace_plan_stages
+from kareus_fx.plan.planner import plan_traced
+from kareus_fx.plan.request import plan_request_from_preset
+from kareus_fx.plan.stage_tracing import trace_plan_stages
 
 DEFAULT_PRESETS = (
     "qwen3-1.7b-tp8-mbs16-seq4k",
@@ -89,10 +91,10 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
     ``floors_ms`` (steps uncapped); the last run is the reference."""
     out: dict = {}
     original = (
-        planner.MAX_SOLVER_STEPS,
-        planner.FINE_SOLVER_STEPS,
-        planner.DEFAULT_UNIT_TIME_S,
-        planner.FINE_UNIT_TIME_S,
+        solver_sizing.MAX_SOLVER_STEPS,
+        solver_sizing.FINE_SOLVER_STEPS,
+        solver_sizing.DEFAULT_UNIT_TIME_S,
+        solver_sizing.FINE_UNIT_TIME_S,
     )
     configs: list[tuple[str, int | None, float | None]] = [("planner", None, None)]
     configs += [(str(n), n, original[2]) for n in steps]
@@ -105,12 +107,12 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
                 trace_s = time.perf_counter() - t0
                 runs: dict = {}
                 for n, cap, floor_s in configs:
-                    # None: the planner's own cap (planner.solver_step_cap); else exactly ``cap``.
+                    # None: the planner's own cap (solver_sizing.solver_step_cap); else exactly ``cap``.
                     caps = original[:2] if cap is None else (cap, cap)
-                    planner.MAX_SOLVER_STEPS, planner.FINE_SOLVER_STEPS = caps
+                    solver_sizing.MAX_SOLVER_STEPS, solver_sizing.FINE_SOLVER_STEPS = caps
                     # None: the planner's own floors; else ``floor_s`` for every pipeline.
                     floors = original[2:] if floor_s is None else (floor_s, floor_s)
-                    planner.DEFAULT_UNIT_TIME_S, planner.FINE_UNIT_TIME_S = floors
+                    solver_sizing.DEFAULT_UNIT_TIME_S, solver_sizing.FINE_UNIT_TIME_S = floors
                     t0 = time.perf_counter()
                     outcome = plan_traced(req, traced, Path(tmp) / "work", progress=False)
                     wall_s = time.perf_counter() - t0
@@ -142,10 +144,10 @@ def run(presets: list[str], steps: list[int], floors_ms: list[float]) -> dict:
                 out[preset] = {"trace_s": trace_s, "runs": runs}
     finally:
         (
-            planner.MAX_SOLVER_STEPS,
-            planner.FINE_SOLVER_STEPS,
-            planner.DEFAULT_UNIT_TIME_S,
-            planner.FINE_UNIT_TIME_S,
+            solver_sizing.MAX_SOLVER_STEPS,
+            solver_sizing.FINE_SOLVER_STEPS,
+            solver_sizing.DEFAULT_UNIT_TIME_S,
+            solver_sizing.FINE_UNIT_TIME_S,
         ) = original
     return out
 

@@ -37,7 +37,7 @@ from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.cost_models.kernel_model import KernelModel
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.plan.graph_workload import sequential_graphs
-from kareus_fx.plan.planner import plan_request_from_preset
+from kareus_fx.plan.request import plan_request_from_preset
 from kareus_fx.workload import OpCost, fused_kernels
 
 DEFAULT_PRESETS = ("qwen3-1.7b-cp2tp4-mbs16-seq4k", "qwen3-1.7b-tp8-mbs8-seq4k", "qwen3-1.7b-tp8-mbs20-seq4k")

@@ -27,15 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.plan.async_dgrad import predict_unsplit
+from kareus_fx.frameworks.megatron_async_dgrad import predict_unsplit
 from kareus_fx.plan.graph_workload import PartitionedGraph
-from kareus_fx.plan.planner import StageGraphs, engine_stage_graphs, plan_request_from_preset, trace_plan_stages
+from kareus_fx.plan.request import plan_request_from_preset
+from kareus_fx.plan.stage_tracing import StageGraphs, backward_repricing, trace_plan_stages
 from kareus_fx.workload import PartitionConfig, fused_kernels
 
 VARIANTS: dict[str, dict[str, float]] = {
@@ -102,15 +104,15 @@ def holdback(graphs: list[PartitionedGraph], sim: Simulator, clock_mhz: int) -> 
     }
 
 
-def microbatch(stage: StageGraphs, sim: Simulator, clock_mhz: int) -> dict[str, float]:
+def microbatch(stage: StageGraphs, reprices: Mapping[str, Any], sim: Simulator, clock_mhz: int) -> dict[str, float]:
     """The stage's forward + backward microbatch un-split (Megatron-LM, with Transformer Engine's
-    asynchronous dgrad all-reduces where the stage's graphs keep them: ``engine_stage_graphs``) and nanobatched (partitions on nanobatching's schedule plus the
+    asynchronous dgrad all-reduces where the framework runs them: ``reprices``, ``backward_repricing``) and nanobatched (partitions on nanobatching's schedule plus the
     work outside them), as ``bench/partition_breakdown.py`` prices them."""
     sms = sim.params.default_comm_sms
     unsplit_s = nanobatched_s = 0.0
     assert stage.partitioned is not None
     for name in ("forward", "backward"):
-        split = stage.async_dgrad if name == "backward" else {}
+        split = reprices if name == "backward" else {}
         unsplit_s += predict_unsplit(sim, stage.sequential[name], split.get("sequential"), clock_mhz).terms.time_s
         graph = stage.partitioned[name]
         nanobatched_s += predict_unsplit(sim, graph.outside, split.get("outside"), clock_mhz).terms.time_s
@@ -133,15 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     base = gpu_params(req.gpu).params
     with tempfile.TemporaryDirectory(prefix="holdback-") as tmp:
         _, traced = trace_plan_stages(req, Path(tmp))
-    traced = engine_stage_graphs(req, traced)
-    stage = next(s for s in traced if s.partitioned is not None)
+        repricing = backward_repricing(req, traced)
+    g, stage = next((g, s) for g, s in enumerate(traced) if s.partitioned is not None)
     graphs = [stage.partitioned[name] for name in ("forward", "backward")]
     rows = {}
     for name, overrides in VARIANTS.items():
         values = {"comm_contention": base.comm_contention_compute} if name.startswith("memory-bound") else overrides
         sim = Simulator(req.gpu, replace(base, **values))
         rows[name] = holdback(graphs, sim, args.clock) | {
-            f"microbatch_{c}_mhz": microbatch(stage, sim, c) for c in (args.clock, 1410)
+            f"microbatch_{c}_mhz": microbatch(stage, repricing[g], sim, c) for c in (args.clock, 1410)
         }
     if args.json:
         print(json.dumps({"preset": args.preset, "stage": stage.stages[0], "clock_mhz": args.clock, "variants": rows}))

@@ -27,8 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from kareus_fx.plan.planner import make_plan, plan_request_from_preset
+from kareus_fx.plan.planner import make_plan
 from kareus_fx.plan.presets import PRESETS
+from kareus_fx.plan.request import plan_request_from_preset
 
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "paper_tables.json"
 

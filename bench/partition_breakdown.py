@@ -8,7 +8,7 @@ configuration per partition type) and prints, on the simulated GPU the plan was 
 
 - the un-split microbatch (Megatron-LM: every op, then every collective alone on NCCL's default SMs,
   but, where the preset's engine is Transformer Engine (the testbed presets), the backward's
-  column-parallel input-gradient all-reduces beside their wgrad GEMMs: ``kareus_fx/plan/async_dgrad.py``;
+  column-parallel input-gradient all-reduces beside their wgrad GEMMs: ``kareus_fx/frameworks/megatron_async_dgrad.py``;
   the same for the work outside partitions);
 - the nanobatched microbatch run sequentially (each partition's collective alone after its compute,
   NCCL's default SMs) and on the plan's configurations, with the work outside partitions;
@@ -29,8 +29,9 @@ from pathlib import Path
 
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.plan.async_dgrad import predict_unsplit
-from kareus_fx.plan.planner import engine_stage_graphs, plan_request_from_preset, trace_plan_stages
+from kareus_fx.frameworks.megatron_async_dgrad import predict_unsplit
+from kareus_fx.plan.request import plan_request_from_preset
+from kareus_fx.plan.stage_tracing import backward_repricing, trace_plan_stages
 from kareus_fx.workload import PartitionConfig
 
 
@@ -44,9 +45,9 @@ def breakdown(plan: dict, clocks_mhz: list[int]) -> list[dict]:
     sms = gpu_params(plan["gpu"]).params.default_comm_sms
     with tempfile.TemporaryDirectory(prefix="breakdown-") as tmp:
         _, traced = trace_plan_stages(req, Path(tmp))
-    traced = engine_stage_graphs(req, traced)
+        repricing = backward_repricing(req, traced)
     out = []
-    for stage in traced:
+    for stage, reprices in zip(traced, repricing, strict=True):
         if stage.partitioned is None:
             continue
         for name in ("forward", "backward"):
@@ -60,7 +61,7 @@ def breakdown(plan: dict, clocks_mhz: list[int]) -> list[dict]:
                 if not options:
                     continue
                 configs = min(options, key=lambda o: o["time_s"])["configs"]
-                asynchronous = stage.async_dgrad if name == "backward" else {}
+                asynchronous = reprices if name == "backward" else {}
                 unsplit = predict_unsplit(sim, seq, asynchronous.get("sequential"), clock)
                 outside = predict_unsplit(sim, graph.outside, asynchronous.get("outside"), clock)
                 planned_s = sequential_s = outside.terms.time_s

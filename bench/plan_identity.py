@@ -45,7 +45,7 @@ PACKAGE_FOLDERS = {"kareus_fx": "kareus_fx", "passes": "passes", "runtime": "run
 
 def request_for(name: str) -> Any:
     """The plan request a ``DEFAULT_PRESETS`` entry names."""
-    from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
+    from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
 
     if not name.startswith("custom:"):
         return plan_request_from_preset(name)
@@ -124,13 +124,14 @@ def package_view(checkout: Path, into: Path) -> Path:
 
 
 def record_revision(rev: str, out: Path, names: Sequence[str], scratch: Path) -> None:
-    """Record ``names`` with the code of git revision ``rev`` (a detached worktree under ``scratch``)."""
+    """Record ``names`` with the code of git revision ``rev`` (a detached worktree under ``scratch``),
+    by that revision's own copy of this script, so that the planner names it imports are that revision's."""
     tree = scratch / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev], check=True)
     try:
         view = package_view(tree, scratch / "view")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(view), os.environ.get("PYTHONPATH", "")])}
-        args = [sys.executable, str(Path(__file__).resolve()), "--record", str(out), "--presets", *names]
+        args = [sys.executable, str(tree / "bench" / Path(__file__).name), "--record", str(out), "--presets", *names]
         subprocess.run(args, check=True, env=env, cwd=tree)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)

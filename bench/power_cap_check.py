@@ -35,7 +35,8 @@ from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulator import Prediction, Simulator
 from kareus_fx.plan.graph_workload import PartitionedGraph
 from kareus_fx.plan.methods import nanobatching_config
-from kareus_fx.plan.planner import plan_request_from_preset, trace_plan_stages
+from kareus_fx.plan.request import plan_request_from_preset
+from kareus_fx.plan.stage_tracing import trace_plan_stages
 from kareus_fx.workload import PartitionConfig, PartitionType
 
 PAPER_NANOBATCHING_CLOCK_MHZ = 1350.0

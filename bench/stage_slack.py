@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from validate_end_to_end import csv_number, labelled_testbed_rows
 
-from kareus_fx.plan.planner import make_plan, plan_request_from_preset
+from kareus_fx.plan.planner import make_plan
+from kareus_fx.plan.request import plan_request_from_preset
 
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "stage_slack.json"
 

@@ -59,8 +59,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 from kareus_fx.cost_models.sim_params import OVERRIDES_ENV, clear_cache
-from kareus_fx.plan.planner import make_plan, plan_request_from_preset, plan_traced, trace_plan_stages
+from kareus_fx.plan.planner import make_plan, plan_traced
 from kareus_fx.plan.presets import PRESETS
+from kareus_fx.plan.request import plan_request_from_preset
+from kareus_fx.plan.stage_tracing import trace_plan_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path("/work/shared/data")

@@ -246,7 +246,7 @@ class Simulator:
         """:meth:`predict_sequence` of ``ops`` and ``collectives``, then each of ``beside``
         ``count`` times with its collective launched before its kernels (a framework's
         asynchronous collective beside independent work: Transformer Engine's input-gradient
-        all-reduce beside the weight-gradient GEMM, ``kareus_fx/plan/async_dgrad.py``), all on
+        all-reduce beside the weight-gradient GEMM, ``kareus_fx/frameworks/megatron_async_dgrad.py``), all on
         ``comm_sms`` SMs with ``comm_library``, under one power cap."""
         clock, sms = self._defaults(clock_mhz, comm_sms)
         kernels, rest, pairs = fused_kernels(ops), list(collectives), list(beside)

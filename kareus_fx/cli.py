@@ -215,6 +215,14 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "then holds one block's graphs and prices a stage as its blocks",
     )
     plan.add_argument(
+        "--framework",
+        default=None,
+        metavar="NAME",
+        help="the training framework whose step the plan prices: traced-order (the traced model as it runs), "
+        "megatron-lm (Megatron-LM/TE under the preset's settings) or torchtitan-fsdp (torchtitan's FSDP2 + TP "
+        "step tail); default: megatron-lm for the presets that carry Megatron settings, else traced-order",
+    )
+    plan.add_argument(
         "--full-trace",
         action="store_true",
         help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
@@ -263,7 +271,7 @@ def _stage_layers(text: str) -> str | tuple[int, ...]:
 
 def _plan_request(args: argparse.Namespace):
     from kareus_fx.models.configs import HF_CONFIG_PREFIX
-    from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
+    from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
 
     shape = {
         k: getattr(args, k) for k in ("tp", "cp", "pp", "virtual_stages", "dp", "microbatches", "mbs", "seq", "layers")
@@ -291,6 +299,8 @@ def _plan_request(args: argparse.Namespace):
         common["stage_layers"] = args.stage_layers
     if args.recompute is not None:
         common["recompute"] = args.recompute
+    if args.framework is not None:
+        common["framework"] = args.framework
     given = [
         flag
         for flag, value in (("--preset", args.preset), ("--model", args.model), ("--hf-config", args.hf_config))
@@ -320,7 +330,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from kareus_fx.compose.perseus_csv import write_perseus_profile
     from kareus_fx.plan.bucketed_plan import make_bucketed_plan, validate_buckets
     from kareus_fx.plan.plan_format import write_plan
-    from kareus_fx.plan.planner import make_plan, validate_plan_request
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import validate_plan_request
     from kareus_fx.report.plan_report import metrics_table, profiling_text, write_frontier_csv, write_report_html
 
     request = _plan_request(args)
@@ -385,7 +396,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _distributed_mode(args: argparse.Namespace, request) -> str | None:
     """ "launch" (--nproc: start the processes), "run" (one process of a distributed plan) or None."""
     from kareus_fx.plan.distributed_plan import distributed_env
-    from kareus_fx.plan.planner import DISTRIBUTED_PROFILERS
+    from kareus_fx.plan.request import DISTRIBUTED_PROFILERS
 
     env = distributed_env()
     if args.nproc is not None and env is None:

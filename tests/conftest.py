@@ -22,12 +22,12 @@ import torch
 @pytest.fixture
 def no_tracing(monkeypatch):
     """Fail the test if the planner traces anything (input must be refused before)."""
-    from kareus_fx.plan import planner
+    from kareus_fx.plan import stage_tracing
 
     def trace(*args, **kwargs):
         raise AssertionError("traced before validating the input")
 
-    monkeypatch.setattr(planner, "trace_both_splits", trace)
+    monkeypatch.setattr(stage_tracing, "trace_both_splits", trace)
 
 
 @pytest.fixture
@@ -111,7 +111,8 @@ def small_real_plan(tmp_path_factory, session_traces):
     serve the session's other plans of this workload (:func:`sharing_traces`), which request this
     fixture first so that the dumps are here."""
     from kareus_fx.plan.plan_format import write_plan
-    from kareus_fx.plan.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import PlanRequest
 
     root = tmp_path_factory.mktemp("small-real-plan")
     request = PlanRequest(**SMALL_REAL_WORKLOAD, clock_stride_mhz=120)
@@ -164,7 +165,8 @@ def tp2_pp2_plan_data(tmp_path_factory, session_traces):
 def _fp32_plan_data(workload: dict, work_dir, session_traces) -> dict:
     """The data of a real fp32 plan of ``workload`` on the simulated GPU (clock stride 120 MHz),
     its traces shared with the session's other plans of that workload."""
-    from kareus_fx.plan.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import PlanRequest
 
     request = PlanRequest(**workload, clock_stride_mhz=120, dtype="float32")
     with sharing_traces(session_traces):

@@ -1,4 +1,4 @@
-"""Transformer Engine's asynchronous dgrad all-reduce beside the wgrad GEMM (``kareus_fx/plan/async_dgrad.py``).
+"""Transformer Engine's asynchronous dgrad all-reduce beside the wgrad GEMM (``kareus_fx/frameworks/megatron_async_dgrad.py``).
 
 The pairs are read from a real traced backward (tiny-llama TP2, the session's small plan): the
 column-parallel linears' input-gradient all-reduces pair with their own weight-gradient matmuls,
@@ -13,7 +13,7 @@ import pytest
 
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.cost_models.simulator import Simulator
-from kareus_fx.plan.async_dgrad import async_dgrad_pairs, async_dgrad_split, with_async_dgrad
+from kareus_fx.frameworks.megatron_async_dgrad import async_dgrad_pairs, async_dgrad_split, with_async_dgrad
 from kareus_fx.plan.graph_workload import sequential_graphs
 from kareus_fx.workload import CollectiveSpec, OpCost
 
@@ -156,8 +156,10 @@ def test_the_testbed_s_engine_prices_the_dgrad_all_reduces_beside_their_wgrad_ge
     # defaults keep the traced order.
     import dataclasses
 
-    from kareus_fx.plan.planner import _with_async, plan_request_from_preset
-    from kareus_fx.plan.testbed_config import HF_DEFAULTS
+    from kareus_fx.frameworks.megatron_settings import HF_DEFAULTS
+    from kareus_fx.frameworks.registry import framework_for
+    from kareus_fx.plan.request import plan_request_from_preset
+    from kareus_fx.plan.stage_tracing import repriced
 
     testbed = plan_request_from_preset("qwen3-1.7b-tp8-mbs8-seq4k")
     assert testbed.megatron.te_async_dgrad
@@ -172,7 +174,12 @@ def test_the_testbed_s_engine_prices_the_dgrad_all_reduces_beside_their_wgrad_ge
     clock = sim.spec.clock_max_mhz
     measured = {clock: sim.predict_sequence(seq.ops, seq.collectives, clock_mhz=clock).measurement}
     overlapped = sim.predict_sequence_async(split.rest.ops, split.rest.collectives, split.beside, clock)
-    assert _with_async(user, measured, seq, split)[clock].time_s == measured[clock].time_s
-    priced = _with_async(testbed, measured, seq, split)[clock].time_s
+
+    def priced_as(req):
+        reprice = framework_for(req).backward_repricing(req, {"sequential": path}, load_dump).get("sequential")
+        return repriced(measured, seq, reprice, req.gpu)[clock].time_s
+
+    assert priced_as(user) == measured[clock].time_s
+    priced = priced_as(testbed)
     assert priced == pytest.approx(overlapped.measurement.time_s, rel=1e-9)
     assert priced < measured[clock].time_s

@@ -39,7 +39,8 @@ WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2,
 @pytest.fixture(scope="module")
 def base_plan(tmp_path_factory):
     """A real plan of WORKLOAD, traced in fp32 (see the module docstring)."""
-    from kareus_fx.plan.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import PlanRequest
 
     outcome = make_plan(
         PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"),

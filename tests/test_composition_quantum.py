@@ -1,4 +1,4 @@
-"""The planner's solver resolution (``planner.composition_quantum``): small pipelines solve at the
+"""The planner's solver resolution (``solver_sizing.composition_quantum``): small pipelines solve at the
 0.5 ms floor, large ones keep the 500-step cap; the planner's fast-end walk at any quantum."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from kareus_fx.compose import (
     count_solver_steps,
 )
 from kareus_fx.compose.pipeline_schedule import makespan_s
-from kareus_fx.plan.planner import (
+from kareus_fx.plan.solver_sizing import (
     FINE_SOLVER_STEPS,
     FINE_UNIT_TIME_S,
     MAX_SOLVER_STEPS,

@@ -1,11 +1,11 @@
-"""Megatron-core's hidden dropout as memory traffic (``kareus_fx.plan.dropout_traffic``)."""
+"""Megatron-core's hidden dropout as memory traffic (``kareus_fx.frameworks.megatron_dropout``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
-from kareus_fx.plan.dropout_traffic import dropout_ops
+from kareus_fx.frameworks.megatron_dropout import dropout_ops
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph, with_extra_ops
 from kareus_fx.workload import OpCost
 

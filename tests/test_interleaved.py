@@ -180,7 +180,8 @@ def test_plan_of_an_interleaved_pipeline(tmp_path):
     """A tiny real plan (traced model, simulated GPU): PP2 x 2 chunks, 4 stages in the plan."""
     from kareus_fx.deploy.deployment import clock_schedule
     from kareus_fx.plan.plan_format import load_plan, write_plan
-    from kareus_fx.plan.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import PlanRequest
 
     request = PlanRequest(
         model="tiny-llama",
@@ -212,8 +213,8 @@ def test_plan_of_an_interleaved_pipeline(tmp_path):
 
 
 def test_presets_of_interleaved_pipelines():
-    from kareus_fx.plan.planner import plan_request_from_preset
     from kareus_fx.plan.presets import PRESETS
+    from kareus_fx.plan.request import plan_request_from_preset
 
     v4 = plan_request_from_preset("llama3.1-405b-pp16tp8-v4-mb128")
     assert (v4.pp, v4.virtual_stages, v4.num_stages, v4.world_size) == (16, 4, 64, 128)
@@ -231,7 +232,7 @@ def test_presets_of_interleaved_pipelines():
 
 def test_interleaving_request_errors():
     from kareus_fx.errors import ParallelConfigError
-    from kareus_fx.plan.planner import PlanRequest, validate_plan_request
+    from kareus_fx.plan.request import PlanRequest, validate_plan_request
 
     bad = PlanRequest(model="tiny-llama", tp=1, cp=1, pp=4, virtual_stages=2, microbatches=9, mbs=1, seq=64, layers=8)
     with pytest.raises(ParallelConfigError, match=r"--virtual-stages 2: .*do not divide into"):

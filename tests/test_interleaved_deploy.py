@@ -39,7 +39,8 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory):
     from kareus_fx.plan.plan_format import write_plan
-    from kareus_fx.plan.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import PlanRequest
 
     root = tmp_path_factory.mktemp("interleaved-plan")
     outcome = make_plan(PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32"), root / "work", progress=False)

@@ -22,12 +22,9 @@ from kareus_fx.plan.layer_slice import (
     extend_dump,
     inserted_block,
 )
-from kareus_fx.plan.planner import (
-    PlanRequest,
-    _trace_stages,
-    make_plan,
-    plan_request_from_preset,
-)
+from kareus_fx.plan.planner import make_plan
+from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
+from kareus_fx.plan.stage_tracing import trace_stages
 from kareus_fx.workload import OpCost, fused_kernels
 
 FRONTIER_RTOL = 1e-3
@@ -119,9 +116,9 @@ def test_six_layer_slice_gives_the_full_traces_graphs(tmp_path):
     req = PlanRequest(model="llama3.2-3b", tp=2, cp=1, pp=1, microbatches=1, mbs=2, seq=256, layers=6)
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        sliced = _trace_stages(req, tmp_path / "slice")
+        sliced = trace_stages(req, tmp_path / "slice")
     assert not [w for w in warned if "tracing all" in str(w.message)], "the slice fell back to a full trace"
-    full = _trace_stages(dataclasses.replace(req, full_trace=True), tmp_path / "full")
+    full = trace_stages(dataclasses.replace(req, full_trace=True), tmp_path / "full")
     for s, f in zip(sliced, full, strict=True):
         for name in ("forward", "backward"):
             assert s.sequential[name].fingerprint == f.sequential[name].fingerprint

@@ -20,7 +20,7 @@ from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.deploy.deployment import clock_binding, clock_schedule
 from kareus_fx.errors import OptionsError
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, load_plan, validate_plan
-from kareus_fx.plan.planner import PlanRequest, validate_plan_request
+from kareus_fx.plan.request import PlanRequest, validate_plan_request
 from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.step_context import StepContext
 

@@ -34,7 +34,7 @@ def bucketed_plan(tmp_path_factory, session_traces):
     conftest's ``tiny_tp2_plan_data`` when the session traced them (the same graphs: the tracer
     does not read the microbatch count; ``sharing_traces``); tuning and composing run per bucket."""
     from kareus_fx.plan.bucketed_plan import make_bucketed_plan
-    from kareus_fx.plan.planner import PlanRequest
+    from kareus_fx.plan.request import PlanRequest
 
     request = PlanRequest(**WORKLOAD, seq=256, clock_stride_mhz=120, dtype="float32")
     with sharing_traces(session_traces):

@@ -13,8 +13,9 @@ from kareus_fx import cli
 from kareus_fx.capture.dump import load_dump
 from kareus_fx.cost_models.hardware import canonical_gpu_name
 from kareus_fx.errors import OptionsError
-from kareus_fx.plan import planner as planner_module
-from kareus_fx.plan.planner import PlanRequest, make_plan, validate_plan_request
+from kareus_fx.plan import profilers, stage_tracing
+from kareus_fx.plan.planner import make_plan
+from kareus_fx.plan.request import PlanRequest, validate_plan_request
 from kareus_fx.runtime.clock_backends import ClockControlError
 from kareus_fx.runtime.clock_controller import ClockController
 from kareus_fx.runtime.device_profiler import DeviceProfiler, node_tables_from_dump
@@ -86,7 +87,7 @@ def test_cli_device_window_reaches_the_request(fake_a100):
 @pytest.fixture(scope="module")
 def tiny_traced(tmp_path_factory):
     """The tiny model traced as make_plan traces it: nanobatched and un-split dumps."""
-    return planner_module._trace_stages(PlanRequest(**TINY), tmp_path_factory.mktemp("dumps"))
+    return stage_tracing.trace_stages(PlanRequest(**TINY), tmp_path_factory.mktemp("dumps"))
 
 
 def _measured_work(stage):
@@ -104,7 +105,7 @@ def test_cuda_factory_builds_one_device_profiler_replaying_each_graph_from_its_d
     assert stage.partitioned is not None
     req = PlanRequest(**TINY, profiler="cuda", clock_mode="dry-run")
     expected = {kind: node_tables_from_dump(load_dump(path)) for kind, path in stage.dump_paths.items()}
-    with planner_module._profiler_factory(req, tiny_traced, tmp_path / "profile.sqlite") as factory:
+    with profilers.profiler_factory(req, tiny_traced, tmp_path / "profile.sqlite") as factory:
         cached = factory()
         device = cached.inner
         assert isinstance(device, DeviceProfiler) and factory().inner is device  # one GPU, one profiler
@@ -142,10 +143,10 @@ def test_cuda_factory_opens_the_controller_in_the_requested_mode(tiny_traced, tm
         opened.append(mode)
         return open_controller("dry-run", handle_sigterm=False)
 
-    monkeypatch.setattr(planner_module.ClockController, "open", record)
+    monkeypatch.setattr(profilers.ClockController, "open", record)
     for clock_mode, expected in ((None, "real"), ("real", "real"), ("dry-run", "dry-run")):
         req = PlanRequest(**TINY, profiler="cuda", clock_mode=clock_mode, device_window_s=0.5)
-        with planner_module._profiler_factory(req, tiny_traced, tmp_path / "profile.sqlite") as factory:
+        with profilers.profiler_factory(req, tiny_traced, tmp_path / "profile.sqlite") as factory:
             assert factory.inner().min_window_s == 0.5
         assert opened[-1] == expected
 

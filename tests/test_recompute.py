@@ -33,7 +33,8 @@ WORKLOAD = {"model": "tiny-llama", "tp": 2, "cp": 1, "pp": 1, "microbatches": 2,
 def full_plan(tmp_path_factory):
     """(plan.json path, planner work directory) of WORKLOAD planned with ``recompute="full"``."""
     from kareus_fx.plan.plan_format import write_plan
-    from kareus_fx.plan.planner import PlanRequest, make_plan
+    from kareus_fx.plan.planner import make_plan
+    from kareus_fx.plan.request import PlanRequest
 
     root = tmp_path_factory.mktemp("recompute-plan")
     request = PlanRequest(**WORKLOAD, clock_stride_mhz=120, dtype="float32", recompute="full")
@@ -185,7 +186,7 @@ def test_hf_gradient_checkpointing_splits_without_fallback_and_matches_eager():
 def test_recompute_modes_are_checked_before_tracing():
     from kareus_fx.capture.tracing import TraceSpec, validate_trace_spec
     from kareus_fx.cli import _parser
-    from kareus_fx.plan.planner import plan_request_from_preset
+    from kareus_fx.plan.request import plan_request_from_preset
 
     with pytest.raises(OptionsError, match=r"--recompute must be one of none, full, selective, got 'layers'"):
         validate_trace_spec(TraceSpec(model="tiny-llama", recompute="layers"))

@@ -15,12 +15,13 @@ from hypothesis import strategies as st
 from kareus_fx import cli
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import ParallelConfigError
+from kareus_fx.frameworks.pipeline_sends import stage_transfer_s
 from kareus_fx.models import get_config
 from kareus_fx.plan.layer_slice import SLICE_LAYERS
-from kareus_fx.plan.planner import PlanRequest, _trace_stages, plan_request_from_preset, trace_plan_stages
 from kareus_fx.plan.presets import PRESETS
+from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
-from kareus_fx.plan.stage_transfer import stage_transfer_s
+from kareus_fx.plan.stage_tracing import trace_plan_stages, trace_stages
 
 
 def _compositions(total: int, parts: int):
@@ -144,7 +145,7 @@ def test_planner_resolves_balanced_to_the_split_whose_full_stages_are_most_even(
     splits = [split for split in _compositions(20, 3) if min(split) >= 6]
     bottleneck = {
         split: _megatron_bottleneck_s(
-            _trace_stages(dataclasses.replace(req, stage_layers=split), tmp_path / "-".join(map(str, split)), slices)
+            trace_stages(dataclasses.replace(req, stage_layers=split), tmp_path / "-".join(map(str, split)), slices)
         )
         for split in splits
     }

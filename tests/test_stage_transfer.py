@@ -1,4 +1,4 @@
-"""The pipeline's send/recv between stages (``kareus_fx/plan/stage_transfer.py``).
+"""The pipeline's send/recv between stages (``kareus_fx/frameworks/pipeline_sends.py``).
 
 The boundary tensor is read from a real traced dump; the link times follow from the hardware facts
 (AWS p4d: 400 Gbps between nodes shared by 8 A100s; NVLink inside a node) computed here by hand;
@@ -14,8 +14,8 @@ from kareus_fx.compose.iteration import InstructionOption
 from kareus_fx.compose.microbatch import MicrobatchPoint
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.errors import OptionsError
-from kareus_fx.plan.planner import _with_link_wait
-from kareus_fx.plan.stage_transfer import boundary_bytes, link_wait_s, stage_transfer_s
+from kareus_fx.frameworks.pipeline_sends import boundary_bytes, link_wait_s, stage_transfer_s
+from kareus_fx.plan.composition import with_link_wait
 
 A100 = gpu_spec("A100-SXM4-40GB")
 QWEN_TP8_BYTES = 8 * 4096 * 2048 * 2  # mbs x seq x hidden, bf16
@@ -68,8 +68,8 @@ def test_a_send_lengthens_each_option_at_the_blocking_power():
         InstructionOption(time_s=0.1, energy_j=30.0, knob=1410),
         MicrobatchPoint(0.09, 28.0, 20.0, 8.0, 1410, None),
     ]
-    waited = _with_link_wait(options, 0.003, 85.0)
+    waited = with_link_wait(options, 0.003, 85.0)
     assert [o.time_s for o in waited] == pytest.approx([0.103, 0.093])
     assert [o.energy_j for o in waited] == pytest.approx([30.255, 28.255])
     assert waited[1].static_energy_j == pytest.approx(8.255) and waited[1].dynamic_energy_j == 20.0
-    assert waited[0].knob == 1410 and _with_link_wait(options, 0.0, 85.0) == options
+    assert waited[0].knob == 1410 and with_link_wait(options, 0.0, 85.0) == options

@@ -1,4 +1,4 @@
-"""Megatron-LM's per-iteration work after the last microbatch (``kareus_fx.plan.step_tail``)."""
+"""Megatron-LM's per-iteration work after the last microbatch (``kareus_fx.frameworks.step_tail``)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from kareus_fx.compose.iteration import IterationFrontier, IterationPoint
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.errors import OptionsError
+from kareus_fx.frameworks.step_tail import STEP_PASSES_BYTES_PER_PARAM, rank_parameters, step_tail, with_step_tail
 from kareus_fx.models.configs import get_config
-from kareus_fx.plan.step_tail import STEP_PASSES_BYTES_PER_PARAM, rank_parameters, step_tail, with_step_tail
 
 QWEN = get_config("qwen3-1.7b")
 EMBEDDING = QWEN.vocab_size * QWEN.hidden_size
@@ -124,7 +124,7 @@ def test_the_distributed_optimizer_shards_the_step_over_the_context_group(simula
 
 
 def test_untied_embeddings_have_no_embedding_sync_but_the_same_parameters(simulator) -> None:
-    # the paper's Llama-3.2-3B ran share_embeddings_and_output_weights: false (testbed_config.py)
+    # the paper's Llama-3.2-3B ran share_embeddings_and_output_weights: false (frameworks/megatron_settings.py)
     llama = get_config("llama3.2-3b")
     tied = step_tail(simulator, llama, [15, 13], tp=4, cp=2, dp=1, pp=2)
     untied = step_tail(simulator, dataclasses.replace(llama, tie_embeddings=False), [15, 13], tp=4, cp=2, dp=1, pp=2)

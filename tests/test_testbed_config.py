@@ -1,4 +1,4 @@
-"""The paper's testbed settings that the presets carry (``kareus_fx.plan.testbed_config``)."""
+"""The paper's testbed settings that the presets carry (``kareus_fx.frameworks.megatron_settings``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import dataclasses
 import pytest
 
 from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.plan.planner import _step_tail, plan_request_from_preset
+from kareus_fx.frameworks.megatron_settings import HF_DEFAULTS, TESTBED_SETTINGS, artifact_stage_layers
+from kareus_fx.plan.composition import planned_step_tail
 from kareus_fx.plan.presets import PRESETS
-from kareus_fx.plan.testbed_config import HF_DEFAULTS, TESTBED_SETTINGS, artifact_stage_layers
+from kareus_fx.plan.request import plan_request_from_preset
 
 
 def test_the_testbed_presets_carry_the_artifact_configs_settings() -> None:
@@ -33,40 +34,45 @@ def test_the_llama_testbed_tail_has_no_embedding_sync_and_a_sharded_step() -> No
     spec = gpu_spec("A100-SXM4-40GB")
     testbed = plan_request_from_preset("llama3.2-3b-cp2tp4-mbs8-seq4k")
     hf = dataclasses.replace(testbed, megatron=HF_DEFAULTS)
-    ours, theirs = _step_tail(testbed, spec), _step_tail(hf, spec)
+    ours, theirs = planned_step_tail(testbed, spec), planned_step_tail(hf, spec)
     assert ours is not None and theirs is not None
     assert ours.parts_s["embedding_grad_sync"] == 0.0 < theirs.parts_s["embedding_grad_sync"]
     assert ours.parts_s["grad_sync"] < 0.6 * theirs.parts_s["grad_sync"]  # reduce-scatter, not all-reduce
     assert ours.time_s < theirs.time_s
 
 
-def test_the_planner_adds_each_stages_dropout_and_gradient_accumulation() -> None:
+def test_the_planner_adds_each_stages_dropout_and_gradient_accumulation(monkeypatch) -> None:
+    from pathlib import Path
+
+    from kareus_fx.frameworks import megatron_lm
+    from kareus_fx.frameworks.megatron_async_dgrad import AsyncDgrad
+    from kareus_fx.frameworks.megatron_dropout import dropout_ops
+    from kareus_fx.frameworks.megatron_main_grad import MAIN_GRAD_ADD_BYTES_PER_PARAM, main_grad_ops
+    from kareus_fx.frameworks.step_tail import stage_parameters
     from kareus_fx.models.configs import get_config
-    from kareus_fx.plan.dropout_traffic import dropout_ops
     from kareus_fx.plan.graph_workload import SequentialGraph
-    from kareus_fx.plan.main_grad_traffic import MAIN_GRAD_ADD_BYTES_PER_PARAM, main_grad_ops
-    from kareus_fx.plan.planner import StageGraphs, _with_megatron_traffic
-    from kareus_fx.plan.step_tail import stage_parameters
+    from kareus_fx.plan.stage_tracing import StageGraphs, with_framework_work
 
     req = plan_request_from_preset("qwen3-1.7b-cp2tp4-mbs16-seq4k")
     empty = {g: SequentialGraph(g, (), (), g) for g in ("forward", "backward")}
     traced = [StageGraphs(stages=(s,), sequential=empty, partitioned=None) for s in (0, 1)]
     elements = 16 * 4096 / 2 * 2048  # mbs x seq / cp x hidden
     params = stage_parameters(get_config("qwen3-1.7b"), (15, 13), 4)
-    for graphs, layers, n in zip(_with_megatron_traffic(req, traced), (15, 13), params):
+    for graphs, layers, n in zip(with_framework_work(req, traced), (15, 13), params):
         assert graphs.sequential["forward"].ops == dropout_ops("forward", layers, elements, "full")
         backward = graphs.sequential["backward"].ops
         assert backward == dropout_ops("backward", layers, elements, "full") + main_grad_ops(n)
         assert backward[-1].bytes == n * MAIN_GRAD_ADD_BYTES_PER_PARAM == pytest.approx(10 * n)
-    # the asynchronous-dgrad split of the backward (async_dgrad.py) runs the added ops too
-    from kareus_fx.plan.async_dgrad import AsyncDgrad
-
-    with_split = [
-        dataclasses.replace(traced[0], async_dgrad={"sequential": AsyncDgrad(empty["backward"], ()), "outside": None})
-    ]
-    (priced,) = _with_megatron_traffic(req, with_split)
-    assert priced.async_dgrad["sequential"].rest.ops == priced.sequential["backward"].ops
-    assert priced.async_dgrad["outside"] is None
+    # the asynchronous-dgrad split of the backward (megatron_async_dgrad.py) runs the added ops too
+    monkeypatch.setattr(megatron_lm, "async_dgrad_split", lambda graph, names=None: AsyncDgrad(empty["backward"], ()))
+    (priced,) = with_framework_work(req, traced[:1])
+    framework = megatron_lm.MegatronLM()
+    dump = {"graphs": [{"name": "backward"}]}
+    splits = framework.backward_repricing(
+        req, {"sequential": Path("stage0.json")}, lambda path: dump, framework.extra_work(req, 0)["backward"]
+    )
+    assert splits["sequential"].rest.ops == priced.sequential["backward"].ops
+    assert "outside" not in splits
     # a user's workload (no dropout, no Megatron accumulation) and a measured profiler keep the traced graphs
-    assert _with_megatron_traffic(dataclasses.replace(req, megatron=HF_DEFAULTS), traced) is traced
-    assert _with_megatron_traffic(dataclasses.replace(req, profiler="cpu-replay"), traced) is traced
+    assert with_framework_work(dataclasses.replace(req, megatron=HF_DEFAULTS), traced) is traced
+    assert with_framework_work(dataclasses.replace(req, profiler="cpu-replay"), traced) is traced

@@ -23,7 +23,8 @@ import pytest
 from kareus_fx.capture import trace_pool
 from kareus_fx.capture.trace_pool import TraceWorkerError, run_calls
 from kareus_fx.errors import UnsupportedGraphError
-from kareus_fx.plan import planner
+from kareus_fx.plan import planner, stage_tracing
+from kareus_fx.plan.request import PlanRequest
 
 WORKER_START_LIMIT_S = 120.0
 """How long the parent's call waits for the worker's (a spawned worker starts in seconds)."""
@@ -151,20 +152,20 @@ def _dump_contents(root: Path) -> dict[str, dict]:
     return contents
 
 
-def _trace_serially_and_in_parallel(req: planner.PlanRequest, root: Path, monkeypatch) -> dict[int, list]:
+def _trace_serially_and_in_parallel(req: PlanRequest, root: Path, monkeypatch) -> dict[int, list]:
     """``req``'s traced stages with the planner's traces in one process and in two, by process
     count; the dumps go under ``root / p<count> / dumps``."""
     traced = {}
     for processes in (1, 2):
-        monkeypatch.setattr(planner, "parallel_processes", lambda tasks, n=processes: min(n, tasks))
-        traced[processes] = planner._trace_stages(req, root / f"p{processes}" / "dumps")
+        monkeypatch.setattr(stage_tracing, "parallel_processes", lambda tasks, n=processes: min(n, tasks))
+        traced[processes] = stage_tracing.trace_stages(req, root / f"p{processes}" / "dumps")
     return traced
 
 
 def test_parallel_stage_traces_give_the_serial_dumps(tmp_path, monkeypatch):
     """The two stages of a PP2 tiny-llama of 2 layers (one each, traced in full), traced in one
     process and in two: the same dumps (but the graph counter). The slow test below traces slices."""
-    req = planner.PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=512, layers=2)
+    req = PlanRequest(model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=512, layers=2)
     _trace_serially_and_in_parallel(req, tmp_path, monkeypatch)
     serial, parallel = (_dump_contents(tmp_path / f"p{p}" / "dumps") for p in (1, 2))
     assert sorted(serial) == [f"stage{s}-{kind}" for s in (0, 1) for kind in ("nanobatched", "sequential")]
@@ -176,7 +177,7 @@ def test_parallel_traces_give_the_serial_plan(tmp_path, monkeypatch):
     """A PP2 tiny-llama whose stages (6 layers each) are traced as slices: 4 traces, run in one
     process and in two. Dumps equal (but the graph counter); the plan's stages, partition types,
     microbatch options and frontiers equal exactly."""
-    req = planner.PlanRequest(
+    req = PlanRequest(
         model="tiny-llama", tp=2, cp=1, pp=2, microbatches=2, mbs=2, seq=512, layers=12, clock_stride_mhz=240
     )
     traced = _trace_serially_and_in_parallel(req, tmp_path, monkeypatch)

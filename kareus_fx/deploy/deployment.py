@@ -662,7 +662,7 @@ _TUNED: set[Path] = set()
 
 def _tuned_plan(opts: KareusOptions) -> Path:
     """Plan ``opts.tune_request`` once per process into ``opts.plan_out`` (module docstring)."""
-    from kareus_fx.plan.planner import PlanRequest, validate_plan_request
+    from kareus_fx.plan.request import PlanRequest, validate_plan_request
 
     if opts.plan_out is None:
         raise OptionsError(

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from kareus_fx.errors import OptionsError
 from kareus_fx.plan.plan_format import bucketed_plan_data
-from kareus_fx.plan.planner import PlanOutcome, PlanRequest, make_plan, validate_plan_request
+from kareus_fx.plan.planner import PlanOutcome, make_plan
+from kareus_fx.plan.request import PlanRequest, validate_plan_request
 
 __all__ = ["make_bucketed_plan", "validate_buckets"]
 

@@ -51,18 +51,11 @@ from kareus_fx.cost_models.profile_db import ProfileDB, fingerprint, measurement
 from kareus_fx.cost_models.profile_queue import ProfileQueue
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.errors import OptionsError, ParallelConfigError
-from kareus_fx.plan.planner import (
-    QUEUE_FILE,
-    PlanOutcome,
-    PlanRequest,
-    StageGraphs,
-    _distinct_types,
-    _replay_tables,
-    plan_traced,
-    trace_plan_stages,
-    validate_plan_request,
-)
+from kareus_fx.plan.planner import PlanOutcome, plan_traced
+from kareus_fx.plan.profilers import QUEUE_FILE, distinct_types, replay_tables
 from kareus_fx.plan.profiling_cost import sequence_fingerprint
+from kareus_fx.plan.request import PlanRequest, validate_plan_request
+from kareus_fx.plan.stage_tracing import StageGraphs, trace_plan_stages
 from kareus_fx.runtime.group_replay import EnergyModel, GroupComms, GroupMeasurer, GroupReplay, PeerLostError
 from kareus_fx.workload import (
     CollectiveSpec,
@@ -140,7 +133,7 @@ class Catalog:
     def from_plan(cls, req: PlanRequest, traced: Sequence[StageGraphs]) -> Catalog:
         """The partition types and sequences ``plan_traced`` measures for ``req``."""
         gpu = canonical_gpu_name(req.gpu)
-        ptypes, _ = _distinct_types(traced, req.launch_search)
+        ptypes, _ = distinct_types(traced, req.launch_search)
         sequences = {}
         for stage in traced:
             for graph in [*stage.sequential.values(), *(g.outside for g in (stage.partitioned or {}).values())]:
@@ -487,7 +480,7 @@ def make_plan_distributed(
             return outcome
 
         with _measurer(req, session) as measurer:
-            worker = GroupWorker(catalog, session, measurer, _replay_tables(traced))
+            worker = GroupWorker(catalog, session, measurer, replay_tables(traced))
             outcome = serve_or_coordinate(session, worker, work, coordinate, _allowance_s(req))
         comms.guard(dist.barrier, "waiting for every rank to finish")  # no rank tears down while a peer is busy
     return outcome

@@ -165,7 +165,7 @@ def with_extra_ops(
     extra: Mapping[GraphName, tuple[OpCost, ...]],
 ) -> tuple[dict[GraphName, SequentialGraph], dict[GraphName, PartitionedGraph] | None]:
     """A stage's graphs with ``extra`` ops that the traced model does not run (the training
-    framework's: ``dropout_traffic.py``, ``main_grad_traffic.py``) run after each graph's own: in
+    framework's: ``megatron_dropout.py``, ``megatron_main_grad.py``) run after each graph's own: in
     the un-split graph and in the nanobatched graph's work outside its partitions. Fingerprints
     stay the traced graphs' (deployment checks those)."""
 

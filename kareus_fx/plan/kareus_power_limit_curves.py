@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from kareus_fx.compose.microbatch import MicrobatchPoint
 from kareus_fx.compose.pipeline_schedule import PipelineNode, iteration_energy_j, pipeline_dag, pipeline_makespan_s
-from kareus_fx.plan.async_dgrad import AsyncDgrad, with_async_dgrad
+from kareus_fx.frameworks.base import BackwardReprice
 from kareus_fx.plan.graph_workload import PartitionedGraph, SequentialGraph
 from kareus_fx.plan.power_limit_baseline import PowerLimitPoint, limit_grid
 from kareus_fx.workload import Measurement, SequenceProfiler
@@ -52,9 +52,9 @@ class NodeWork:
     """Its nanobatched graph, partition types named as ``option.configs`` names them."""
     wait_s: float
     """The link wait the planner adds to the instruction (a send at the blocking power)."""
-    sequential_async: AsyncDgrad | None = None
-    """The un-split graph's asynchronous dgrad all-reduces (``async_dgrad.py``), priced as the planner does."""
-    outside_async: AsyncDgrad | None = None
+    sequential_reprice: BackwardReprice | None = None
+    """How the training framework runs the un-split graph (``frameworks.base.BackwardReprice``), as the planner prices it."""
+    outside_reprice: BackwardReprice | None = None
     """The same for the work outside partitions."""
 
 
@@ -69,10 +69,10 @@ def _price_graphs(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int) ->
     """``work``'s option on ``profiler`` without its link wait (:func:`price_option`)."""
     option = work.option
     if option.configs is None:
-        return _sequence(profiler, work.sequential, work.sequential_async, clock_mhz)
+        return _sequence(profiler, work.sequential, work.sequential_reprice, clock_mhz)
     if work.partitioned is None:
         raise ValueError("a nanobatched option needs its partitioned graph")
-    total = _sequence(profiler, work.partitioned.outside, work.outside_async, clock_mhz)
+    total = _sequence(profiler, work.partitioned.outside, work.outside_reprice, clock_mhz)
     for ptype in work.partitioned.ptypes:
         config = dataclasses.replace(option.config_for(ptype.type_id), clock_mhz=clock_mhz)
         total = total.plus(profiler.measure(ptype, config), ptype.count)
@@ -80,15 +80,15 @@ def _price_graphs(profiler: SequenceProfiler, work: NodeWork, clock_mhz: int) ->
 
 
 def _sequence(
-    profiler: SequenceProfiler, graph: SequentialGraph, split: AsyncDgrad | None, clock_mhz: int
+    profiler: SequenceProfiler, graph: SequentialGraph, reprice: BackwardReprice | None, clock_mhz: int
 ) -> Measurement:
-    """``graph`` run op after op on ``profiler``, its asynchronous dgrad all-reduces (``split``)
-    priced on the profiler's simulator where it has one."""
+    """``graph`` run op after op on ``profiler``, repriced as the framework runs it (``reprice``)
+    on the profiler's simulator where it has one."""
     measured = {clock_mhz: profiler.measure_sequence(graph.ops, graph.collectives, clock_mhz)}
     simulator = getattr(profiler, "simulator", None)
-    if split is None or simulator is None:
+    if reprice is None or simulator is None:
         return measured[clock_mhz]
-    return with_async_dgrad(measured, graph, split, simulator)[clock_mhz]
+    return reprice.reprice(measured, graph, simulator)[clock_mhz]
 
 
 def schedule_iteration(

@@ -53,7 +53,8 @@ from kareus_fx.passes.nanobatch import NanobatchResult, graph_communicates, spli
 from kareus_fx.plan.plan_format import bucketed_plan_data, write_plan
 
 if TYPE_CHECKING:
-    from kareus_fx.plan.planner import PlanRequest, StageGraphs
+    from kareus_fx.plan.request import PlanRequest
+    from kareus_fx.plan.stage_tracing import StageGraphs
 
 __all__ = ["LiveTuning", "live_plan_request"]
 
@@ -146,7 +147,8 @@ class LiveTuning:
             )
 
     def _plan(self, plan_out: Path, work_dir: Path, buckets: tuple[int, ...] | None) -> None:
-        from kareus_fx.plan.planner import plan_traced, stage_graphs_from_dumps
+        from kareus_fx.plan.planner import plan_traced
+        from kareus_fx.plan.stage_tracing import stage_graphs_from_dumps
 
         def plan_at(seq: int | None) -> dict[str, Any]:
             """The plan at sequence length ``seq`` (None: the example's)."""
@@ -250,7 +252,7 @@ def live_plan_request(
     gm: torch.fx.GraphModule,
 ) -> PlanRequest:
     """The :class:`~kareus_fx.plan.planner.PlanRequest` of the live graph (module docstring)."""
-    from kareus_fx.plan.planner import LIVE_GRAPH_MODEL, PlanRequest
+    from kareus_fx.plan.request import LIVE_GRAPH_MODEL, PlanRequest
 
     world = _world_size()
     sizes = sorted({c.group_size for graph in stage.sequential.values() for c in graph.collectives})

@@ -245,7 +245,7 @@ class Profiling(SchemaModel):
 
 class StepTailRecord(SchemaModel):
     """The work after the last microbatch of every iteration (gradient sync, optimizer step;
-    ``plan/step_tail.py``), included in every frontier's times and energies."""
+    ``frameworks/step_tail.py``), included in every frontier's times and energies."""
 
     time_s: Seconds
     energy_j: Joules

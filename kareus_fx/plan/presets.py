@@ -7,7 +7,7 @@ pipeline). The emulation (section 6.3, table 5) is Llama-3.3-70B with PP10 x TP8
 4K and 16 to 128 microbatches per pipeline (a global batch of 2048 over 128 to 16 pipelines).
 
 The testbed presets split their 28 layers 15 + 13, as the paper's artifact configs do
-(``num_layers_in_first_pipeline_stage: 15``, ``testbed_config.py``; the paper says it partitions its
+(``num_layers_in_first_pipeline_stage: 15``, ``megatron_settings.py``; the paper says it partitions its
 stages "such that stages are as balanced as possible, following Perseus", section 6.1), and carry
 the artifact's other Megatron settings (``Preset.megatron``); the emulation's pipelines are
 balanced by the planner (``stage_layers="balanced"``). Every
@@ -41,8 +41,13 @@ from typing import Any
 from kareus_fx.compose.pipeline_schedule import CompositionError, check_interleaving
 from kareus_fx.cost_models.hardware import DEFAULT_GPU
 from kareus_fx.errors import KareusError
+from kareus_fx.frameworks.megatron_settings import (
+    HF_DEFAULTS,
+    TESTBED_SETTINGS,
+    MegatronSettings,
+    artifact_stage_layers,
+)
 from kareus_fx.models.configs import get_config
-from kareus_fx.plan.testbed_config import HF_DEFAULTS, TESTBED_SETTINGS, MegatronSettings, artifact_stage_layers
 
 
 class UnknownPresetError(KareusError, ValueError):
@@ -78,7 +83,7 @@ class Preset:
     """Data-parallel replicas (``--dp`` overrides it); the paper's testbed runs one."""
     megatron: MegatronSettings = HF_DEFAULTS
     """Training settings outside the traced model (tied embeddings, distributed optimizer, dropout);
-    the testbed presets carry the artifact's (``testbed_config.py``)."""
+    the testbed presets carry the artifact's (``megatron_settings.py``)."""
 
     @property
     def gpus_per_pipeline(self) -> int:
@@ -86,7 +91,7 @@ class Preset:
 
 
 def _testbed_settings(model: str) -> dict[str, Any]:
-    """The artifact's stage split (15 + 13) and Megatron settings of ``model`` (``testbed_config.py``)."""
+    """The artifact's stage split (15 + 13) and Megatron settings of ``model`` (``megatron_settings.py``)."""
     return {
         "stage_layers": artifact_stage_layers(get_config(model).num_layers, 2),
         "megatron": TESTBED_SETTINGS[model],

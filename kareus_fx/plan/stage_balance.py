@@ -10,7 +10,7 @@ one the paper measured.
 
 Cost of a stage: ``fixed_s + layers x per_layer_s``, Megatron-LM's forward plus backward of one
 microbatch at the GPU's maximum clock plus the pipeline sends they end with
-(``stage_transfer.py``: a middle stage sends both ways, the first and last stage one way each):
+(``pipeline_sends.py``: a middle stage sends both ways, the first and last stage one way each):
 what the plan's Megatron-LM options cost. Each role's two terms come from the planner's slice
 traces of that role (``layer_slice.SLICE_LAYERS``: 2 and 3 layers): the third layer's cost is the
 per-layer cost, what is left of the 2-layer slice is the role's fixed cost, to which each stage

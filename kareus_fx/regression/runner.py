@@ -88,7 +88,7 @@ class BenchCase:
 
     def request(self, ablate: str | None = None) -> Any:
         """The ``PlanRequest`` of this case, with the ablation's fields applied."""
-        from kareus_fx.plan.planner import PlanRequest, plan_request_from_preset
+        from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
 
         fields = {**self.overrides, **(ABLATIONS[ablate] if ablate else {})}
         return plan_request_from_preset(self.preset, **fields) if self.preset else PlanRequest(**fields)

@@ -1,7 +1,7 @@
 """The memory traffic of Megatron-core's hidden dropout, which the traced model does not run.
 
 The paper's testbed trains with ``hidden_dropout: 0.1`` and ``bias_dropout_add_fusion: true``
-(``testbed_config.py``): after attention and after the MLP, each decoder layer computes
+(``megatron_settings.py``): after attention and after the MLP, each decoder layer computes
 ``residual + dropout(x)`` in one fused kernel (Megatron-core's ``bias_dropout_add_fused_train``,
 a TorchScript function of ``torch.nn.functional.dropout`` and the add). The traced HF-style model
 has the plain residual add, already priced; dropout adds, per element of the layer's hidden

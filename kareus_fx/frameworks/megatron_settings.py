@@ -15,11 +15,11 @@ change what an iteration costs and are not in the traced HF-style model:
 - ``optim.name: mcore_distributed_optim``: Megatron-core's distributed optimizer, which shards the
   step over the data x context group (``step_tail.py``).
 - ``hidden_dropout: 0.1`` with ``bias_dropout_add_fusion``: a dropout mask per residual add
-  (``dropout_traffic.py``).
+  (``megatron_dropout.py``).
 - ``gradient_accumulation_fusion: false``: each microbatch's weight gradients added into the fp32
-  ``main_grad`` buffer in a pass of their own (``main_grad_traffic.py``).
+  ``main_grad`` buffer in a pass of their own (``megatron_main_grad.py``).
 - ``transformer_engine: true`` with ``sequence_parallel: false``: the column-parallel linears'
-  input-gradient all-reduces overlap their weight-gradient GEMMs (``async_dgrad.py``).
+  input-gradient all-reduces overlap their weight-gradient GEMMs (``megatron_async_dgrad.py``).
 
 A user's workload (``kareus plan`` without a preset) gets :data:`HF_DEFAULTS`: the traced model's
 own tying, Megatron-LM's default (non-distributed) optimizer, no dropout, no separate gradient
@@ -47,12 +47,12 @@ class MegatronSettings:
     """Dropout probability of the fused bias-dropout-add after attention and after the MLP."""
     gradient_accumulation_fusion: bool | None = None
     """Megatron-core's weight-gradient accumulation into fp32 ``main_grad``: False adds each
-    microbatch's bf16 gradient in a pass of its own (``main_grad_traffic.py``); True (fused into the
+    microbatch's bf16 gradient in a pass of its own (``megatron_main_grad.py``); True (fused into the
     GEMM) or None (not Megatron: the traced backward's own gradients) adds nothing."""
     te_async_dgrad: bool = False
     """Transformer Engine's linears without sequence parallelism (``transformer_engine: true``,
     ``sequence_parallel: false``): each column-parallel input-gradient all-reduce runs beside its
-    weight-gradient GEMM (``async_dgrad.py``). False prices the traced order, which is how kareus
+    weight-gradient GEMM (``megatron_async_dgrad.py``). False prices the traced order, which is how kareus
     deploys an un-split step (it adds no such overlap)."""
     source: str = ""
     """Where the settings come from."""

@@ -41,7 +41,7 @@ stated fact of Megatron-LM or the hardware, none fitted:
 - Placement (Megatron-LM's rank order tensor, context, data, pipeline): the data x context group of
   a stage is ``tp x cp x dp`` consecutive ranks, inside a node when they fit in one; the embedding
   group joins rank ``r`` of the first stage with rank ``r`` of the last, across nodes where their
-  ranks' nodes differ (``stage_transfer``'s rule). Inside a node a collective runs NCCL on its
+  ranks' nodes differ (``pipeline_sends``'s rule). Inside a node a collective runs NCCL on its
   default channels (the simulator's ``nccl`` curve); across nodes a ring all-reduce's bus bytes go
   at the GPU's share of the node network (line rate, as the stage sends), costing the blocking
   power while it runs.
@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from kareus_fx.compose.iteration import IterationFrontier, IterationPoint
 from kareus_fx.cost_models.simulator import Simulator
 from kareus_fx.errors import OptionsError
+from kareus_fx.frameworks.pipeline_sends import network_share_bytes_per_s, node_of
 from kareus_fx.models.configs import ModelConfig
-from kareus_fx.plan.stage_transfer import network_share_bytes_per_s, node_of
 from kareus_fx.workload import CollectiveKind, CollectiveSpec, OpCost
 
 __all__ = [
@@ -68,6 +68,7 @@ __all__ = [
     "PARAM_BYTES",
     "STEP_PASSES_BYTES_PER_PARAM",
     "StepTail",
+    "collective_cost",
     "rank_parameters",
     "stage_parameters",
     "step_tail",
@@ -138,7 +139,7 @@ _RING_PASSES: Mapping[CollectiveKind, float] = {"all_reduce": 2.0, "reduce_scatt
 an all-gather."""
 
 
-def _all_reduce(
+def collective_cost(
     simulator: Simulator, nbytes: float, group: int, spans_nodes: bool, kind: CollectiveKind = "all_reduce"
 ) -> tuple[float, float]:
     """Seconds and joules (one GPU) of a ``kind`` collective of a ``nbytes`` buffer (an all-gather's
@@ -176,12 +177,12 @@ def step_tail(
     tied = cfg.tie_embeddings and pp > 1
     embedding_spans = tied and node_of(0, spec) != node_of((pp - 1) * per_rank, spec)
     embedding_bytes = cfg.vocab_size * cfg.hidden_size / tp * GRAD_BYTES_PER_PARAM
-    embedding = _all_reduce(simulator, embedding_bytes, 2, embedding_spans) if tied else (0.0, 0.0)
+    embedding = collective_cost(simulator, embedding_bytes, 2, embedding_spans) if tied else (0.0, 0.0)
     norm_s = simulator.params.comm_latency_s if pp * tp > 1 else 0.0
     group = cp * dp
     shards = group if distributed_optimizer else 1
     grad_kind: CollectiveKind = "reduce_scatter" if shards > 1 else "all_reduce"
-    grad = [_all_reduce(simulator, n * GRAD_BYTES_PER_PARAM, group, sync_spans, grad_kind) for n in params]
+    grad = [collective_cost(simulator, n * GRAD_BYTES_PER_PARAM, group, sync_spans, grad_kind) for n in params]
     sync = [(t, e) if r not in (0, pp - 1) else (t + embedding[0], e + embedding[1]) for r, (t, e) in enumerate(grad)]
     step: list[tuple[float, float]] = []
     for n in params:
@@ -190,7 +191,9 @@ def step_tail(
             for name, b in STEP_PASSES_BYTES_PER_PARAM.items()
         ]
         m = simulator.predict_sequence(ops, (), clock_mhz=spec.clock_max_mhz).measurement
-        gather = _all_reduce(simulator, n * PARAM_BYTES, group, sync_spans, "all_gather") if shards > 1 else (0.0, 0.0)
+        gather = (
+            collective_cost(simulator, n * PARAM_BYTES, group, sync_spans, "all_gather") if shards > 1 else (0.0, 0.0)
+        )
         step.append((m.time_s + gather[0], m.energy_j + gather[1]))
     step_s = max(t for t, _ in step)
     time_s = max(t for t, _ in sync) + norm_s + step_s

@@ -1,6 +1,6 @@
 """The per-microbatch gradient accumulation of Megatron-core without ``gradient_accumulation_fusion``.
 
-The paper's testbed sets ``gradient_accumulation_fusion: false`` (``testbed_config.py``). With it
+The paper's testbed sets ``gradient_accumulation_fusion: false`` (``megatron_settings.py``). With it
 off, Megatron-core's linear layers compute each weight gradient in the parameters' dtype (bf16,
 ``megatron_amp_O2``), and the distributed data-parallel wrapper's hook adds it into the fp32
 ``main_grad`` buffer after every microbatch's backward (``param.main_grad.add_(param.grad)``):
@@ -12,7 +12,7 @@ stops; the accumulation is outside it.
 Assumptions: every parameter of the stage on the GPU gets a gradient every microbatch (the
 stage's decoder layers, and the embedding or output layer where the stage holds them); the adds
 are priced as one memory-bound op in the backward (the per-tensor launches are issued while the
-GPU runs the backward's kernels, as the round-five host-launch check found for Megatron-LM's).
+GPU runs the backward's kernels, as a check of Megatron-LM's host launches found).
 """
 
 from __future__ import annotations

@@ -55,6 +55,12 @@ class AsyncDgrad:
     rest: SequentialGraph
     beside: tuple[PartitionType, ...]
 
+    def reprice(
+        self, measured: Mapping[int, Measurement], graph: SequentialGraph, simulator: Any
+    ) -> dict[int, Measurement]:
+        """``measured`` with these all-reduces beside their wgrad GEMMs (:func:`with_async_dgrad`)."""
+        return with_async_dgrad(measured, graph, self, simulator)
+
 
 def _is_weight_grad(node: Mapping[str, Any], width: int) -> bool:
     """A matmul whose output is a ``[out, in]`` weight with ``in == width`` (not a token-major activation)."""
