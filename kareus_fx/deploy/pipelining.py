@@ -54,7 +54,8 @@ from torch.distributed.pipelining import (
 )
 
 from kareus_fx.compose.pipeline_schedule import Instruction
-from kareus_fx.deploy.deployment import PlanDeviationWarning, PlanMismatchError, clock_schedule
+from kareus_fx.deploy.plan_checks import PlanDeviationWarning, PlanMismatchError
+from kareus_fx.deploy.plan_clocks import clock_schedule
 from kareus_fx.errors import KareusError
 from kareus_fx.models.parallel import ParallelLayout
 from kareus_fx.plan.plan_format import Plan, Target, load_plan
