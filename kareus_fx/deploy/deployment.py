@@ -86,6 +86,7 @@ from kareus_fx.deploy.hook_ops import ClockBinding
 from kareus_fx.deploy.microbatch_cursor import MicrobatchCursor
 from kareus_fx.deploy.plan_checks import PlanDeviationWarning, check_fingerprint, check_layout, check_plan_fits
 from kareus_fx.deploy.plan_clocks import clock_schedule
+from kareus_fx.deploy.run_log import RunLog, run_log_for
 from kareus_fx.deploy.variants import Codegen, compile_variant, dispatcher, point_schedules
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.passes.stream_schedule import CommSchedule
@@ -139,6 +140,8 @@ class Deployment:
     sizes: Mapping[Any, int] | None = None
     """Shape symbol -> value at which a symbolic graph is analysed and checked (a bucket's
     sequence length, ``deploy/bucket_dispatch.py``); None: at the hints of the compiled call."""
+    run_log: RunLog | None = None
+    """Where each iteration's record goes (``deploy/run_log.py``); None: no run log."""
     switching: PointSwitcher | None = None
     """Run-time point switching (``deploy/switching.py``): variants are compiled for each of its
     candidate points and every call runs its current point; None: ``point_index`` only."""
@@ -219,6 +222,9 @@ class Deployment:
             stage=opts.stage,
             clock=clock,
             dump_dir=opts.dump_dir,
+            run_log=None
+            if opts.run_log is None
+            else run_log_for(opts.run_log, plan, clocks_requested=clock is not None),
             switching=opts.switching,
         )
 
@@ -271,7 +277,14 @@ class Deployment:
                 per_point_names=self.switching is not None,
             )
         return dispatcher(
-            name, variants, variant_of, self.cursor, self.clocks, self.running_point, self.running_candidate
+            name,
+            variants,
+            variant_of,
+            self.cursor,
+            self.clocks,
+            self.running_point,
+            self.running_candidate,
+            self.run_log,
         )
 
     def select_graph(self, nanobatched: Callable[..., Any], unsplit: Callable[..., Any]) -> Callable[..., Any]:

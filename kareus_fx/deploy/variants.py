@@ -21,6 +21,7 @@ from kareus_fx.deploy.hook_ops import ClockBinding, set_running
 from kareus_fx.deploy.microbatch_cursor import MicrobatchCursor
 from kareus_fx.deploy.peer_failure import is_collective_failure, peer_failure
 from kareus_fx.deploy.plan_checks import PlanMismatchError
+from kareus_fx.deploy.run_log import RunLog
 from kareus_fx.passes.partitions import GraphPartitioning
 from kareus_fx.passes.stream_schedule import (
     CommSchedule,
@@ -162,10 +163,12 @@ def dispatcher(
     clocks: Mapping[int, ClockBinding | None],
     running_point: Callable[[], int],
     running_candidate: Callable[[], int],
+    run_log: RunLog | None = None,
 ) -> Callable[..., Any]:
     """The boxed callable of graph ``name``: per call, the variant of the running (point,
     microbatch) (``variant_of`` names its key in ``variants``), run under the running candidate's
-    clock; a failed collective raises :class:`~kareus_fx.deploy.peer_failure.PeerFailureError`."""
+    clock; a failed collective raises :class:`~kareus_fx.deploy.peer_failure.PeerFailureError`.
+    ``run_log`` hears of every call (the iteration boundaries and clocks it records)."""
 
     def run(args: list[Any]) -> Any:
         node = cursor.next(name)
