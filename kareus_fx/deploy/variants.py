@@ -181,6 +181,8 @@ def dispatcher(
                 f"counts calls and expects each microbatch's forward then its backward in order; "
                 f"drive other orders with StepContext and next_instruction()"
             )
+        if run_log is not None:
+            run_log.called(node, point)
         clock = clocks[running_candidate()]
         set_running(node, clock)
         deployed, compiled = variants[key]
