@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -24,6 +23,9 @@ from rich.table import Table
 from kareus_fx.deploy.run_record import RunRecord
 from kareus_fx.errors import KareusError
 from kareus_fx.plan.plan_format import Plan
+from kareus_fx.report.figure_png import figure_png
+
+_COLUMNS = ("iter", "rank", "point", "time ms", "plan ms", "x", "energy J", "plan J", "x", "energy from")
 
 __all__ = ["IterationRow", "RatioSpread", "RunComparison", "compare_run", "comparison_html", "print_comparison"]
 
@@ -122,23 +124,28 @@ def compare_run(records: Sequence[RunRecord], plan: Plan, warmup: int = 1) -> Ru
 def print_comparison(comparison: RunComparison, console: Console) -> None:
     """The per-iteration table and the ratios' summary."""
     table = Table(title=f"run against {comparison.plan}")
-    for column in ("iter", "rank", "point", "time ms", "plan ms", "x", "energy J", "plan J", "x", "energy from"):
+    for column in _COLUMNS:
         table.add_column(column, justify="right")
     for row in comparison.rows:
-        table.add_row(
-            str(row.iteration),
-            str(row.rank),
-            str(row.point),
-            f"{row.time_s * 1e3:.1f}",
-            f"{row.planned_time_s * 1e3:.1f}",
-            f"{row.time_ratio:.3f}",
-            f"{row.energy_j:.2f}",
-            f"{row.planned_energy_j:.2f}",
-            f"{row.energy_ratio:.3f}",
-            row.energy_source,
-        )
+        table.add_row(*_cells(row))
     console.print(table)
     console.print(_summary(comparison))
+
+
+def _cells(row: IterationRow) -> tuple[str, ...]:
+    """One row's cells, in :data:`_COLUMNS` order."""
+    return (
+        str(row.iteration),
+        str(row.rank),
+        str(row.point),
+        f"{row.time_s * 1e3:.1f}",
+        f"{row.planned_time_s * 1e3:.1f}",
+        f"{row.time_ratio:.3f}",
+        f"{row.energy_j:.2f}",
+        f"{row.planned_energy_j:.2f}",
+        f"{row.energy_ratio:.3f}",
+        row.energy_source,
+    )
 
 
 def _summary(comparison: RunComparison) -> str:
@@ -152,13 +159,8 @@ def _summary(comparison: RunComparison) -> str:
 
 def ratios_png(comparison: RunComparison) -> bytes:
     """Measured over planned time and energy per iteration, with the warm-up shaded."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    try:
+    def draw(ax: Any) -> None:
         for rank in sorted({row.rank for row in comparison.rows}):
             rows = [row for row in comparison.rows if row.rank == rank]
             its = [row.iteration for row in rows]
@@ -171,41 +173,17 @@ def ratios_png(comparison: RunComparison) -> bytes:
         ax.set_ylabel("measured / planned")
         ax.grid(alpha=0.3)
         ax.legend()
-        buffer = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buffer, format="png")
-        return buffer.getvalue()
-    finally:
-        plt.close(fig)
+
+    return figure_png(draw, figsize=(7, 4))
 
 
 def comparison_html(comparison: RunComparison) -> str:
     """A self-contained page: the plot, the summary and the per-iteration table."""
     image = base64.b64encode(ratios_png(comparison)).decode()
     cells = "".join(
-        "<tr>"
-        + "".join(
-            f"<td>{value}</td>"
-            for value in (
-                row.iteration,
-                row.rank,
-                row.point,
-                f"{row.time_s * 1e3:.1f}",
-                f"{row.planned_time_s * 1e3:.1f}",
-                f"{row.time_ratio:.3f}",
-                f"{row.energy_j:.2f}",
-                f"{row.planned_energy_j:.2f}",
-                f"{row.energy_ratio:.3f}",
-                html.escape(row.energy_source),
-            )
-        )
-        + "</tr>"
-        for row in comparison.rows
+        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _cells(row)) + "</tr>" for row in comparison.rows
     )
-    head = "".join(
-        f"<th>{c}</th>"
-        for c in ("iter", "rank", "point", "time ms", "plan ms", "x", "energy J", "plan J", "x", "energy from")
-    )
+    head = "".join(f"<th>{html.escape(column)}</th>" for column in _COLUMNS)
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>run against {html.escape(comparison.plan)}</title></head>
 <body>
