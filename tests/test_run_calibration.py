@@ -51,3 +51,42 @@ def test_cpu_runs_another_gpu_and_no_iteration_are_refused(tmp_path):
     other = {**load_plan(H200 / "example_plan.json").data, "gpu": "A100-SXM4-40GB"}
     with pytest.raises(RunCalibrationError, match="plan with --gpu H200-SXM-141GB"):
         apply_run_calibration(other, calibration)
+
+
+def test_kareus_plan_calibrate_from_scales_the_plan_and_records_its_runs(tmp_path, small_real_plan, session_traces):
+    """``kareus plan --calibrate-from`` on small_real_plan's workload with a run measuring 2x the
+    time and 1.5x the energy: the same plan, every price scaled, the scales and the run's hash recorded."""
+    from conftest import SMALL_REAL_WORKLOAD, sharing_traces
+
+    from kareus_fx import cli
+
+    plain = load_plan(small_real_plan[0]).data
+    record = json.loads((H200 / "example_run1.jsonl").read_text().splitlines()[1])
+    point = plain["iteration_frontier"][0]
+    run = {
+        **record,
+        "gpu": plain["gpu"],
+        "predicted_time_s": point["time_s"],
+        "predicted_energy_j": point["energy_j"],
+        "time_s": 2.0 * point["time_s"],
+        "energy_j": 1.5 * point["energy_j"],  # one GPU measured, one predicted (gpus fields of the record)
+    }
+    run_path = tmp_path / "run.jsonl"
+    run_path.write_text("".join(json.dumps({**run, "iteration": i}) + "\n" for i in range(3)))
+    argv = [arg for key, value in SMALL_REAL_WORKLOAD.items() for arg in (f"--{key}", str(value))]
+    out = tmp_path / "plan"
+    with sharing_traces(session_traces):
+        assert (
+            cli.main(
+                ["plan", *argv, "--clock-stride", "120", "--calibrate-from", str(run_path), "--out", str(out), "--json"]
+            )
+            == 0
+        )
+    data = load_plan(out / "plan.json").data
+    assert data["run_calibration"]["time_scale"] == pytest.approx(2.0)
+    assert data["run_calibration"]["energy_scale"] == pytest.approx(1.5)
+    assert len(data["iteration_frontier"]) == len(plain["iteration_frontier"])
+    for scaled, base in zip(data["iteration_frontier"], plain["iteration_frontier"]):
+        assert scaled["time_s"] == pytest.approx(2.0 * base["time_s"])
+        assert scaled["energy_j"] == pytest.approx(1.5 * base["energy_j"])
+    assert len(data["run_calibration"]["sources"][0]["sha256"]) == 64
