@@ -15,7 +15,7 @@ The runs must come from plans of the same simulator (not themselves recalibrated
 taken against the predictions the records hold.
 
 The plan applies the scales to every iteration-level and microbatch-level price it holds (the
-frontier, each microbatch option, each method's frontier; the methods' reduction metrics are ratios
+frontier, each microbatch option, each method's frontier, the step tail; the methods' reduction metrics are ratios
 and do not change) and records the scales and the files' SHA-256 hashes under ``run_calibration``.
 The tuned partition frontiers stay the simulator's: a uniform scale does not reorder them.
 """
@@ -63,7 +63,7 @@ class RunCalibration:
 
     def as_json(self) -> dict[str, Any]:
         """What the plan records under ``run_calibration``."""
-        return asdict(self)
+        return {**asdict(self), "sources": [asdict(source) for source in self.sources]}
 
 
 def fit_run_calibration(paths: Sequence[str | Path], warmup: int = 1) -> RunCalibration:
@@ -113,6 +113,11 @@ def apply_run_calibration(data: Mapping[str, Any], calibration: RunCalibration) 
         for key in _ENERGY_KEYS:
             if key in entry:
                 entry[key] *= calibration.energy_scale
+    tail = scaled.get("step_tail")
+    if tail is not None:  # the work after the last microbatch, included in every frontier point
+        tail["time_s"] *= calibration.time_scale
+        tail["energy_j"] *= calibration.energy_scale
+        tail["parts_s"] = {part: t * calibration.time_scale for part, t in tail["parts_s"].items()}
     for method in scaled["methods"].values():
         method["frontier"] = [[t * calibration.time_scale, e * calibration.energy_scale] for t, e in method["frontier"]]
     scaled["run_calibration"] = calibration.as_json()

@@ -227,6 +227,15 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "then holds one block's graphs and prices a stage as its blocks",
     )
     plan.add_argument(
+        "--calibrate-from",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="run logs (JSON lines of the backend option run_log) measured on this GPU: rescale the simulated "
+        "GPU's time and energy by the medians of measured over predicted (cost_models/run_calibration.py)",
+    )
+    plan.add_argument(
         "--full-trace",
         action="store_true",
         help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
@@ -297,6 +306,8 @@ def _plan_request(args: argparse.Namespace):
         common["gpu"] = args.gpu
     if args.clock_stride is not None:
         common["clock_stride_mhz"] = args.clock_stride
+    if args.calibrate_from:
+        common["calibrate_from"] = tuple(map(str, args.calibrate_from))
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
     if args.stage_layers is not None:

@@ -61,6 +61,7 @@ from kareus_fx.compose.solve_pool import compose_iterations
 from kareus_fx.cost_models.hardware import DEFAULT_GPU, GPUSpec, canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_db import fingerprint
 from kareus_fx.cost_models.profile_queue import ProfileQueue
+from kareus_fx.cost_models.run_calibration import apply_run_calibration, fit_run_calibration
 from kareus_fx.cost_models.sim_params import gpu_params
 from kareus_fx.cost_models.simulated_profiler import SimulatedProfiler
 from kareus_fx.cost_models.simulator import Simulator
@@ -235,6 +236,10 @@ class PlanRequest:
     tied embeddings, distributed optimizer (``step_tail.py``), dropout (``dropout_traffic.py``).
     The testbed presets carry the paper's artifact's; otherwise the traced model's tying, no
     distributed optimizer, no dropout."""
+
+    calibrate_from: tuple[str, ...] = ()
+    """Run logs (``--calibrate-from``, ``deploy/run_log.py``) whose measured over predicted medians
+    rescale every price of the plan (``cost_models/run_calibration.py``); empty: the simulator's own."""
 
     compile_unit: str = "stage"
     """What the job compiles as one graph (``--compile-unit``): the whole stage (``"stage"``:
@@ -489,6 +494,8 @@ def plan_traced(
         wall["compose_s"] = time.perf_counter() - t0
     wall["total_s"] = time.perf_counter() - started
     data = _plan_data(req, traced, ptypes, local_to_plan, tuned, composed, composing.kind, wall, device)
+    if req.calibrate_from:
+        data = apply_run_calibration(data, fit_run_calibration(req.calibrate_from))
     with ProfileQueue(queue_path) as log:
         data["profiling"] = _profiling_cost(req, ledger, log.duplicates(), groups, device).to_dict()
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)
