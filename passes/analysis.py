@@ -29,6 +29,8 @@ from typing import Any, Literal
 import sympy
 import torch
 import torch.fx
+from torch._inductor import config as inductor_config
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils._sympy.numbers import int_oo
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -310,15 +312,23 @@ def sizes_at(sizes: Mapping[Any, int] | None) -> Iterator[None]:
 
 def _concrete(value: Any) -> int:
     """An int from a possibly symbolic size: at :func:`sizes_at`'s sizes where given, otherwise
-    at its hint (the size of the call being compiled). Installs no guard."""
+    at its hint (the size of the call being compiled). Installs no guard.
+
+    A data-dependent (unbacked) size, such as an expert-parallel all-to-all's received tokens,
+    has no hint: it is evaluated as Inductor sizes it, at the ShapeEnv's optimization hint with
+    Inductor's ``unbacked_symint_fallback`` for symbols it knows nothing about."""
     if not isinstance(value, torch.SymInt):
         return int(value)
     sizes = _SIZES.get()
     node = value.node
     if sizes and node.maybe_as_int() is None:
         hints = {sym: int(val) for sym, val in node.shape_env.backed_var_to_val.items()}
-        return int(node.expr.xreplace({**hints, **sizes}))
-    return int(node.hint) if node.hint is not None else int(node.size_hint())
+        expr = node.expr.xreplace({**hints, **sizes})
+        if not expr.free_symbols:
+            return int(expr)
+    if node.hint is not None:
+        return int(node.hint)
+    return optimization_hint(value, fallback=inductor_config.unbacked_symint_fallback)
 
 
 def count_kinds(costs: Iterable[NodeCost]) -> dict[str, int]:

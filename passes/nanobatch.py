@@ -91,6 +91,7 @@ from kareus_fx.passes.batch_dims import (
 )
 from kareus_fx.passes.batch_dims.values import _shape, _size
 from kareus_fx.passes.nanobatch_verify import FakeRun, verify_split
+from kareus_fx.passes.unbacked_symbols import unbacked_symbol_binding
 
 __all__ = [
     "NANOBATCH_META",
@@ -150,6 +151,9 @@ def split_nanobatches(
     if batch < 2:
         return _fallback(gm, f"batch of {batch} cannot be split", batch, names)
     halves = ((batch + 1) // 2, batch // 2)
+    binding = unbacked_symbol_binding(gm)
+    if binding is not None:
+        return _fallback(gm, f"{binding}, a data-dependent size the split cannot halve", batch, names)
     try:
         fake_mode, fake_inputs = _fake_inputs(placeholders, example_inputs)
         vals = _values(gm, placeholders, fake_mode, fake_inputs)
@@ -525,6 +529,8 @@ class _Emitter:
                 else:
                     if info.p != 1:
                         raise Unsupported(f"output {a.name} holds the batch {info.p} times over")
+                    if info.order is not None:
+                        raise Unsupported(f"output {a.name} holds routed rows, not in batch order")
                     out = self._fn(torch.cat, [self.half[0][a], self.half[1][a]], info.dim)
                     self.expected[out] = (self.an.vals.get(a), None, None)
                     cache[a] = out

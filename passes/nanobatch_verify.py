@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from kareus_fx.passes.batch_dims import BatchDim, Unsupported, is_barrier, is_inplace, op_name
-from kareus_fx.passes.batch_dims.values import _shape
+from kareus_fx.passes.batch_dims.values import Positions, _shape
 
 __all__ = ["FakeRun", "verify_split"]
 
@@ -348,6 +348,8 @@ class FakeRun(fx.Interpreter):
         if not isinstance(v, torch.Tensor):
             return None
         s = list(_shape(v))
+        if isinstance(info, Positions):
+            info = info.layout
         if isinstance(info, BatchDim):
             s[info.dim] = info.size(self.halves[h])
         return tuple(s)

@@ -1045,3 +1045,24 @@ def test_reference_models_split_and_match_eager():
 
     for report in run_distributed(_reference_split_worker, 2):
         assert report == {"tp": (True, None), "cp": (True, None), "dtensor": (True, None)}, report
+
+
+class DataDependentRows(nn.Module):
+    """Keeps the rows whose first feature is positive: a size known only when the graph runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        kept = int((h[:, 0] > 0).sum().item())
+        order = torch.argsort((h[:, 0] <= 0).int(), stable=True)
+        return h[order][:kept].sum()
+
+
+def test_data_dependent_size_falls_back_naming_the_unbacked_symbol():
+    torch.manual_seed(0)
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        ref, got, _ = _expect_fallback(DataDependentRows(), (torch.randn(6, 8),), "unbacked symbols")
+    assert_same(ref, got)

@@ -18,7 +18,8 @@ Layout: a core and one module per op family.
   (:func:`register_batch_rule`, :func:`register_partial_rule`).
 * the families, each registering its rules when imported: pointwise, along_dim, reductions, views,
   indexing, matmul, attention, normalization, losses, collectives, higher_order,
-  tensor_metadata, random_ops.
+  tensor_metadata, random_ops, routing (which refines sort, floor_divide, getitem, cumsum and
+  empty_like for mixture-of-experts routing).
 
 A rule either returns a :class:`Step` or raises :class:`Unsupported` naming the op; the caller then
 falls back to the unsplit graph. A new family is one module that registers its rules, plus its
@@ -41,6 +42,7 @@ from kareus_fx.passes.batch_dims import (
     pointwise,
     random_ops,
     reductions,
+    routing,
     tensor_metadata,
     views,
 )
@@ -52,6 +54,7 @@ from kareus_fx.passes.batch_dims.propagation import (
     BatchRuleRegistry,
     Body,
     register_batch_rule,
+    register_inplace_rule,
     register_partial_rule,
 )
 from kareus_fx.passes.batch_dims.values import (
@@ -92,6 +95,7 @@ __all__ = [
     "is_symbolic",
     "op_name",
     "register_batch_rule",
+    "register_inplace_rule",
     "register_partial_rule",
 ]
 
@@ -109,5 +113,6 @@ RULE_FAMILIES: tuple[ModuleType, ...] = (
     higher_order,
     tensor_metadata,
     random_ops,
+    routing,
 )
 """The op-family modules; importing them registered their rules in :data:`BATCH_RULES`."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
 from kareus_fx.passes.batch_dims.node_args import _arg, _norm_dim
 from kareus_fx.passes.batch_dims.op_names import name_target
@@ -23,7 +24,7 @@ from kareus_fx.passes.batch_dims.propagation import (
     register_batch_rule,
     register_partial_rule,
 )
-from kareus_fx.passes.batch_dims.values import PARTIAL, BatchDim, Step
+from kareus_fx.passes.batch_dims.values import PARTIAL, BatchDim, Call, Step
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -45,6 +46,8 @@ def _rule_all_gather(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
+    if i.order is not None:
+        raise an._fail(node, "gathers routed rows across ranks")
     return Step(BatchDim(0, i.k, i.p * group_size), True)
 
 
@@ -54,17 +57,43 @@ def _rule_reduce_scatter(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     i = an.info(x)
     if i.dim != 0:
         return Step(i, True)
-    if i.p % group_size == 0:
+    if i.p % group_size == 0 and i.order is None:
         return Step(BatchDim(0, i.k, i.p // group_size), True)
     raise an._fail(node, "scatters the batch dim across ranks")
 
 
 @register_batch_rule("c10d.all_to_all_single")
 def _rule_all_to_all(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    i = an.info(node.args[0])
-    if i.dim == 0:
-        raise an._fail(node, "exchanges slices of the batch dim between ranks")
-    return Step(i, True)
+    """An all-to-all with equal splits of a dim laid out ``(p, B, k)``, ``p`` a multiple of the
+    group size: the chunk for each rank is whole ``(B, k)`` blocks, so nanobatch ``h`` of every
+    rank (all ranks split alike) sends its own rows of each block and receives the other ranks'
+    rows of nanobatch ``h``, laid out ``(p, B, k)`` again (expert-parallel dispatch and combine
+    of padded, fixed-size buffers). Equal split sizes given as lists (funcol's autograd variant
+    writes them out) are rewritten per nanobatch; any other split sizes are refused."""
+    x = _node_arg(an, node, 0)
+    i = an.info(x)
+    if not isinstance(i, BatchDim):
+        raise an._fail(node, "batch enters through a non-data argument")
+    if i.dim != 0:
+        return Step(i, True)
+    output_splits, input_splits, group_name = node.args[1:4]
+    if not isinstance(group_name, str):
+        raise an._fail(node, f"group {group_name!r} is not a group name")
+    group_size = _resolve_process_group(GroupName(group_name)).size()
+    rows = an.shape(x)[0]
+    for splits in (output_splits, input_splits):
+        if splits is not None and (
+            not isinstance(splits, (list, tuple)) or list(splits) != [rows // group_size] * group_size
+        ):
+            raise an._fail(node, "exchanges slices of the batch dim between ranks by uneven split sizes")
+    if i.order is not None or i.p % group_size:
+        raise an._fail(node, f"exchanges slices of the batch dim between ranks ({i} over {group_size} ranks)")
+
+    def call(h: int) -> Call:
+        equal = [i.size(an.halves[h]) // group_size] * group_size
+        return Call(node.op, node.target, (x, equal, equal, group_name, *node.args[4:]), dict(node.kwargs))
+
+    return Step(i, True, call)
 
 
 register_partial_rule("c10d.wait_tensor")(passes_partial)

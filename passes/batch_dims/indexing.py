@@ -193,7 +193,7 @@ def _advanced_getitem(an: BatchAnalysis, node: fx.Node, src: fx.Node, info: Batc
         return Step(info.moved(out_dim), True)
     index = items[info.dim]
     d = _batch_arange_dim(an, index)
-    if d is None or info.p != 1 or info.k != 1:
+    if d is None or info.p != 1 or info.k != 1 or info.order is not None:
         raise an._fail(node, "advanced (tensor) indexing of the batch dim by an index that is not a batch arange")
     own_shape = an.shape(index)
     d_b = d + len(bcast) - len(own_shape)

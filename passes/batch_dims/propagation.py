@@ -5,7 +5,8 @@ inputs are all shared needs no rule: it runs once, exactly as before. A node tha
 is decided by the rule registered for its canonical name (:func:`~.op_names.op_name`); nothing is
 assumed about an op without one, so it is refused (:class:`~.values.Unsupported`) and the caller
 keeps the unsplit graph. Three policies stay in the driver because they hold for every op: in-place
-ops on batch data are refused, random ops on batch data are refused unless the caller allows them,
+ops on batch data are refused unless an in-place rule (:func:`register_inplace_rule`) proves them
+exact, random ops on batch data are refused unless the caller allows them,
 and inside an ``autograd.Function`` backward a nanobatch's part of a batch sum
 (:data:`~.values.PARTIAL`) may pass only through ops that register a partial-sum rule (linear ops).
 
@@ -61,6 +62,7 @@ class BatchRuleRegistry:
     def __init__(self) -> None:
         self._rules: dict[str, BatchRule] = {}
         self._partial_rules: dict[str, BatchRule] = {}
+        self._inplace_rules: dict[str, BatchRule] = {}
 
     def register(self, *names: str, replace: bool = False) -> Callable[[BatchRule], BatchRule]:
         """Decorator: the rule decides every node whose op is one of ``names``."""
@@ -71,6 +73,12 @@ class BatchRuleRegistry:
         batch sum (:data:`~.values.PARTIAL`); an op without one refuses them as non-linear."""
         return _registrar(self._partial_rules, names, replace)
 
+    def register_inplace(self, *names: str) -> Callable[[BatchRule], BatchRule]:
+        """Decorator: the rule decides an in-place op of one of ``names`` on batch data (the driver
+        refuses an in-place op without one: a mutation is exact per nanobatch only when the rule
+        proves the mutated tensor aliases the same data split and unsplit)."""
+        return _registrar(self._inplace_rules, names, False)
+
     def rule(self, name: str) -> BatchRule | None:
         """The batch rule of op ``name``, if one is registered."""
         return self._rules.get(name)
@@ -78,6 +86,10 @@ class BatchRuleRegistry:
     def partial_rule(self, name: str) -> BatchRule | None:
         """The partial-sum rule of op ``name``, if one is registered."""
         return self._partial_rules.get(name)
+
+    def inplace_rule(self, name: str) -> BatchRule | None:
+        """The in-place rule of op ``name``, if one is registered."""
+        return self._inplace_rules.get(name)
 
 
 def _registrar(table: dict[str, BatchRule], names: Sequence[str], replace: bool) -> Callable[[BatchRule], BatchRule]:
@@ -98,6 +110,7 @@ BATCH_RULES = BatchRuleRegistry()
 """The rules :class:`BatchAnalysis` applies; the op-family modules of this package fill it."""
 register_batch_rule = BATCH_RULES.register
 register_partial_rule = BATCH_RULES.register_partial
+register_inplace_rule = BATCH_RULES.register_inplace
 
 
 def passes_partial(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
@@ -185,9 +198,12 @@ class BatchAnalysis:
         inputs = node.all_input_nodes
         touched = [i for i in inputs if _is_split(self.infos.get(i))]
         if is_inplace(node):
-            if touched:
+            if not touched:
+                return Step(None, False)
+            inplace = BATCH_RULES.inplace_rule(op_name(node))
+            if inplace is None:
                 raise self._fail(node, "in-place op on a batch-carrying tensor")
-            return Step(None, False)
+            return inplace(self, node, op_name(node))
         if not touched:
             # Runs once on shared values, exactly as in the original graph.
             return Step(None, False)
@@ -263,7 +279,7 @@ class BatchAnalysis:
             j = out.dim - (nd - len(s))
             if j < 0 or s[j] == 1:
                 continue
-            if s[j] != out_shape[out.dim] or out.p != 1:
+            if s[j] != out_shape[out.dim] or out.p != 1 or out.order is not None:
                 raise self._fail(node, f"shared operand {a.name} cannot be sliced along dim {j}")
             slices[id(a)] = SliceOf(a, out.moved(j))
         return slices

@@ -10,6 +10,8 @@ What a value can be (:data:`Info`):
   ``k`` consecutive entries per element (``flatten(0, 1)`` of ``(B, T, V)`` gives ``k = T``).
   A nanobatch of ``b`` elements has size ``p * b * k`` there. Every entry depends only on its own
   batch element, so slicing commutes with the op: that is what the rules check.
+* :class:`Positions`, :class:`ExpertCounts`: routing values (a sort's indices and their inverse,
+  tokens per expert), one copy per nanobatch (:mod:`~kareus_fx.passes.batch_dims.routing`).
 * :data:`PARTIAL`: only inside the backward of an ``autograd.Function``: a shared-shaped value that
   is a nanobatch's *part* of a sum over the batch (the weight gradient ``x^T g``). Autograd adds the
   two parts because the shared input is used by both nanobatch calls; so a part may only flow
@@ -43,18 +45,47 @@ class Unsupported(UnsupportedGraphError):
 
 @dataclass(frozen=True)
 class BatchDim:
-    """Dim ``dim`` carries the batch, laid out ``(p, B, k)`` (see the module docstring)."""
+    """Dim ``dim`` carries the batch, laid out ``(p, B, k)`` (see the module docstring).
+
+    ``order`` is None when a nanobatch's copy is its slice of the full value. A node (a ``sort``
+    of routing keys) means the dim is in *routed* order: a nanobatch's copy holds the entries of
+    its slice, permuted by that nanobatch's own sort, so it equals no slice of the full value.
+    Routed values meet only values routed by the same sort; they are never sliced from shared
+    values, reshaped across the routed dim, nor returned, until a gather by the sort's inverse
+    (:mod:`~kareus_fx.passes.batch_dims.routing`) puts them back in batch order."""
 
     dim: int
     k: int = 1
     p: int = 1
+    order: fx.Node | None = None
 
     def size(self, b: int) -> int:
         """Size of the dim for a (nano)batch of ``b`` elements."""
         return self.p * b * self.k
 
     def moved(self, dim: int) -> BatchDim:
-        return BatchDim(dim, self.k, self.p)
+        return BatchDim(dim, self.k, self.p, self.order)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """A 1-D integer tensor laid out as ``layout`` whose values are positions, local to the
+    nanobatch, along a dim laid out as ``space``: a sort's indices (routed layout, batch-order
+    space) or their inverse (batch-order layout, routed space)."""
+
+    layout: BatchDim
+    space: BatchDim
+
+
+@dataclass(frozen=True)
+class ExpertCounts:
+    """Per-nanobatch counts (``cumulative``: their running sum) of the expert ids that the sort
+    ``order`` sorts ascending, one entry per expert: each nanobatch counts its own tokens, so its
+    copy differs from the full batch's and is only ever read as group offsets of rows routed by
+    ``order``."""
+
+    order: fx.Node
+    cumulative: bool
 
 
 class _Partial:
@@ -63,7 +94,7 @@ class _Partial:
 
 
 PARTIAL = _Partial()
-Info = Any  # None | BatchDim | PARTIAL | tuple[Info, ...]
+Info = Any  # None | BatchDim | Positions | ExpertCounts | PARTIAL | tuple[Info, ...]
 
 
 def _is_split(info: Info) -> bool:

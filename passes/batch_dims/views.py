@@ -65,7 +65,9 @@ def _reshape_batch(an: BatchAnalysis, node, in_shape, i: BatchDim, out_shape) ->
             continue
         k2 = out_shape[d] // (p2 * b)
         if k2 * math.prod(out_shape[d + 1 :]) == rest:
-            return BatchDim(d, k2, p2)
+            if i.order is not None and (k2, p2) != (i.k, i.p):
+                break  # a routed dim keeps its entries whole
+            return BatchDim(d, k2, p2, i.order)
     raise an._fail(node, f"reshape {in_shape} -> {out_shape} mixes the batch with other dims")
 
 
@@ -187,7 +189,7 @@ def _rule_cat(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
             if s == (0,):  # cat skips a 1-D empty tensor (an empty cache): nothing to slice
                 continue
             j = out.dim if not stack or out.dim < d else out.dim - 1
-            if out.p != 1 or s[j] != out_shape[out.dim]:
+            if out.p != 1 or out.order is not None or s[j] != out_shape[out.dim]:
                 raise an._fail(node, f"shared input {t.name} cannot be sliced")
             slices[id(t)] = SliceOf(t, out.moved(j))
     return Step(out, True, an._with_slices(node, slices))
@@ -210,5 +212,5 @@ def _rule_split_like(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         return Step(tuple(out for _ in range(n_out)), True)
     # chunk(p) of an all-gathered tensor: each rank's piece holds the whole batch once.
     if name == "chunk" and i.p > 1 and _arg(node, 1, "chunks") == i.p:
-        return Step(tuple(BatchDim(d, i.k, 1) for _ in range(n_out)), True)
+        return Step(tuple(BatchDim(d, i.k, 1, i.order) for _ in range(n_out)), True)
     raise an._fail(node, f"{name} along the batch dim")
