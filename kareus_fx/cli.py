@@ -7,6 +7,7 @@ problem and the fix, with exit status 2; anything else is a bug and keeps its tr
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,17 @@ def _parser() -> argparse.ArgumentParser:
         metavar=("A", "B"),
         help="compare two dumps or two plans instead of summarising one file",
     )
+    inspect.add_argument(
+        "--run",
+        dest="run_logs",
+        type=Path,
+        nargs="+",
+        metavar="RUN",
+        help="run log(s) (JSON lines) to hold against --plan",
+    )
+    inspect.add_argument("--plan", type=Path, help="with --run: the plan the run is compared with")
+    inspect.add_argument("--warmup", type=int, default=1, help="with --run: iterations left out of the ratios")
+    inspect.add_argument("--json", action="store_true", help="with --run: print the comparison as JSON")
     inspect.set_defaults(run=_run_inspect)
     _add_bench_parser(sub)
     _add_clocks_parser(sub)
@@ -223,6 +235,15 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         "step tail); default: megatron-lm for the presets that carry Megatron settings, else traced-order",
     )
     plan.add_argument(
+        "--calibrate-from",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="RUN",
+        help="run logs (JSON lines of the backend option run_log) measured on this GPU: rescale the simulated "
+        "GPU's time and energy by the medians of measured over predicted (cost_models/run_calibration.py)",
+    )
+    plan.add_argument(
         "--full-trace",
         action="store_true",
         help="trace every layer of each stage instead of a 2- and 3-layer slice extended to the "
@@ -293,6 +314,8 @@ def _plan_request(args: argparse.Namespace):
         common["gpu"] = args.gpu
     if args.clock_stride is not None:
         common["clock_stride_mhz"] = args.clock_stride
+    if args.calibrate_from:
+        common["calibrate_from"] = tuple(map(str, args.calibrate_from))
     if args.device_window is not None:
         common["device_window_s"] = args.device_window
     if args.stage_layers is not None:
@@ -325,7 +348,6 @@ def _plan_request(args: argparse.Namespace):
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import json
 
     from kareus_fx.compose.perseus_csv import write_perseus_profile
     from kareus_fx.plan.bucketed_plan import make_bucketed_plan, validate_buckets
@@ -442,6 +464,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
     )
     from kareus_fx.report.plan_diff import diff_dumps, diff_plans, format_changes
 
+    if args.run_logs is not None:
+        return _inspect_run(args)
     if args.diff is not None:
         if args.file is not None or args.html is not None:
             raise OptionsError("--diff A B compares two files; give no other FILE and no --html with it")
@@ -462,6 +486,27 @@ def _run_inspect(args: argparse.Namespace) -> int:
         args.html.parent.mkdir(parents=True, exist_ok=True)
         args.html.write_text(inspected_html(item))
         print(f"wrote {args.html}")
+    return 0
+
+
+def _inspect_run(args: argparse.Namespace) -> int:
+    """``kareus inspect --run RUN.jsonl --plan PLAN.json``: planned against measured per iteration."""
+    from kareus_fx.deploy.run_record import read_run_logs
+    from kareus_fx.plan.plan_format import load_plan
+    from kareus_fx.report.run_vs_plan import compare_run, comparison_html, print_comparison
+
+    if args.plan is None or args.file is not None or args.diff is not None:
+        raise OptionsError("--run RUN.jsonl needs --plan PLAN.json (the plan to compare with) and no other FILE")
+    comparison = compare_run(read_run_logs(args.run_logs), load_plan(args.plan), warmup=args.warmup)
+    if args.json:
+        print(json.dumps(comparison.as_json(), indent=1))
+    else:
+        print_comparison(comparison, _console())
+    if args.html is not None:
+        args.html.parent.mkdir(parents=True, exist_ok=True)
+        args.html.write_text(comparison_html(comparison))
+        if not args.json:
+            print(f"wrote {args.html}")
     return 0
 
 

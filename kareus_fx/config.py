@@ -17,6 +17,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, UnknownGPUError
 
 if TYPE_CHECKING:
+    from kareus_fx.deploy.run_log import RunLogOptions
     from kareus_fx.deploy.switching import PointSwitcher
     from kareus_fx.runtime.clock_controller import ClockController
 
@@ -37,6 +38,8 @@ _OPTION_HELP: dict[str, str] = {
     "(list of ints; default: the lengths it has seen)",
     "clock_controller": "a kareus_fx.runtime.clock_controller.ClockController the clock hooks request from",
     "power_limit": "deploy the plan as one GPU power limit instead of clocks: 'real' (through Zeus) or 'dry-run'",
+    "run_log": "write one JSON line per iteration of the deployed plan: a path, or a dict of "
+    "kareus_fx.deploy.run_log.RunLogOptions fields (path, drift_threshold, drift_window, warmup, compare_time_on_cpu)",
     "switching": "a kareus_fx.deploy.switching.PointSwitcher (it names the plan and target): switch frontier "
     "points between iterations",
 }
@@ -68,6 +71,7 @@ class KareusOptions:
     clock_controller: ClockController | None = None
     power_limit: Literal["real", "dry-run"] | None = None
     switching: PointSwitcher | None = None
+    run_log: RunLogOptions | None = None
 
     @classmethod
     def from_user(cls, options: Any) -> KareusOptions:
@@ -116,7 +120,7 @@ def _int_option(options: Mapping[str, Any], key: str, low: int, what: str) -> in
 
 def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """plan, target, stage, tune, plan_out, tune_request, microbatches, tune_seq, clock_controller (see
-    deploy/deployment.py), power_limit (deploy/power_limit_mode.py)."""
+    deploy/deployment.py), power_limit (deploy/power_limit_mode.py), run_log (deploy/run_log.py)."""
     values: dict[str, Any] = {}
     for key in ("plan", "plan_out"):
         if options.get(key) is not None:
@@ -169,6 +173,10 @@ def _deployment_options(options: Mapping[str, Any]) -> dict[str, Any]:
         values["power_limit"] = options["power_limit"]
     if options.get("switching") is not None:
         values.update(_switching_options(options, values))
+    if options.get("run_log") is not None:
+        from kareus_fx.deploy.run_log import RunLogOptions
+
+        values["run_log"] = RunLogOptions.from_option(options["run_log"])
     return values
 
 

@@ -22,7 +22,8 @@ import torch
 from dist_harness import run_distributed
 
 from kareus_fx import cli
-from kareus_fx.deploy.deployment import PlanMismatchError, clock_schedule
+from kareus_fx.deploy.plan_checks import PlanMismatchError
+from kareus_fx.deploy.plan_clocks import clock_schedule
 from kareus_fx.plan.plan_format import load_plan
 
 LAYERS, MICROBATCHES, MBS, SEQ = 2, 2, 2, 64
@@ -140,7 +141,7 @@ def test_a_dp_plan_fits_one_replica_or_all_and_nothing_else(block_plan, world):
     """A --dp 2 plan of 1-process pipelines fits 1 process (one replica's group) or 2 (a group
     spanning the replicas); 3 is refused naming both counts and the --dp that would fit."""
     from kareus_fx.config import KareusOptions
-    from kareus_fx.deploy.deployment import _check_plan_fits
+    from kareus_fx.deploy.plan_checks import check_plan_fits
 
     plan = load_plan(block_plan)
     with (
@@ -149,9 +150,9 @@ def test_a_dp_plan_fits_one_replica_or_all_and_nothing_else(block_plan, world):
     ):
         if world == 3:
             with pytest.raises(PlanMismatchError, match=r"replicas of it: 2\) but this job runs 3.*--dp 3"):
-                _check_plan_fits(plan, KareusOptions())
+                check_plan_fits(plan, KareusOptions())
         else:
-            _check_plan_fits(plan, KareusOptions())
+            check_plan_fits(plan, KareusOptions())
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,8 @@ import torch
 from conftest import train_microbatches
 from dist_harness import run_distributed
 
-from kareus_fx.deploy.deployment import PlanMismatchError, copy_graph
+from kareus_fx.deploy.plan_checks import PlanMismatchError
+from kareus_fx.deploy.variants import copy_graph
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, write_plan
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -127,8 +128,8 @@ def _graph_nodes(gm):
 
 
 def _deploy_worker(rank, world_size, plan_path):
-    from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.deploy.hook_ops import recording_hooks
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.runtime.clock_controller import ClockController
 
     model = _tiny_model(WORKLOAD["seq"])
@@ -417,7 +418,7 @@ def test_compile_time_tuning_writes_and_deploys_a_plan(tmp_path):
     The planner traces in bf16, so the model is bf16 too; with tp=1 nothing communicates, so the
     plan is sequential and the deployed graphs carry the clock hook only.
     """
-    from kareus_fx.deploy.deployment import deployed_graphs
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.models import ParallelLayout, build_model
     from kareus_fx.plan.plan_format import load_plan
 

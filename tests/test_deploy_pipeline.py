@@ -114,7 +114,9 @@ def _run_1f1b(fn, model, stage, batches, layout):
 
 
 def _pipeline_worker(rank, world_size, plan_path):
-    from kareus_fx.deploy.deployment import clock_schedule, deployed_graphs, prepare_collectives
+    from kareus_fx.deploy.deployment import prepare_collectives
+    from kareus_fx.deploy.plan_clocks import clock_schedule
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.models import ParallelLayout, build_model
     from kareus_fx.models.stage_layers import PipelineStage
     from kareus_fx.plan.plan_format import load_plan
@@ -238,7 +240,8 @@ def test_tp2_pp2_pipeline_with_split_and_unsplit_microbatches_matches_eager(plan
 def test_forward_and_backward_split_differently_warn_and_follow_the_forward(plan_data, tmp_path):
     """Microbatch 2's backward option is sequential but its forward is split (and microbatch 1
     the other way round): the deployment warns once naming both; the backward follows its forward."""
-    from kareus_fx.deploy.deployment import Deployment, PlanDeviationWarning
+    from kareus_fx.deploy.deployment import Deployment
+    from kareus_fx.deploy.plan_checks import PlanDeviationWarning
     from kareus_fx.plan.plan_format import load_plan
 
     data = _pipeline_plan(plan_data, tmp_path / "plan.json")

@@ -121,7 +121,7 @@ def _check_symbolic_dump(dump_dir, capsys):
 
 
 def _live_tuning_worker(rank, world_size, plan_out):
-    from kareus_fx.deploy.deployment import deployed_graphs
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.models import ParallelLayout, build_model
 
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kareus_fx.compose.pipeline_schedule import one_f_one_b_order
-from kareus_fx.deploy.deployment import clock_schedule
+from kareus_fx.deploy.plan_clocks import clock_schedule
 from kareus_fx.plan.plan_format import load_plan
 from kareus_fx.runtime.step_context import PipelineNode
 

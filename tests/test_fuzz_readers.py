@@ -50,8 +50,11 @@ from kareus_fx import cli
 from kareus_fx.capture.dump import DumpFormatError, load_dump
 from kareus_fx.cli import main
 from kareus_fx.config import KareusOptions
-from kareus_fx.deploy import deployment
-from kareus_fx.deploy.deployment import Deployment, PlanMismatchError, clock_schedule
+from kareus_fx.deploy import plan_checks
+from kareus_fx.deploy.deployment import Deployment
+from kareus_fx.deploy.plan_checks import PlanMismatchError
+from kareus_fx.deploy.plan_clocks import clock_schedule
+from kareus_fx.deploy.variants import point_schedules
 from kareus_fx.errors import UnsupportedGraphError
 from kareus_fx.plan.graph_workload import partitioned_graphs, sequential_graphs
 from kareus_fx.plan.plan_format import PlanFormatError, load_plan, validate_plan
@@ -201,11 +204,11 @@ def _plan_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool)
                 # what compile() asks per microbatch: the schedule of each of the graph's partition types
                 partitioning = SimpleNamespace(types=dict.fromkeys(graph["partition_types"]))
                 for microbatch in range(plan.workload["microbatches"]):
-                    deployed._schedules(
-                        name, deployed._option(name, microbatch), partitioning, graph["partition_types"]
+                    point_schedules(
+                        plan, name, deployed.option(name, microbatch), partitioning, graph["partition_types"], point
                     )
             with contextlib.suppress(PlanMismatchError):  # this process is not the planned job
-                deployment._check_plan_fits(plan, KareusOptions(gpu=plan.gpu, stage=stage))
+                plan_checks.check_plan_fits(plan, KareusOptions(gpu=plan.gpu, stage=stage))
 
 
 def _dump_end_to_end(path: Path, seed_path: Path, done: set[str], refused: bool) -> None:

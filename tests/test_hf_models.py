@@ -156,7 +156,7 @@ def _hf_worker(rank, world_size, arch: str, sequence_parallel: bool, options: di
         torch.testing.assert_close(grad, eager_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     deployed = []
     if "tune" in options:
-        from kareus_fx.deploy.deployment import deployed_graphs
+        from kareus_fx.deploy.variants import deployed_graphs
 
         deployed = [(g.name, g.nanobatched) for g in deployed_graphs()]
     return {"halves": splits[0].halves, "outputs": splits[0].outputs, "deployed": deployed}

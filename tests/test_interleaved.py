@@ -178,7 +178,7 @@ def test_perseus_plan_lists_each_gpus_clocks_in_its_interleaved_order():
 
 def test_plan_of_an_interleaved_pipeline(tmp_path):
     """A tiny real plan (traced model, simulated GPU): PP2 x 2 chunks, 4 stages in the plan."""
-    from kareus_fx.deploy.deployment import clock_schedule
+    from kareus_fx.deploy.plan_clocks import clock_schedule
     from kareus_fx.plan.plan_format import load_plan, write_plan
     from kareus_fx.plan.planner import make_plan
     from kareus_fx.plan.request import PlanRequest

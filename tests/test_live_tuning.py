@@ -20,7 +20,7 @@ MBS, SEQ, LAYERS = 2, 256, 2
 
 
 def _live_worker(rank, world_size, plan_out):
-    from kareus_fx.deploy.deployment import deployed_graphs
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.models import ParallelLayout, build_model
 
     torch._dynamo.reset()

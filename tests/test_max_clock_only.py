@@ -17,7 +17,8 @@ from conftest import SMALL_REAL_WORKLOAD, sharing_traces
 
 from kareus_fx import cli
 from kareus_fx.cost_models.hardware import gpu_spec
-from kareus_fx.deploy.deployment import clock_binding, clock_schedule
+from kareus_fx.deploy.deployment import clock_binding
+from kareus_fx.deploy.plan_clocks import clock_schedule
 from kareus_fx.errors import OptionsError
 from kareus_fx.plan.plan_format import PlanFormatError, instruction_key, load_plan, validate_plan
 from kareus_fx.plan.request import PlanRequest, validate_plan_request

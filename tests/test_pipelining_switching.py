@@ -159,10 +159,10 @@ def _compiled_worker(rank, world_size, plan_path):
     from test_torch_pipelining import _stage_module, _step
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.deploy.hook_ops import recording_hooks
     from kareus_fx.deploy.pipelining import KareusPipelineStage, follow_plan, kareus_stage, pipeline_group, stage_loss
     from kareus_fx.deploy.switching import PointSwitcher
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.models import ParallelLayout
     from kareus_fx.runtime.clock_controller import ClockController
 

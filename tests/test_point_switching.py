@@ -104,9 +104,9 @@ def _check_parity(model, compiled, batches):
 
 
 def _switch_worker(rank, world_size, plan_path):
-    from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.deploy.hook_ops import recording_hooks
     from kareus_fx.deploy.switching import PointSwitcher, PointSwitchError
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.runtime.clock_controller import ClockController
 
     model, layout = _tiny_model()
@@ -172,7 +172,7 @@ def _expected_launches(data, point):
 
 def test_switching_points_every_iteration_follows_each_points_clocks_and_variants(tiny_tp2_plan_data, tmp_path):
     from kareus_fx.compose.pipeline_schedule import PipelineNode
-    from kareus_fx.deploy.deployment import clock_schedule
+    from kareus_fx.deploy.plan_clocks import clock_schedule
     from kareus_fx.plan.plan_format import load_plan
 
     plan_path = tmp_path / "plan.json"

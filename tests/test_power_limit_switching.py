@@ -94,9 +94,9 @@ def test_bad_limit_candidates_are_refused_naming_the_fix(tiny_tp2_plan_data, tmp
 
 
 def _union_worker(rank, world_size, plan_path):
-    from kareus_fx.deploy.deployment import deployed_graphs
     from kareus_fx.deploy.hook_ops import recording_hooks
     from kareus_fx.deploy.switching import PointSwitcher
+    from kareus_fx.deploy.variants import deployed_graphs
     from kareus_fx.runtime.clock_controller import ClockController
     from kareus_fx.runtime.power_limit_controller import PowerLimitController
 

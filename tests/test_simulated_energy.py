@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from kareus_fx.compose.pipeline_schedule import PipelineNode, one_f_one_b_order
-from kareus_fx.deploy.deployment import clock_schedule
+from kareus_fx.deploy.plan_clocks import clock_schedule
 from kareus_fx.deploy.simulated_energy import SimulationError, parse_node, simulated_iteration
 from kareus_fx.plan.plan_format import load_plan
 from kareus_fx.runtime.clock_controller import ClockRequest

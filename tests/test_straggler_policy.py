@@ -113,7 +113,7 @@ def _straggler_worker(rank, world_size, plan_path):
 
 def test_a_straggler_replica_slows_the_other_down_and_back(tiny_tp2_plan_data, tmp_path):
     from kareus_fx.compose.pipeline_schedule import PipelineNode
-    from kareus_fx.deploy.deployment import clock_schedule
+    from kareus_fx.deploy.plan_clocks import clock_schedule
     from kareus_fx.plan.plan_format import load_plan
 
     plan_path = tmp_path / "plan.json"

@@ -63,9 +63,10 @@ def _schedule_worker(rank, world_size, plan_path):
     serves both schedules: the stage module is compiled once and wrapped per schedule)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from kareus_fx.deploy.deployment import PlanDeviationWarning, prepare_collectives
+    from kareus_fx.deploy.deployment import prepare_collectives
     from kareus_fx.deploy.hook_ops import recording_hooks
     from kareus_fx.deploy.pipelining import KareusPipelineStage, follow_plan, kareus_stage, pipeline_group, stage_loss
+    from kareus_fx.deploy.plan_checks import PlanDeviationWarning
     from kareus_fx.models import ParallelLayout
     from kareus_fx.runtime.clock_controller import ClockController
 

@@ -38,7 +38,8 @@ from kareus_fx.capture.codegen import GraphCodegen
 from kareus_fx.capture.dump import GraphDumpFile
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.deploy.bucket_dispatch import BucketedDeployment, sequence_input
-from kareus_fx.deploy.deployment import Deployment, check_plan_recompute
+from kareus_fx.deploy.deployment import Deployment
+from kareus_fx.deploy.plan_checks import check_plan_recompute
 from kareus_fx.passes.analysis import analyse_graph, sizes_at
 from kareus_fx.passes.issue_order import apply_issue_order
 from kareus_fx.passes.kernel_groups import group_kernels

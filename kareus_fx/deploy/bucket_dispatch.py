@@ -15,7 +15,7 @@ as one bucket of its ``workload.seq``.
 A graph with a concrete sequence length (Dynamo's first compile, before it has seen a second
 length) is deployed on the bucket of exactly that length. A call that no bucket holds (longer
 than the largest, or a concrete length that is not a bucket) runs the un-split graph without the
-plan, with one :class:`~kareus_fx.deploy.deployment.PlanDeviationWarning` per length that names
+plan, with one :class:`~kareus_fx.deploy.plan_checks.PlanDeviationWarning` per length that names
 the length and the fix.
 
 The sequence length is dim 1 of the first batch-carrying input of two or more dims that the
@@ -34,7 +34,8 @@ import torch
 import torch.fx
 
 from kareus_fx.config import KareusOptions
-from kareus_fx.deploy.deployment import Deployment, PlanDeviationWarning, PlanMismatchError, clock_binding
+from kareus_fx.deploy.deployment import Deployment, clock_binding
+from kareus_fx.deploy.plan_checks import PlanDeviationWarning, PlanMismatchError
 from kareus_fx.plan.plan_format import Plan
 
 __all__ = ["BucketedDeployment", "SequenceInput", "deployment_from_options", "sequence_input"]

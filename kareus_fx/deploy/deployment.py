@@ -63,20 +63,13 @@ forward's sequential backward runs the nanobatched backward with every partition
 with one warning at deployment naming the microbatches. Inference graphs (``torch.no_grad``) run
 the nanobatching order without the plan.
 
-Compile-time tuning: ``options={"tune": "simulated" | "cuda", "plan_out": PATH}`` tunes the live
-graph (:mod:`kareus_fx.plan.live_tuning`, one stage). With ``"tune_request": {...}`` it instead runs
-:func:`kareus_fx.plan.planner.make_plan` on that :class:`~kareus_fx.plan.planner.PlanRequest` (model, tp,
-cp, pp, microbatches, mbs, seq, layers, ...): the planner traces the reference model at full size
-on the meta device under the fake process group, so it runs in a spawned process (rank 0 only;
-the other ranks wait at a barrier); this is the way for pipelines. Either way the plan is
-written to ``plan_out`` and then deployed like ``options["plan"]``.
+Compile-time tuning (``options['tune']``): :mod:`kareus_fx.deploy.compile_time_tuning`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -87,81 +80,24 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from kareus_fx.capture.dump import graph_record
-from kareus_fx.compose.pipeline_schedule import INSTRUCTIONS, PipelineNode
 from kareus_fx.config import KareusOptions
-from kareus_fx.cost_models.hardware import DEFAULT_GPU
-from kareus_fx.deploy.hook_ops import ClockBinding, set_running
-from kareus_fx.deploy.peer_failure import is_collective_failure, peer_failure
-from kareus_fx.deploy.plan_clocks import clock_schedule, plan_num_stages
-from kareus_fx.errors import KareusError, OptionsError
-from kareus_fx.models.recompute import checkpoint_regions
-from kareus_fx.passes.analysis import META_KEY
+from kareus_fx.deploy.compile_time_tuning import tuned_plan
+from kareus_fx.deploy.hook_ops import ClockBinding
+from kareus_fx.deploy.microbatch_cursor import MicrobatchCursor
+from kareus_fx.deploy.plan_checks import PlanDeviationWarning, check_fingerprint, check_layout, check_plan_fits
+from kareus_fx.deploy.plan_clocks import clock_schedule
+from kareus_fx.deploy.run_log import RunLog, run_log_for
+from kareus_fx.deploy.variants import Codegen, compile_variant, dispatcher, point_schedules
 from kareus_fx.passes.partitions import GraphPartitioning
-from kareus_fx.passes.stream_schedule import (
-    CommSchedule,
-    GroupRewrite,
-    ScheduledPartition,
-    copy_partitioned_graph,
-    insert_clock_hook,
-    schedule_partitions,
-)
-from kareus_fx.plan.graph_workload import graph_fingerprint
-from kareus_fx.plan.plan_format import Plan, Target, load_plan, write_plan
+from kareus_fx.passes.stream_schedule import CommSchedule
+from kareus_fx.plan.plan_format import Plan, Target, load_plan
 from kareus_fx.runtime.clock_controller import ClockController
-from kareus_fx.runtime.collectives import backends_for, prepare_comm_groups
-from kareus_fx.runtime.step_context import active_step_context
+from kareus_fx.runtime.collectives import prepare_comm_groups
 
 if TYPE_CHECKING:
     from kareus_fx.deploy.switching import PointSwitcher
 
-Codegen = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
-"""Compiles one aten graph into a boxed callable (Inductor's inner compile or op by op)."""
-
-__all__ = [
-    "DeployedGraph",
-    "Deployment",
-    "PlanDeviationWarning",
-    "PlanMismatchError",
-    "clock_schedule",
-    "copy_graph",
-    "deployed_graphs",
-    "prepare_collectives",
-]
-
-
-class PlanMismatchError(KareusError, ValueError):
-    """A valid plan made for another graph, world size, rank layout, GPU or pipeline stage."""
-
-
-class PlanDeviationWarning(UserWarning):
-    """The deployment runs part of the plan otherwise than priced (the message says what)."""
-
-
-@dataclass(frozen=True)
-class DeployedGraph:
-    """One compiled variant: print ``gm.code`` (or ``gm.print_readable()``) to see the scheduled
-    aten graph, ``output_code`` to see the code Inductor generated from it."""
-
-    name: str
-    stage: int
-    microbatches: tuple[int, ...]
-    gm: torch.fx.GraphModule
-    partitions: tuple[ScheduledPartition, ...]
-    nanobatched: bool = True
-    """False: the un-split graph of the microbatches whose option is sequential."""
-    output_code: str | None = None
-    """Inductor's generated source of ``gm`` (None with ``options={"inductor": False}``)."""
-    runs: tuple[tuple[int, int], ...] = ()
-    """The (frontier point, microbatch) pairs that run this variant."""
-
-
-_DEPLOYED: list[DeployedGraph] = []
-
-
-def deployed_graphs() -> list[DeployedGraph]:
-    """Every variant compiled from a plan in this process, oldest first."""
-    return list(_DEPLOYED)
+__all__ = ["Deployment", "clock_binding", "prepare_collectives"]
 
 
 def prepare_collectives(
@@ -192,56 +128,6 @@ def clock_binding(plan: Plan, point_index: int, controller: ClockController | No
     return ClockBinding(controller, clock_schedule(plan, point_index))
 
 
-class MicrobatchCursor:
-    """Which microbatch of this stage runs an instruction (see the module docstring, step 3)."""
-
-    def __init__(self, stage: int, microbatches: int, *, per_block: bool = False) -> None:
-        self.stage = stage
-        self.microbatches = microbatches
-        self.per_block = per_block
-        """The graph is one block of the stage (a ``--compile-unit block`` plan): it runs once per
-        layer in every instruction, so counting its calls does not give the microbatch."""
-        self._calls: dict[str, int] = dict.fromkeys(INSTRUCTIONS, 0)
-
-    def next(self, instruction: str) -> PipelineNode:
-        """The instruction that runs now; a counted one advances the count."""
-        node = self.peek(instruction)
-        if not self._from_hook(instruction):
-            self._calls[instruction] += 1
-        return node
-
-    def peek(self, instruction: str) -> PipelineNode:
-        """The instruction :meth:`next` would return, without counting it."""
-        context = active_step_context()
-        current = None if context is None else context.current
-        if current is not None and current.instruction == instruction:  # what _from_hook checks
-            if current.stage != self.stage or current.microbatch >= self.microbatches:
-                raise PlanMismatchError(
-                    f"the pipeline hook runs {current} but this graph was compiled for stage "
-                    f"{self.stage} of a plan with {self.microbatches} microbatches; pass "
-                    f"options={{'stage': {current.stage}}} or re-plan for this pipeline"
-                )
-            return current
-        if self.per_block and self.microbatches > 1:
-            raise PlanMismatchError(
-                f"a per-block plan (--compile-unit block) of {self.microbatches} microbatches ran a block's "
-                f"{instruction} outside a pipeline step: each block runs once per layer, so the deployment cannot "
-                f"count microbatches; run the step under a StepContext (steps.step('{instruction}', mb)) or a "
-                f"torch.distributed.pipelining schedule (follow_plan), or plan --microbatches 1"
-            )
-        microbatch = self._calls[instruction] % self.microbatches
-        return PipelineNode(self.stage, instruction, microbatch)  # type: ignore[arg-type]
-
-    def at_iteration_boundary(self) -> bool:
-        """True when every counted instruction has run a whole number of iterations."""
-        return all(count % self.microbatches == 0 for count in self._calls.values())
-
-    @staticmethod
-    def _from_hook(instruction: str) -> bool:
-        context = active_step_context()
-        return context is not None and context.current is not None and context.current.instruction == instruction
-
-
 @dataclass
 class Deployment:
     """A plan deployed on one Dynamo graph of this rank's pipeline stage."""
@@ -254,6 +140,8 @@ class Deployment:
     sizes: Mapping[Any, int] | None = None
     """Shape symbol -> value at which a symbolic graph is analysed and checked (a bucket's
     sequence length, ``deploy/bucket_dispatch.py``); None: at the hints of the compiled call."""
+    run_log: RunLog | None = None
+    """Where each iteration's record goes (``deploy/run_log.py``); None: no run log."""
     switching: PointSwitcher | None = None
     """Run-time point switching (``deploy/switching.py``): variants are compiled for each of its
     candidate points and every call runs its current point; None: ``point_index`` only."""
@@ -282,13 +170,13 @@ class Deployment:
                 for schedule in (switching.clock_schedule(c),)
             }
         self.unsplit_at = {
-            p: frozenset(mb for mb in range(microbatches) if self._option("forward", mb, p)["sequential"])
+            p: frozenset(mb for mb in range(microbatches) if self.option("forward", mb, p)["sequential"])
             for p in points
         }
         self.unsplit = frozenset().union(*self.unsplit_at.values())
         for point, unsplit in self.unsplit_at.items():
             disagree = [
-                mb for mb in range(microbatches) if self._option("backward", mb, point)["sequential"] != (mb in unsplit)
+                mb for mb in range(microbatches) if self.option("backward", mb, point)["sequential"] != (mb in unsplit)
             ]
             if disagree:
                 warnings.warn(
@@ -311,20 +199,21 @@ class Deployment:
         power-limit point, which runs :meth:`running_point`'s variants)."""
         return self.point_index if self.switching is None else self.switching.current_index
 
-    def _option(self, name: str, microbatch: int, point: int | None = None) -> Mapping[str, Any]:
+    def option(self, name: str, microbatch: int, point: int | None = None) -> Mapping[str, Any]:
+        """The plan's option for graph ``name`` of ``microbatch`` on this stage at ``point`` (default the deployed point)."""
         return self.plan.option(self.point_index if point is None else point, self.stage, name, microbatch)
 
     @classmethod
     def from_options(cls, opts: KareusOptions) -> Deployment | None:
         """The deployment ``opts`` ask for (tuning first when asked), or None without a plan."""
-        path = _tuned_plan(opts) if opts.tune is not None else opts.plan
+        path = tuned_plan(opts) if opts.tune is not None else opts.plan
         if opts.switching is not None:
             plan = opts.switching.plan_for(path)
         elif path is None:
             return None
         else:
             plan = load_plan(path)
-        _check_plan_fits(plan, opts)
+        check_plan_fits(plan, opts)
         point = plan.point_index(opts.target)
         clock = clock_binding(plan, point, opts.clock_controller)
         return cls(
@@ -333,6 +222,9 @@ class Deployment:
             stage=opts.stage,
             clock=clock,
             dump_dir=opts.dump_dir,
+            run_log=None
+            if opts.run_log is None
+            else run_log_for(opts.run_log, plan, clocks_requested=clock is not None),
             switching=opts.switching,
         )
 
@@ -354,23 +246,23 @@ class Deployment:
         split was made: the graph does not communicate, or the split fell back), run by all.
         """
         stage_graph = self.plan.data["stages"][self.stage]["graphs"][name]
-        self._check_layout(name, gm)
-        self._check_fingerprint(name, gm, partitioning, stage_graph, unsplit=bool(unsplit))
+        check_layout(self.plan, name, gm)
+        check_fingerprint(self.plan, self.stage, name, gm, partitioning, stage_graph, unsplit=bool(unsplit))
         variant_of: dict[tuple[int, int], str] = {}  # (point, microbatch) -> its variant's key
         schedules: dict[str, dict[str, CommSchedule]] = {}
         for point, point_unsplit in self.unsplit_at.items():
             for mb in range(self.cursor.microbatches):
                 if unsplit is not None and (mb in point_unsplit) != unsplit:
                     continue
-                option = self._option(name, mb, point)
-                per_type = self._schedules(name, option, partitioning, stage_graph["partition_types"], point)
+                option = self.option(name, mb, point)
+                per_type = point_schedules(self.plan, name, option, partitioning, stage_graph["partition_types"], point)
                 key = json.dumps({t: dataclasses.astuple(s) for t, s in sorted(per_type.items())})
                 schedules.setdefault(key, per_type)
                 variant_of[(point, mb)] = key
         variants = {}
         for key, per_type in schedules.items():
             runs = tuple(sorted(run for run, k in variant_of.items() if k == key))
-            variants[key] = self._compile_variant(
+            variants[key] = compile_variant(
                 name,
                 gm,
                 partitioning,
@@ -378,10 +270,22 @@ class Deployment:
                 tuple(sorted({mb for _, mb in runs})),
                 example_inputs,
                 codegen,
+                stage=self.stage,
                 nanobatched=partitioning is not None,
                 runs=runs,
+                dump_dir=self.dump_dir,
+                per_point_names=self.switching is not None,
             )
-        return self._dispatcher(name, variants, variant_of)
+        return dispatcher(
+            name,
+            variants,
+            variant_of,
+            self.cursor,
+            self.clocks,
+            self.running_point,
+            self.running_candidate,
+            self.run_log,
+        )
 
     def select_graph(self, nanobatched: Callable[..., Any], unsplit: Callable[..., Any]) -> Callable[..., Any]:
         """The Dynamo-level callable: per call, the un-split graph for the microbatches whose
@@ -395,324 +299,3 @@ class Deployment:
             return nanobatched(*args)
 
         return run
-
-    # ----- checks ------------------------------------------------------------------------------
-    def _check_layout(self, name: str, gm: torch.fx.GraphModule) -> None:
-        workload = self.plan.workload
-        planned = {workload["tp"], workload["cp"]} - {1}
-        live = {
-            node.meta[META_KEY].collective.group_size
-            for node in gm.graph.nodes
-            if META_KEY in node.meta and node.meta[META_KEY].kind == "collective"
-        }
-        unexpected = sorted(size for size in live if size is not None and size not in planned)
-        if unexpected:
-            raise PlanMismatchError(
-                f"rank layout differs from the plan {self.plan.source}: the {name} graph communicates "
-                f"over groups of {unexpected} ranks, but the plan was made for tp={workload['tp']}, "
-                f"cp={workload['cp']} (groups of {sorted(planned) or 'no'} ranks); build the model "
-                f"with that layout or re-plan with `kareus plan` for this one"
-            )
-
-    def _check_fingerprint(
-        self,
-        name: str,
-        gm: torch.fx.GraphModule,
-        partitioning: GraphPartitioning | None,
-        stage_graph: Mapping[str, Any],
-        *,
-        unsplit: bool = False,
-    ) -> None:
-        record = graph_record(name, gm, partitioning)
-        live = graph_fingerprint(record)
-        planned = stage_graph["sequential_fingerprint" if unsplit else "fingerprint"]
-        if live == planned:
-            return
-        workload = self.plan.workload
-        what = ", ".join(f"{k}={workload[k]}" for k in ("model", "tp", "cp", "pp", "mbs", "seq", "layers"))
-        if not unsplit and partitioning is None and live == stage_graph.get("sequential_fingerprint"):
-            raise PlanMismatchError(
-                f"the {name} graph ran un-split (options nanobatch=False, or the nanobatch split fell "
-                f"back with a warning) but the plan {self.plan.source} was made for the nanobatched "
-                f"graph; drop nanobatch=False or re-plan"
-            )
-        ops = [n for n in record["nodes"] if n["kind"] in ("compute", "collective")]
-        collectives = sum(1 for n in ops if n["kind"] == "collective")
-        live_types = sorted(partitioning.types) if partitioning is not None else []
-        planned_types = sorted(stage_graph["partition_types"])
-        types_note = (
-            "the same partition types"
-            if live_types == planned_types
-            else f"partition types {live_types or 'none'} (the plan has {planned_types or 'none'})"
-        )
-        if self.plan.compile_unit == "block":
-            unit = (
-                "one transformer block compiled on its own (--compile-unit block); a whole stage compiled "
-                "as one graph needs a plan made with --compile-unit stage"
-            )
-        else:
-            unit = (
-                "the whole stage compiled as one graph; a job that compiles each transformer block on its "
-                "own (torchtitan, kareus_fx.integrations.torchtitan.compile_blocks) needs a plan made with "
-                "`kareus plan --compile-unit block`"
-            )
-        raise PlanMismatchError(
-            f"the {name} graph of stage {self.stage} is not the graph the plan {self.plan.source} was "
-            f"made for (fingerprint {live} vs the plan's {planned}): it has {len(ops) - collectives} "
-            f"compute ops, {collectives} collectives and {types_note}. The plan is for {what} with "
-            f"the reference model's dtype, its graph {unit}; another model, microbatch size, sequence "
-            f"length, layer count or dtype gives another graph: re-plan with `kareus plan` for this workload"
-        )
-
-    def _schedules(
-        self,
-        name: str,
-        option: Mapping[str, Any],
-        partitioning: GraphPartitioning | None,
-        plan_types: Mapping[str, str],
-        point: int | None = None,
-    ) -> dict[str, CommSchedule]:
-        """Per local partition type: the option's schedule (every type sequential if it is)."""
-        if partitioning is None:
-            return {}
-        configs = option["configs"]
-        result = {}
-        for local in sorted(partitioning.types):
-            if configs is None:
-                result[local] = CommSchedule(comm_sms=None, launch_slot=None)
-                continue
-            config = configs.get(plan_types[local])
-            if config is None:
-                raise PlanMismatchError(
-                    f"the plan {self.plan.source} gives {name} type {plan_types[local]} no schedule at "
-                    f"point {self.point_index if point is None else point}; regenerate the plan with `kareus plan`"
-                )
-            result[local] = CommSchedule(comm_sms=config["comm_sms"], launch_slot=config["launch_slot"])
-        return result
-
-    # ----- compile and dispatch -------------------------------------------------------------------
-    def _compile_variant(
-        self,
-        name: str,
-        gm: torch.fx.GraphModule,
-        partitioning: GraphPartitioning | None,
-        per_type: Mapping[str, CommSchedule],
-        microbatches: tuple[int, ...],
-        example_inputs: list[Any],
-        codegen: Codegen,
-        *,
-        nanobatched: bool,
-        runs: tuple[tuple[int, int], ...],
-    ) -> tuple[DeployedGraph, Callable[..., Any]]:
-        if partitioning is None:
-            variant = torch.fx.GraphModule(gm, copy_graph(gm.graph))
-            insert_clock_hook(variant, self.stage, name)
-            summary: list[ScheduledPartition] = []
-        else:
-            variant, copied = copy_partitioned_graph(gm, partitioning)
-            summary = schedule_partitions(
-                variant, copied, per_type, stage=self.stage, instruction=name, group_for=self._group_rewrite()
-            )
-        compiled = codegen(variant, example_inputs)
-        deployed = DeployedGraph(
-            name=name,
-            stage=self.stage,
-            microbatches=microbatches,
-            gm=variant,
-            partitions=tuple(summary),
-            nanobatched=nanobatched,
-            output_code=getattr(compiled, "source_code", None),
-            runs=runs,
-        )
-        _DEPLOYED.append(deployed)
-        if self.dump_dir is not None:
-            self._write_code(deployed, self.dump_dir)
-        return deployed, compiled
-
-    def _dispatcher(
-        self,
-        name: str,
-        variants: Mapping[str, tuple[DeployedGraph, Callable[..., Any]]],
-        variant_of: Mapping[tuple[int, int], str],
-    ) -> Callable[..., Any]:
-        cursor, clocks = self.cursor, self.clocks
-
-        def run(args: list[Any]) -> Any:
-            node = cursor.next(name)
-            point = self.running_point()
-            key = variant_of.get((point, node.microbatch))
-            if key is None:
-                raise PlanMismatchError(
-                    f"{node} ran a graph the plan does not give that microbatch (split vs un-split): "
-                    f"its forward ran as another microbatch. Without a pipeline hook the deployment "
-                    f"counts calls and expects each microbatch's forward then its backward in order; "
-                    f"drive other orders with StepContext and next_instruction()"
-                )
-            clock = clocks[self.running_candidate()]
-            set_running(node, clock)
-            deployed, compiled = variants[key]
-            try:
-                return compiled(args)
-            except RuntimeError as err:  # step 6 of the module docstring
-                if not is_collective_failure(err):
-                    raise
-                raise peer_failure(err, node, name, deployed.gm, deployed.partitions, clock) from err
-
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
-
-    def _group_rewrite(self) -> GroupRewrite | None:
-        """The runtime's SM-limited communicator per (group, SM count); None without a process group."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        from torch._C._distributed_c10d import _resolve_process_group
-        from torch.distributed.distributed_c10d import GroupName
-
-        def group_for(group_name: str, comm_sms: int) -> str:
-            return backends_for(_resolve_process_group(GroupName(group_name))).group_name_for(comm_sms)
-
-        return group_for
-
-    def _write_code(self, deployed: DeployedGraph, dump_dir: Path) -> None:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        mbs = "_mb" + "-".join(map(str, deployed.microbatches))
-        if self.switching is not None:  # one variant per set of (point, microbatch) runs
-            mbs = "_" + "-".join(f"p{point}mb{mb}" for point, mb in deployed.runs)
-        split = "" if deployed.nanobatched else "_unsplit"
-        path = dump_dir / f"kareus_code_stage{self.stage}_{deployed.name}{split}{mbs}_rank{rank}.py"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(deployed.gm.code)
-        if deployed.output_code is not None:
-            path.with_name(path.stem + "_inductor.py").write_text(deployed.output_code)
-
-
-def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """An independent copy of ``graph`` (node metadata copied shallowly)."""
-    copy = torch.fx.Graph()
-    copy.output(copy.graph_copy(graph, {}))
-    return copy
-
-
-def check_plan_recompute(plan: Plan, gm: torch.fx.GraphModule) -> None:
-    """Refuse Dynamo's graph ``gm`` if it is activation-checkpointed and the plan was traced
-    without checkpointing, or the other way round (a plan older than the field is not checked;
-    the fingerprint check still compares the graphs op by op)."""
-    planned = plan.workload.get("recompute")
-    if planned is None:
-        return
-    regions = checkpoint_regions(gm)
-    if (planned == "none") == (regions == 0):
-        return
-    if regions:
-        raise PlanMismatchError(
-            f"recompute differs: the plan {plan.source} was made with recompute=none, but this model "
-            f"checkpoints {regions} region(s) (torch.utils.checkpoint or gradient_checkpointing_enable()), so "
-            f"its backward recomputes them; remove the checkpointing or re-plan with `kareus plan --recompute "
-            f"full` (every layer) or `--recompute selective` (core attention)"
-        )
-    raise PlanMismatchError(
-        f"recompute differs: the plan {plan.source} was made with recompute={planned}, but this model "
-        f"checkpoints nothing, so its backward has no recomputed forward; checkpoint it as the plan "
-        f"did (torch.utils.checkpoint per layer, HF gradient_checkpointing_enable()) or re-plan with "
-        f"`kareus plan --recompute none`"
-    )
-
-
-def _check_plan_fits(plan: Plan, opts: KareusOptions) -> None:
-    """GPU, world size and stage (step 1 of the module docstring)."""
-    workload = plan.workload
-    if plan.gpu != opts.gpu:
-        raise PlanMismatchError(
-            f"GPU differs: the plan {plan.source} was made for {plan.gpu}, but options gpu is {opts.gpu} "
-            f"({DEFAULT_GPU} when not given); pass options gpu={plan.gpu!r} if this job runs on that "
-            f"GPU, or re-plan with `kareus plan --gpu {opts.gpu}`"
-        )
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    job = "this job runs"
-    pipeline, dp = workload["world_size"], workload.get("dp", 1)
-    fits = {pipeline, pipeline * dp}  # one replica's group, or a group spanning the plan's replicas
-    if opts.switching is not None and opts.switching.group is not None:  # one replica of several
-        world, job = dist.get_world_size(opts.switching.group), "this pipeline (the PointSwitcher's group) has"
-        fits = {pipeline}
-    if world not in fits:
-        replicas = (
-            f"launch {pipeline * dp} processes ({dp} data-parallel replicas x {pipeline}) or {pipeline} (one replica)"
-            if dp > 1
-            else f"launch {pipeline} processes"
-        )
-        refit = f"`kareus plan --dp {world // pipeline}`" if world % pipeline == 0 else "`kareus plan` for this layout"
-        spanning = f" ({dp} data-parallel replicas of it: {pipeline * dp})" if dp > 1 else ""
-        raise PlanMismatchError(
-            f"world size differs: the plan {plan.source} was made for {pipeline} processes (tp={workload['tp']} "
-            f"x cp={workload['cp']} x pp={workload['pp']}){spanning} but {job} {world}; {replicas}, or re-plan "
-            f"with {refit}"
-        )
-    num_stages = plan_num_stages(workload)
-    if opts.stage >= num_stages:
-        raise PlanMismatchError(
-            f"options stage={opts.stage}, but the plan {plan.source} has {num_stages} pipeline "
-            f"stage(s) (pp={workload['pp']} x virtual_stages={workload.get('virtual_stages', 1)}); pass the "
-            f"global index of the stage (model chunk) this graph runs (0..{num_stages - 1})"
-        )
-
-
-# ----- compile-time tuning ----------------------------------------------------------------------
-_TUNED: set[Path] = set()
-
-
-def _tuned_plan(opts: KareusOptions) -> Path:
-    """Plan ``opts.tune_request`` once per process into ``opts.plan_out`` (module docstring)."""
-    from kareus_fx.plan.request import PlanRequest, validate_plan_request
-
-    if opts.plan_out is None:
-        raise OptionsError(
-            "option 'tune' needs 'plan_out' (where to write the plan); with 'tune_request' the tuner plans "
-            "that reference model at full size, without it the live graph"
-        )
-    tune_request, profiler = opts.tune_request, opts.tune
-    if tune_request is None or profiler is None:  # the backend sends 'tune' alone to LiveTuning
-        raise OptionsError("option 'tune_request' plans a reference model and needs 'tune' (the profiler)")
-    known = {f.name for f in dataclasses.fields(PlanRequest)} - {"gpu", "profiler"}
-    unknown = sorted(set(tune_request) - known)
-    if unknown:
-        raise OptionsError(f"option 'tune_request': unknown field(s) {unknown}; valid: {sorted(known)}")
-    try:
-        request = PlanRequest(**tune_request, gpu=opts.gpu, profiler=profiler)
-    except TypeError as err:
-        raise OptionsError(f"option 'tune_request': {err}") from None
-    validate_plan_request(request)
-    path = opts.plan_out
-    if path in _TUNED:
-        return path
-    distributed = dist.is_available() and dist.is_initialized()
-    if not distributed or dist.get_rank() == 0:
-        _plan_in_child(request, path)
-    if distributed:
-        dist.barrier()
-    _TUNED.add(path)
-    return path
-
-
-def _plan_in_child(request: Any, path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    receive, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_plan_worker, args=(request, str(path), send), name="kareus-tune")
-    child.start()
-    send.close()
-    try:
-        error = receive.recv()
-    except EOFError:
-        error = "the tuning process ended without a result (killed?)"
-    child.join()
-    if error is not None:
-        raise KareusError(f"compile-time tuning failed: {error}")
-
-
-def _plan_worker(request: Any, path: str, send: Any) -> None:
-    from kareus_fx.plan.planner import make_plan
-
-    try:
-        write_plan(path, make_plan(request, Path(path).parent / (Path(path).stem + "-work"), progress=False).data)
-        send.send(None)
-    except BaseException as err:  # noqa: BLE001 - sent to the compiling process
-        send.send(f"{type(err).__name__}: {err}")

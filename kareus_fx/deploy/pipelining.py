@@ -54,7 +54,9 @@ from torch.distributed.pipelining import (
 )
 
 from kareus_fx.compose.pipeline_schedule import Instruction
-from kareus_fx.deploy.deployment import PlanDeviationWarning, PlanMismatchError, clock_schedule
+from kareus_fx.deploy.plan_checks import PlanDeviationWarning, PlanMismatchError
+from kareus_fx.deploy.plan_clocks import clock_schedule
+from kareus_fx.deploy.run_log import close_run_logs
 from kareus_fx.errors import KareusError
 from kareus_fx.models.parallel import ParallelLayout
 from kareus_fx.plan.plan_format import Plan, Target, load_plan
@@ -188,12 +190,16 @@ def follow_plan(
     """Run ``schedule.step`` calls inside the block on ``plan``'s point ``target``: checks the
     schedule against the plan (stage count, microbatches, supported schedule, stages that
     announce) and opens the :class:`StepContext` the stages announce to. ``controller`` receives
-    the planned clock of every instruction (None: no clock requests)."""
+    the planned clock of every instruction (None: no clock requests). On exit the run logs
+    (backend option ``run_log``) record their last iteration."""
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     _check_schedule(schedule, plan)
     point = plan.point_index(target)
-    with StepContext(clock_schedule(plan, point), controller) as context:
-        yield context
+    try:
+        with StepContext(clock_schedule(plan, point), controller) as context:
+            yield context
+    finally:
+        close_run_logs()
 
 
 def _schedule_stages(schedule: Any) -> list[Any]:

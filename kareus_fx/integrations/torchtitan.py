@@ -20,7 +20,9 @@ compiled block, so the first block (whose input holds a plain tensor) and the ot
 made by ``kareus plan --compile-unit block`` holds the block's graphs and prices each stage as its
 blocks, so it deploys here (with a ``StepContext`` or a pipelining schedule naming the microbatch
 when there are several); a ``--compile-unit stage`` plan (the default) is for a whole stage graph
-and the backend refuses it on a block graph, naming the flag.
+and the backend refuses it on a block graph, naming the flag. With the option ``run_log`` every
+block reports to one run log per process (``deploy/run_log.py``: the first block's forward of
+microbatch 0 opens an iteration), recorded at the next iteration and at exit.
 
 Assumptions: ``model.layers`` is an ``nn.ModuleDict`` or ``nn.ModuleList`` of the blocks
 (torchtitan's ``Decoder``); the wrapped function accepts torchtitan's keyword arguments

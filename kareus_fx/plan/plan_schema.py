@@ -254,6 +254,24 @@ class StepTailRecord(SchemaModel):
     parameters_per_gpu: list[Number]
 
 
+class RunSourceRecord(SchemaModel):
+    """One run log a recalibration read, with its SHA-256."""
+
+    path: StrictStr
+    sha256: StrictStr
+    iterations: PositiveCount
+
+
+class RunCalibrationRecord(SchemaModel):
+    """The scales ``kareus plan --calibrate-from`` applied to every price (``cost_models/run_calibration.py``)."""
+
+    gpu: StrictStr
+    time_scale: Number
+    energy_scale: Number
+    warmup: Count
+    sources: list[RunSourceRecord]
+
+
 class PlanFile(SchemaModel):
     """A schema-1 plan. ``format`` and ``schema_version`` are checked before this model runs."""
 
@@ -282,6 +300,8 @@ class PlanFile(SchemaModel):
     """Absent in plans made before the profiling cost was recorded."""
     step_tail: StepTailRecord | None = None
     """Absent where the profiler does not price it (a measured plan) and in plans made before it."""
+    run_calibration: RunCalibrationRecord | None = None
+    """Absent: the simulator's own prices (no ``--calibrate-from``)."""
 
     @field_validator("gpu")
     @classmethod

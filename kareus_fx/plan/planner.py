@@ -38,6 +38,7 @@ from typing import Any
 from kareus_fx.compose.iteration import IterationFrontier
 from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_queue import ProfileQueue
+from kareus_fx.cost_models.run_calibration import apply_run_calibration, fit_run_calibration
 from kareus_fx.plan.composition import compose_methods
 from kareus_fx.plan.plan_data import plan_data
 from kareus_fx.plan.profilers import QUEUE_FILE, distinct_types, profiler_factory
@@ -121,6 +122,8 @@ def plan_traced(
         wall["compose_s"] = time.perf_counter() - t0
     wall["total_s"] = time.perf_counter() - started
     data = plan_data(req, traced, ptypes, local_to_plan, tuned, composed, composing.kind, wall, device)
+    if req.calibrate_from:
+        data = apply_run_calibration(data, fit_run_calibration(req.calibrate_from))
     with ProfileQueue(queue_path) as log:
         data["profiling"] = _profiling_cost(req, ledger, log.duplicates(), groups, device).to_dict()
     return PlanOutcome(data=data, wall_s=wall, iteration=composed.iteration)

@@ -110,6 +110,10 @@ class PlanRequest:
     request implies: ``megatron-lm`` where ``megatron`` holds settings other than the defaults (the
     testbed presets), else ``traced-order`` (the traced model as it runs)."""
 
+    calibrate_from: tuple[str, ...] = ()
+    """Run logs (``--calibrate-from``, ``deploy/run_log.py``) whose measured over predicted medians
+    rescale every price of the plan (``cost_models/run_calibration.py``); empty: the simulator's own."""
+
     compile_unit: str = "stage"
     """What the job compiles as one graph (``--compile-unit``): the whole stage (``"stage"``:
     ``torch.compile(stage_module)``) or each decoder layer (``"block"``: torchtitan's per-block

@@ -9,12 +9,13 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import io
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+
+from kareus_fx.report.figure_png import figure_png
 
 __all__ = [
     "METRIC_LABELS",
@@ -111,13 +112,8 @@ def write_frontier_csv(plan: Mapping[str, Any], path: str | Path) -> Path:
 
 def frontier_png(plan: Mapping[str, Any]) -> bytes:
     """The iteration time-energy frontiers of every method as a PNG image."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    try:
+    def draw(ax: Any) -> None:
         for name, method in plan["methods"].items():
             label, color, marker = _METHOD_STYLE.get(name, (name, None, "."))
             points = sorted(tuple(p) for p in method["frontier"])
@@ -139,12 +135,8 @@ def frontier_png(plan: Mapping[str, Any]) -> bytes:
         )
         ax.grid(alpha=0.3)
         ax.legend()
-        buffer = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buffer, format="png")
-        return buffer.getvalue()
-    finally:
-        plt.close(fig)
+
+    return figure_png(draw, figsize=(7, 4.5))
 
 
 def _metrics_html(plan: Mapping[str, Any]) -> str:
