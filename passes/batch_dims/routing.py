@@ -50,7 +50,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from kareus_fx.passes.batch_dims import along_dim, indexing, pointwise  # noqa: F401 - rules refined here
+# The families whose rules this module refines register first (plain imports: no edge to the package).
+import kareus_fx.passes.batch_dims.along_dim
+import kareus_fx.passes.batch_dims.indexing
+import kareus_fx.passes.batch_dims.pointwise  # noqa: F401
 from kareus_fx.passes.batch_dims.node_args import _arg
 from kareus_fx.passes.batch_dims.op_names import name_target, op_name
 from kareus_fx.passes.batch_dims.propagation import (
