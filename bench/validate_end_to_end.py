@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import dataclasses
 import json
 import os
@@ -58,6 +57,14 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from kareus_fx.cost_models.paper_testbed import (
+    CALIBRATION_ROWS,
+    TARGET_PP,
+    compare_rows,
+    csv_number,
+    mean_abs,
+    read_rows,
+)
 from kareus_fx.cost_models.sim_params import OVERRIDES_ENV, clear_cache
 from kareus_fx.plan.planner import make_plan, plan_traced
 from kareus_fx.plan.presets import PRESETS
@@ -66,7 +73,7 @@ from kareus_fx.plan.stage_tracing import trace_plan_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_DATA = Path("/work/shared/data")
-CALIBRATION_CSV = ROOT / "cost_models" / "data" / "calibration" / "kareus_paper_testbed" / "llama3.2-3b.csv"
+CALIBRATION_CSV = ROOT / "cost_models" / CALIBRATION_ROWS
 VALIDATION_DIR = SHARED_DATA / "validation" / "kareus_paper_testbed"
 VALIDATION_CSV = VALIDATION_DIR / "qwen3-1.7b.csv"
 DEFAULT_RESULTS = Path(__file__).parent / "results" / "end_to_end.json"
@@ -77,22 +84,6 @@ SWINGS = {"off": {"throttle_swing_mhz": 0.0}, "on": {}}
 PRESET_CORNER = ("full", "on")
 """The presets' own setting (the testbed's recompute, the calibrated simulator)."""
 
-# CSV column -> (method, metric of metrics.frontier_metrics, summary group or None)
-COLUMNS = {
-    "mp_time_red": ("megatron+perseus", "max_throughput_time_reduction", None),
-    "np_time_red": ("nanobatching+perseus", "max_throughput_time_reduction", "time"),
-    "kareus_time_red": ("kareus", "max_throughput_time_reduction", "time"),
-    "mp_energy_red": ("megatron+perseus", "max_throughput_energy_reduction", "energy"),
-    "np_energy_red": ("nanobatching+perseus", "max_throughput_energy_reduction", "energy"),
-    "kareus_energy_red": ("kareus", "max_throughput_energy_reduction", "energy"),
-    "np_iso_time_energy_red": ("nanobatching+perseus", "iso_time_energy_reduction", "iso"),
-    "kareus_iso_time_energy_red": ("kareus", "iso_time_energy_reduction", "iso"),
-    "np_iso_energy_time_red": ("nanobatching+perseus", "iso_energy_time_reduction", "iso"),
-    "kareus_iso_energy_time_red": ("kareus", "iso_energy_time_reduction", "iso"),
-}
-GROUPS = ("time", "energy", "iso", "ablation")
-TARGET_PP = {"time": 3.0, "energy": 3.0, "iso": 5.0, "ablation": 3.0}
-"""The issue's targets per group: a compared cell is within its target at this absolute error (pp)."""
 ABLATION_PRESET = "qwen3-1.7b-tp8-mbs8-seq4k"
 MAX_CLOCK_SUFFIX = "+max-clock-only"
 """Results key suffix of a plan made with ``max_clock_only`` (``kareus plan --max-clock-only``)."""
@@ -109,7 +100,7 @@ ABLATION_METHODS = {
 
 def read_csv_rows(path: Path) -> list[dict[str, str]]:
     with path.open() as f:
-        return list(csv.DictReader(line for line in f if not line.startswith("#")))
+        return read_rows(f)
 
 
 def labelled_testbed_rows() -> list[dict[str, str]]:
@@ -119,11 +110,6 @@ def labelled_testbed_rows() -> list[dict[str, str]]:
         for data, path in (("calibration", CALIBRATION_CSV), ("validation", VALIDATION_CSV))
         for row in read_csv_rows(path)
     ]
-
-
-def csv_number(cell: str) -> float | None:
-    cell = cell.strip()
-    return None if cell in ("", "NA") else float(cell)
 
 
 def plan_metrics(key: str, stage_layers: str | None = None) -> dict:
@@ -211,63 +197,6 @@ def corner_results(recompute: str, swing: str) -> Path:
     return ABLATION_DIR / f"{corner_name(recompute, swing)}.json"
 
 
-def _ours_pct(metrics: dict, method: str, metric: str) -> float | None:
-    value = metrics[method][metric]
-    return None if value is None else 100.0 * value
-
-
-def compare_rows(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict], dict]:
-    """Per row and metric the paper's value and ours; the row set's summary."""
-    cells: list[dict] = []
-    worst = dict.fromkeys(GROUPS, 0.0)
-    compared = dict.fromkeys(GROUPS, 0)
-    within = dict.fromkeys(GROUPS, 0)
-    na = 0
-    ours_missing: list[str] = []
-    not_below: list[str] = []
-    for row in rows:
-        metrics = plans[row["preset"]]["metrics"]
-        for column, (method, metric, group) in COLUMNS.items():
-            paper = csv_number(row[column])
-            ours = _ours_pct(metrics, method, metric)
-            if paper is None or ours is None:
-                na += 1
-                if paper is not None:
-                    ours_missing.append(f"{row['preset']}: {column}")
-                cells.append({"preset": row["preset"], "metric": column, "paper": paper, "ours": ours, "err_pp": None})
-                continue
-            err = ours - paper
-            cells.append({"preset": row["preset"], "metric": column, "paper": paper, "ours": ours, "err_pp": err})
-            if group is not None:
-                worst[group] = max(worst[group], abs(err))
-                compared[group] += 1
-                within[group] += abs(err) <= TARGET_PP[group]
-        for kind in ("time", "energy"):
-            k_paper, k_ours = (
-                csv_number(row[f"kareus_{kind}_red"]),
-                _ours_pct(metrics, "kareus", f"max_throughput_{kind}_reduction"),
-            )
-            for other, method in (("np", "nanobatching+perseus"), ("mp", "megatron+perseus")):
-                o_paper = csv_number(row[f"{other}_{kind}_red"])
-                if k_paper is None or o_paper is None or k_paper < o_paper:
-                    continue
-                o_ours = _ours_pct(metrics, method, f"max_throughput_{kind}_reduction")
-                if k_ours is not None and o_ours is not None and k_ours < o_ours - 1e-9:
-                    not_below.append(f"{row['preset']}: kareus {kind} {k_ours:.1f} < {other} {o_ours:.1f}")
-    grouped = [abs(c["err_pp"]) for c in cells if c["err_pp"] is not None and COLUMNS[c["metric"]][2] is not None]
-    summary = {
-        "rows": len(rows),
-        "compared": {g: compared[g] for g in GROUPS if g != "ablation"},
-        "max_abs_err_pp": {g: round(worst[g], 2) for g in GROUPS if g != "ablation"},
-        "within_target": {g: within[g] for g in GROUPS if g != "ablation"},
-        "mean_abs_err_pp": _mean_abs(grouped),
-        "na_cells": na,
-        "ours_na_where_paper_has_value": ours_missing,
-        "kareus_not_below": not_below,
-    }
-    return cells, summary
-
-
 def _increase_pct(variant: dict, kareus: dict, kind: str) -> float:
     """A variant's fastest point against Kareus's, in percent, from their reductions against
     Megatron-LM (the same Megatron-LM in every plan of the preset: same graphs, same profiler)."""
@@ -315,14 +244,9 @@ def compare_ablation(rows: list[dict[str, str]], plans: dict) -> tuple[list[dict
         "compared": compared,
         "max_abs_err_pp": round(worst, 2),
         "within_target": within,
-        "mean_abs_err_pp": _mean_abs([abs(c["err_pp"]) for c in cells if c["err_pp"] is not None]),
+        "mean_abs_err_pp": mean_abs([abs(c["err_pp"]) for c in cells if c["err_pp"] is not None]),
         "na_cells": na,
     }
-
-
-def _mean_abs(errors_pp: list[float]) -> float | None:
-    """Mean of absolute errors (pp), None for none."""
-    return round(sum(errors_pp) / len(errors_pp), 2) if errors_pp else None
 
 
 def _fmt(value: float | None) -> str:

@@ -1,6 +1,7 @@
 """Fit the simulator's free parameters to the calibration data; write ``data/calibrated_params.json``.
 
-Run ``python -m kareus_fx.cost_models.calibration`` (about a minute on one idle CPU core). It reads only the
+Run ``python -m kareus_fx.cost_models.calibration`` (about a minute on one idle CPU core; with
+``--end-to-end`` about half an hour on 2 cores). It reads only the
 copies under ``data/calibration/`` (see ``SOURCES.md`` there); nothing here reads validation data.
 
 Steps, each recorded with its data file and fit error in the output's provenance:
@@ -30,6 +31,12 @@ Steps, each recorded with its data file and fit error in the output's provenance
 The Perseus profiles are GPT-3 175B stages per GPU (TP=8, microbatch 1, sequence 2048) with the
 HuggingFace-style unfused attention of the Merak-based runs that produced them
 (:func:`~kareus_fx.cost_models.analytic_workloads.transformer_stage_ops`).
+
+6. End to end (``end_to_end_fit.py``, ``--end-to-end``): the contention coefficients the micro data
+   leave unidentified, fitted to the paper's Llama 3.2 3B rows by planning each row; steps 3-5 are
+   then fitted again with them held. Without ``--end-to-end`` the last fit's values are held (read
+   from the packaged parameters' provenance), so a plain run reproduces the file in about a minute;
+   ``--micro-only`` leaves the micro fits' own values.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from importlib import resources
 from pathlib import Path
@@ -50,6 +57,7 @@ import numpy as np
 from scipy.optimize import least_squares, minimize, nnls
 
 from kareus_fx.cost_models.analytic_workloads import GPT3_175B, kareus_attention_tp2, transformer_stage_ops
+from kareus_fx.cost_models.end_to_end_fit import calibration_rows_loss, fit_end_to_end, with_values
 from kareus_fx.cost_models.hardware import GPUSpec, gpu_spec
 from kareus_fx.cost_models.kernel_model import smooth_min
 from kareus_fx.cost_models.sim_params import PARAMS_RESOURCE, SimParams, derive_params
@@ -381,12 +389,19 @@ def _with_fitted(params: SimParams, fitted: Mapping[str, float]) -> SimParams:
 
 
 def fit_partition_timing(
-    params: SimParams, rows: Sequence[OverlapRow], harness0: OverlapHarness, spec: GPUSpec, power_capped: bool = False
+    params: SimParams,
+    rows: Sequence[OverlapRow],
+    harness0: OverlapHarness,
+    spec: GPUSpec,
+    power_capped: bool = False,
+    held: Collection[str] = (),
 ) -> tuple[SimParams, OverlapHarness, dict[str, Any]]:
     """Timing parameters and harness terms on log time. Without ``power_capped`` no power cap applies
-    (the power coefficients are not fitted yet); with it, phases throttle at the spec's TDP."""
-    names = list(_TIME_FIT) + list(_HARNESS_BOUNDS)
-    x0 = np.array([getattr(params, n) for n in _TIME_FIT] + [getattr(harness0, n) for n in _HARNESS_BOUNDS])
+    (the power coefficients are not fitted yet); with it, phases throttle at the spec's TDP. Fields
+    in ``held`` keep ``params``' values (the end-to-end step fits them)."""
+    time_fit = [n for n in _TIME_FIT if n not in held]
+    names = time_fit + list(_HARNESS_BOUNDS)
+    x0 = np.array([getattr(params, n) for n in time_fit] + [getattr(harness0, n) for n in _HARNESS_BOUNDS])
     scale = np.where(x0 > 0, x0, 1e-6)
     lo = np.array([({**_TIME_BOUNDS, **_HARNESS_BOUNDS})[n][0] for n in names]) / scale
     hi = np.array([({**_TIME_BOUNDS, **_HARNESS_BOUNDS})[n][1] for n in names]) / scale
@@ -395,8 +410,8 @@ def fit_partition_timing(
 
     def unpack(z: np.ndarray) -> tuple[SimParams, OverlapHarness]:
         x = z * scale
-        p = _with_fitted(params, dict(zip(_TIME_FIT, map(float, x[: len(_TIME_FIT)]))))
-        h = OverlapHarness(*map(float, x[len(_TIME_FIT) :]))
+        p = _with_fitted(params, dict(zip(time_fit, map(float, x[: len(time_fit)]))))
+        h = OverlapHarness(*map(float, x[len(time_fit) :]))
         return p, h
 
     def residuals(z: np.ndarray) -> np.ndarray:
@@ -651,26 +666,29 @@ def _mape(err: np.ndarray) -> float:
     return float(np.mean(np.abs(err)))
 
 
-def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
-    t_start = time.time()
-    prior = SimParams()
+@dataclass(frozen=True)
+class _Steps3To5:
+    """What steps 3-5 fit on top of steps 1-2b's parameters."""
+
+    params: SimParams
+    harness: OverlapHarness
+    time_prov: dict[str, Any]
+    power_prov: dict[str, Any]
+    a40: SimParams
+    a40_prov: dict[str, Any]
+    swing_check: dict[str, Any]
+
+
+def _fit_steps_3_to_5(params: SimParams, held: Collection[str], log: Callable[[str], None]) -> _Steps3To5:
+    """Partition timing, power and clock, and the A40 on top of ``params``; ``held`` fields keep
+    their values (the end-to-end coefficients)."""
     spec = gpu_spec(A100)
-    log("1/5 memory-bound kernel curve (NanoFlow)")
-    mem, mem_prov = fit_memory_curve(prior)
-    params = _with_fitted(prior, mem)
-    log("2/5 collective curve shape (NanoFlow)")
-    coll, coll_prov = fit_collective_shape(prior)
-    params = _with_fitted(params, coll)
-    log("2b/5 collective contention beside a compute-bound kernel (NanoFlow)")
-    contention, contention_prov = fit_compute_contention(params, coll_prov)
-    params = _with_fitted(params, contention)
-    log(f"    comm_contention_compute {contention['comm_contention_compute']:.3f}")
-    log("3/5 partition timing (Kareus attention overlap)")
+    log("3/6 partition timing (Kareus attention overlap)")
     rows = load_overlap()
     harness0 = OverlapHarness(0.55, 500e-6)
-    params, harness, time_prov = fit_partition_timing(params, rows, harness0, spec)
+    params, harness, time_prov = fit_partition_timing(params, rows, harness0, spec, held=held)
     log(f"    time MAPE {time_prov['time_mape']:.4f}")
-    log("4/5 power, voltage curve and per-SM clock sensitivity (Kareus energies, Perseus GPT-3 A100)")
+    log("4/6 power, voltage curve and per-SM clock sensitivity (Kareus energies, Perseus GPT-3 A100)")
     perseus = load_stage_profile(PERSEUS_A100_FILE)
     perseus_spec = replace(gpu_spec(A100_80), tdp_w=PERSEUS_A100_TDP_W)
     params, power_prov = fit_power_and_clock(params, rows, harness, spec, perseus, perseus_spec, log)
@@ -680,9 +698,9 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
     )
     if power_prov["throttled_predictions"]["overlap"]:
         log("    the 400 W cap binds on some Kareus rows: partition timing again, capped")
-        params, harness, time_prov = fit_partition_timing(params, rows, harness, spec, power_capped=True)
+        params, harness, time_prov = fit_partition_timing(params, rows, harness, spec, power_capped=True, held=held)
         log(f"    time MAPE {time_prov['time_mape']:.4f}")
-    log("5/5 A40 (Perseus GPT-3 A40)")
+    log("5/6 A40 (Perseus GPT-3 A40)")
     a40, a40_prov = fit_a40(params)
     log(f"    power MAPE {a40_prov['power_mape']:.4f}, time-ratio MAPE {a40_prov['time_ratio_mape']:.4f}")
     log(f"    throttle swing {a40.throttle_swing_mhz:.0f} MHz, carried to the A100")
@@ -701,18 +719,74 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
         f"    Kareus overlap energy MAPE {swing_check['overlap_energy_mape_steady']:.4f} steady, "
         f"{swing_check['overlap_energy_mape_with_swing']:.4f} with the swing"
     )
+    return _Steps3To5(params, harness, time_prov, power_prov, a40, a40_prov, swing_check)
 
+
+def previous_end_to_end() -> dict[str, Any]:
+    """The provenance of the packaged parameters' last step 6, its ``values`` the fitted
+    coefficients (empty before any)."""
+    try:
+        text = resources.files("kareus_fx.cost_models").joinpath(PARAMS_RESOURCE).read_text()
+    except FileNotFoundError:
+        return {}
+    return dict(json.loads(text)["gpus"].get(A100, {}).get("provenance", {}).get("end_to_end", {}))
+
+
+def calibrate(
+    log: Callable[[str], None] = print,
+    *,
+    end_to_end: Mapping[str, float] | None = None,
+    refit_end_to_end: bool = False,
+    end_to_end_cache: Path | None = None,
+) -> dict[str, Any]:
+    """Steps 1-5 on the micro data, with the end-to-end coefficients held at ``end_to_end`` (None:
+    the packaged parameters' last step 6; empty: the micro fits' own values). With
+    ``refit_end_to_end`` step 6 fits them again on the calibration rows (about half an hour on 2
+    cores), then steps 3-5 are fitted again with them held and the rows planned once more."""
+    t_start = time.time()
+    prior = SimParams()
+    log("1/6 memory-bound kernel curve (NanoFlow)")
+    mem, mem_prov = fit_memory_curve(prior)
+    params = _with_fitted(prior, mem)
+    log("2/6 collective curve shape (NanoFlow)")
+    coll, coll_prov = fit_collective_shape(prior)
+    params = _with_fitted(params, coll)
+    log("2b/6 collective contention beside a compute-bound kernel (NanoFlow)")
+    contention, contention_prov = fit_compute_contention(params, coll_prov)
+    params = _with_fitted(params, contention)
+    log(f"    comm_contention_compute {contention['comm_contention_compute']:.3f}")
+    micro = params
+    previous = previous_end_to_end()
+    held = dict(previous.get("values", {})) if end_to_end is None else dict(end_to_end)
+    if held:
+        log(f"    held at the end-to-end fit: {held}")
+    steps = _fit_steps_3_to_5(with_values(micro, held), held, log)
+    end_to_end_prov: dict[str, Any] = {}
+    if refit_end_to_end:
+        log("6/6 end to end on the calibration rows (Llama 3.2 3B, Tables 3 and 4)")
+        held, end_to_end_prov = fit_end_to_end(steps.params, cache_path=end_to_end_cache, log=log)
+        log(f"    fitted {held}; steps 3-5 again with them held")
+        steps = _fit_steps_3_to_5(with_values(micro, held), held, log)
+        final = calibration_rows_loss(steps.params, end_to_end_cache)
+        end_to_end_prov["final_row_loss"] = final
+        log(f"    rows' loss after steps 3-5: {sum(final.values()):.3f}")
+    elif held and end_to_end is None:
+        end_to_end_prov = previous
+    params, harness = steps.params, steps.harness
     fitted = set(mem) | set(coll) | set(contention) | set(_TIME_FIT) | set(_POWER_COEFFS) | set(_POWER_SHAPE)
+    if held:
+        end_to_end_prov = {**end_to_end_prov, "values": held}
     a100_prov = {
         "calibrated": True,
         "memory_curve": mem_prov,
         "collective_shape": coll_prov,
         "compute_contention": contention_prov,
-        "partition_timing": time_prov,
-        "power_and_clock": power_prov,
+        "partition_timing": steps.time_prov,
+        "power_and_clock": steps.power_prov,
         "priors": sorted(set(params.to_dict()) - fitted - {"throttle_swing_mhz"}),
-        "throttle_swing": {"from": "A40 (step 5)", **swing_check},
+        "throttle_swing": {"from": "A40 (step 5)", **steps.swing_check},
         "checks": interference_check(params),
+        **({"end_to_end": end_to_end_prov} if end_to_end_prov else {}),
     }
     return {
         "schema_version": 1,
@@ -729,8 +803,8 @@ def calibrate(log: Callable[[str], None] = print) -> dict[str, Any]:
                 },
             },
             "A40": {
-                "params": a40.to_dict(),
-                "provenance": {"calibrated": True, **a40_prov},
+                "params": steps.a40.to_dict(),
+                "provenance": {"calibrated": True, **steps.a40_prov},
                 "spec": {
                     "values": {k: v for k, v in asdict(A40_SPEC).items() if k != "sources"},
                     "sources": A40_SPEC.sources,
@@ -765,8 +839,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m kareus_fx.cost_models.calibration", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: the package's data file)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="fit step 6 again on the calibration rows (about half an hour on 2 cores); "
+        "without it, the last step 6's values are held",
+    )
+    mode.add_argument(
+        "--micro-only",
+        action="store_true",
+        help="steps 1-5 alone: the contention coefficients as the micro data fit them",
+    )
+    parser.add_argument(
+        "--end-to-end-cache",
+        type=Path,
+        default=None,
+        help="keep step 6's planned rows in this JSON file, so a stopped fit resumes where it was",
+    )
     args = parser.parse_args(argv)
-    result = calibrate(log=lambda s: print(s, file=sys.stderr, flush=True))
+    result = calibrate(
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+        end_to_end={} if args.micro_only else None,
+        refit_end_to_end=args.end_to_end,
+        end_to_end_cache=args.end_to_end_cache,
+    )
     out = args.out or output_path()
     out.write_text(json.dumps(result, indent=1, sort_keys=False) + "\n")
     print(f"wrote {out}", file=sys.stderr)

@@ -30,7 +30,7 @@ from kareus_fx.tuner import (
     tune_partition,
     tune_partition_types,
 )
-from kareus_fx.tuner.acquisition import PASSES, allocate_pass_counts
+from kareus_fx.tuner.acquisition import PASSES, allocate_pass_counts, grid_neighbours
 from kareus_fx.tuner.mbo import capped_batch_size
 from kareus_fx.tuner.pareto import (
     Normalizer,
@@ -201,6 +201,25 @@ def test_pass_allocation() -> None:
     assert [counts[p] for p in ("dynamic", "static", "uncertainty")] == [7, 6, 6]
     assert allocate_pass_counts(5) == {"total": 2, "dynamic": 1, "static": 1, "uncertainty": 1}
     assert sum(allocate_pass_counts(1).values()) == 1
+
+
+def test_grid_neighbours_are_one_step_along_one_axis() -> None:
+    shape = (3, 4, 2)
+    centre = int(np.ravel_multi_index((1, 2, 0), shape))
+    got = {tuple(int(v) for v in np.unravel_index(i, shape)) for i in np.flatnonzero(grid_neighbours(shape, [centre]))}
+    assert got == {(0, 2, 0), (2, 2, 0), (1, 1, 0), (1, 3, 0), (1, 2, 1)}
+    corner = grid_neighbours(shape, [0])
+    assert corner.sum() == 3 and not corner[0]
+    assert not grid_neighbours(shape, np.array([], dtype=int)).any()
+
+
+def test_search_space_is_its_grid_in_row_major_order() -> None:
+    space = build_search_space(SMALL, A100)
+    clocks, sms, launches = space.grid_shape
+    assert len(space) == clocks * sms * launches
+    row = int(np.ravel_multi_index((2, 1, 0), space.grid_shape))
+    cfg = space.configs[row]
+    assert (cfg.clock_mhz, cfg.comm_sms) == (space.clocks_mhz[2], space.comm_sms[1])
 
 
 @dataclass

@@ -41,6 +41,7 @@ from kareus_fx.tuner.pareto import (
     domination_gap,
     hv_improvement_2d,
     pareto_front,
+    pareto_mask,
     reference_point,
 )
 from kareus_fx.tuner.surrogate import Prediction
@@ -52,6 +53,10 @@ DEFAULT_PASS_FRACTIONS: dict[str, float] = {
     "static": 0.2,
     "uncertainty": 0.2,
 }
+
+
+NEIGHBOUR_PICKS = 2
+"""Picks of the total pass reserved for the measured front's grid neighbours, per batch."""
 
 
 def allocate_pass_counts(batch_size: int, fractions: Mapping[str, float] = DEFAULT_PASS_FRACTIONS) -> dict[str, int]:
@@ -137,6 +142,22 @@ def uncertainty_select(pred: Prediction, measured: MeasuredObjectives, available
     return [int(i) for i in order[:k]]
 
 
+def grid_neighbours(grid_shape: tuple[int, ...], rows: np.ndarray) -> np.ndarray:
+    """Mask of the configs one step along one axis from any of ``rows``, in a space laid out as a
+    row-major grid of ``grid_shape`` (``SearchSpace``: clock, SMs, launch option)."""
+    mask = np.zeros(int(np.prod(grid_shape)), dtype=bool)
+    if len(rows) == 0:
+        return mask
+    coords = np.array(np.unravel_index(np.asarray(rows, dtype=int), grid_shape)).T
+    for axis, size in enumerate(grid_shape):
+        for step in (-1, 1):
+            moved = coords.copy()
+            moved[:, axis] += step
+            inside = (moved[:, axis] >= 0) & (moved[:, axis] < size)
+            mask[np.ravel_multi_index(tuple(moved[inside].T), grid_shape)] = True
+    return mask
+
+
 def select_batch(
     pred: Prediction,
     measured: MeasuredObjectives,
@@ -145,11 +166,18 @@ def select_batch(
     fractions: Mapping[str, float] = DEFAULT_PASS_FRACTIONS,
     ref_margin: float = REF_MARGIN,
     ref_basis: RefBasis = "front",
+    neighbourhood: tuple[tuple[int, ...], np.ndarray] | None = None,
 ) -> list[tuple[int, str]]:
     """Fill one batch: ``(row, pass name)`` pairs, rows into ``pred`` / ``available``.
 
     Passes run in :data:`PASSES` order; each skips rows an earlier pass picked. A pass that runs out
     of candidates leaves its share unfilled (the batch is then smaller).
+
+    ``neighbourhood`` (the space's grid shape and the measured rows, in ``measured``'s order) makes
+    the total pass pick among the grid neighbours of the measured total front first: a frontier of
+    clock scaling is a chain of adjacent clocks and SM counts, and the configs beside a measured
+    frontier point are where the surrogate's error matters most, yet its predicted improvement for
+    them is often within its own error. Picks beyond the neighbours come from the whole space.
     """
     avail = np.asarray(available, dtype=bool).copy()
     counts = allocate_pass_counts(min(batch_size, int(avail.sum())), fractions)
@@ -160,9 +188,31 @@ def select_batch(
             continue
         if name == "uncertainty":
             picks = uncertainty_select(pred, measured, avail, k)
+        elif name == "total" and neighbourhood is not None:
+            picks = _front_neighbours_first(pred, measured, avail, k, ref_margin, ref_basis, neighbourhood)
         else:
             picks = greedy_hvi_select(_predicted_pair(pred, name), measured.pair(name), avail, k, ref_margin, ref_basis)
         for row in picks:
             avail[row] = False
             chosen.append((row, name))
     return chosen
+
+
+def _front_neighbours_first(
+    pred: Prediction,
+    measured: MeasuredObjectives,
+    available: np.ndarray,
+    k: int,
+    ref_margin: float,
+    ref_basis: RefBasis,
+    neighbourhood: tuple[tuple[int, ...], np.ndarray],
+) -> list[int]:
+    """The total pass on the measured front's unmeasured grid neighbours, then on the rest."""
+    grid_shape, measured_rows = neighbourhood
+    front_rows = measured_rows[pareto_mask(measured.pair("total"))]
+    near = available & grid_neighbours(grid_shape, front_rows)
+    predicted, points = _predicted_pair(pred, "total"), measured.pair("total")
+    picks = greedy_hvi_select(predicted, points, near, min(k, NEIGHBOUR_PICKS), ref_margin, ref_basis)
+    rest = available.copy()
+    rest[picks] = False
+    return picks + greedy_hvi_select(predicted, points, rest, k - len(picks), ref_margin, ref_basis)

@@ -44,6 +44,17 @@ ratio 0.995 / 0.998 / 0.995 / 0.994 (worst seed 0.986 / 0.995 / 0.993 / 0.960) w
 measurements (before, 3 seeds: 79 / 81 / 140 / 127), random search at the same budget 0.92 / 0.94 / 0.94 /
 0.85, beaten by all 8 seeds on every type.
 
+The total pass picks up to two of each batch's configs among the unmeasured grid neighbours of the
+measured front (``MBOSettings.front_neighbours``, :func:`~kareus_fx.tuner.acquisition.select_batch`):
+the frontier points a seed missed were next to measured frontier points (one clock step, one SM
+choice, the other launch slot), where the surrogates' predicted improvement is within their error.
+Chosen on the sweep presets (``bench/mbo_budget_sweep.py``'s types, 8 seeds): Llama-3.2-3B TP8 worst
+seed 0.988 -> 0.995 and every type's mean 0.997-0.999 -> 0.998-1.000 with 355 measurements instead of
+343; CP2TP4 worst type's mean 0.984 -> 0.987 (730 against 697); the synthetic types unchanged.
+Reported on ``qwen3-1.7b-tp8-mbs8-seq4k`` (``bench/mbo_quality.py --preset qwen3-1.7b-tp8-mbs8-seq4k
+--json``, 5 seeds, with the end-to-end calibration's parameters): 0.993 / 0.999 / 0.997 / 0.999 at
+15 / 15 / 8.7 / 7.5 % measured.
+
 ``MBOSettings.max_fraction`` (default 0.15) caps the measured share of the space: the initial
 sample shrinks to at most half the cap and the batches shrink so that ``max_batches`` of them still
 fit in what is left (:func:`capped_batch_size`). The number of surrogate refits is what makes the
@@ -160,6 +171,8 @@ class MBOSettings:
     threshold: float = 0.002
     ref_margin: float = REF_MARGIN
     ref_basis: RefBasis = "front"
+    front_neighbours: bool = True
+    """The total pass picks the measured front's grid neighbours first (``acquisition.select_batch``)."""
     xgb: XGBParams = field(default_factory=XGBParams)
 
     def budget_for(self, ptype: PartitionType) -> Budget:
@@ -534,6 +547,7 @@ def tune_partition(
             settings.pass_fractions,
             settings.ref_margin,
             settings.ref_basis,
+            neighbourhood=(space.grid_shape, rows) if settings.front_neighbours else None,
         )
         acq_seconds.append(time.perf_counter() - t0)
         rec.measure([r for r, _ in picks], [s for _, s in picks], batch=batch)

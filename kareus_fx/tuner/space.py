@@ -153,6 +153,11 @@ class SearchSpace:
     def __len__(self) -> int:
         return len(self.configs)
 
+    @property
+    def grid_shape(self) -> tuple[int, int, int]:
+        """(clocks, SM choices, launch options): :attr:`configs` is this grid in row-major order."""
+        return (len(self.clocks_mhz), len(self.comm_sms), len(self.launch_options))
+
     def __iter__(self) -> Iterator[PartitionConfig]:
         return iter(self.configs)
 
