@@ -111,7 +111,9 @@ class RowPlanner:
         """Every method's ``frontier_metrics`` of ``preset`` planned with ``values`` over the base."""
         key = self._key(preset, values)
         if key not in self._cache:
-            from kareus_fx.plan.planner import plan_request_from_preset, plan_traced, trace_plan_stages
+            from kareus_fx.plan.planner import plan_traced
+            from kareus_fx.plan.request import plan_request_from_preset
+            from kareus_fx.plan.stage_tracing import trace_plan_stages
 
             params = {**self.base.to_dict(), **values}
             with simulator_overrides(params):
