@@ -1,4 +1,4 @@
-"""Replay a plan's frontier against an hourly grid carbon-intensity trace (issue 31).
+"""Replay a plan's frontier against an hourly grid carbon-intensity trace.
 
 The job does a fixed amount of work: as many iterations as Kareus's fastest point runs in
 ``--days`` days. Each policy decides every hour which frontier point to run:

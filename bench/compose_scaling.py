@@ -24,7 +24,7 @@ critical, so the estimate is low.
 
 Deviation of a frontier from its reference: ``dinic 1ms`` and each ``exact <K> steps`` from
 ``exact 1ms`` (only where that ran), ``dinic <K> steps`` from ``exact <K> steps`` (same quantum:
-what the Dinic min-cut alone changes; the issue's criterion). With
+what the Dinic min-cut alone changes; the criterion). With
 ``E_X(t)`` the least energy of frontier X among its plans that take at most ``t`` (what a deadline
 ``t`` gets), the largest ``(E_adaptive(t) - E_1ms(t)) / E_1ms(t)`` over the 1 ms frontier's times
 (``dE+``: energy lost; ``dE-`` the smallest, negative where the coarse solve found a better
@@ -32,7 +32,7 @@ plan), the largest ``|E~_adaptive(t) - E_1ms(t)| / E_1ms(t)`` with ``E~`` the fr
 interpolated (``dE~``: the curves' gap, as ``bench/validate_composer.py`` measures it), and the
 relative gap between the fastest plans (``dTmin``), and the multiplicative epsilon indicator
 (``eps``): the least ``e`` such that every 1 ms frontier point ``(t, E)`` has an adaptive point
-within ``(1 + e) t`` and ``(1 + e) E`` (the issue's "within 0.5 % in time and energy at every
+within ``(1 + e) t`` and ``(1 + e) E`` (the criterion "within 0.5 % in time and energy at every
 point" is ``eps <= 0.005``).
 
 Usage: ``python bench/compose_scaling.py [--cases 2x8 8x24 10x16 10x128]

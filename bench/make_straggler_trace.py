@@ -1,4 +1,4 @@
-"""Write the synthetic straggler trace ``bench/traces/straggler_synthetic.csv`` (issue 31).
+"""Write the synthetic straggler trace ``bench/traces/straggler_synthetic.csv``.
 
 Synthetic, not measured: straggler episodes arrive as a Poisson process (one every
 ``--mean-gap-h`` hours on average), last an exponential time (mean ``--mean-duration-h``), slow one

@@ -32,7 +32,7 @@ def _budgets(
 
 
 BEFORE = MBOSettings(budgets=_budgets((16, 8, 5), (24, 12, 6), (40, 20, 6)))
-"""The settings before issue 16 (large partitions: batches of 20)."""
+"""The earlier settings (large partitions: batches of 20), for comparison."""
 
 
 def _large(n_init: int, batch_size: int) -> MBOSettings:
@@ -46,7 +46,7 @@ SETTINGS: dict[str, MBOSettings] = {
     **{f"large-{n}x{b}": _large(n, b) for n, b in ((40, 10), (40, 8), (32, 10), (28, 12), (24, 12), (24, 10))},
     "threshold-0.005": MBOSettings(threshold=0.005),
     "threshold-0.01": MBOSettings(threshold=0.01),
-    # The coarser grid of `kareus plan --clock-stride 60` (issue 16's GPU-hours), scored against its
+    # The coarser grid of `kareus plan --clock-stride 60` (fewer GPU-hours), scored against its
     # own exhaustive search; against the 30 MHz one: mbo_quality.py --tune-clock-stride 60.
     "stride-60": MBOSettings(clock_stride_mhz=60),
     "stride-60-cap-0.25": MBOSettings(clock_stride_mhz=60, max_fraction=0.25),

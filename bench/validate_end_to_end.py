@@ -20,12 +20,12 @@ N+P and Kareus; ``energy`` = max-throughput energy reduction of M+P, N+P and Kar
 iso-time energy and iso-energy time reduction of N+P and Kareus; ``ablation`` = table 8's time and
 energy increases over Kareus (``ABLATION_METHODS``; "Kareus without frequency scaling" is a second
 plan of the preset made with ``--max-clock-only``). ``mp_time_red`` is printed but in no group (the paper's is within
-half a point of zero). ``within_target`` counts the compared cells within the issue's target of
+half a point of zero). ``within_target`` counts the compared cells within the target of
 their group (``TARGET_PP``: 3 pp for time, energy and ablation, 5 pp for iso). NA cells (OOM or lost in the PDF extraction, or a metric our frontier does
 not reach: listed in ``ours_na_where_paper_has_value``) are skipped and counted. ``kareus_not_below`` lists the rows where the paper has
 Kareus >= N+P and >= M+P (time and energy) but ours does not.
 
-``--ablation`` separates the two mechanisms of issue 32: every row planned with activation
+``--ablation`` separates two mechanisms of the misses: every row planned with activation
 recomputation ``none`` or ``full`` (``kareus plan --recompute``) and the throttled clock's swing
 off (``throttle_swing_mhz`` 0: a steady clock at the cap, through ``KAREUS_SIM_PARAM_OVERRIDES``)
 or on (the calibrated swing), four corners, each with the validation targets: cells within target,

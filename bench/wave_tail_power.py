@@ -1,4 +1,4 @@
-"""Does a GEMM's partial last wave draw less power? A sweep on a real GPU (issue 32, round five).
+"""Does a GEMM's partial last wave draw less power? A sweep on a real GPU.
 
     python bench/wave_tail_power.py [--k 4096] [--n 1024] [--rows-from 8 --rows-to 48] [--window-s 1.5] [--json]
 
@@ -12,7 +12,7 @@ matmul (NVML's total-energy counter, mJ, over a window of ``--window-s`` seconds
 power and SM clock. A time step up with a power dip after it is the partial wave's signature.
 
 Needs a CUDA GPU and the driver's NVML (``libnvidia-ml.so.1``); not part of the test suite. Not yet
-run on a GPU (round five had no device time left): a prepared check for the next GPU session.
+run on a GPU: a prepared check for the next GPU session.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bad plan and dump files, one by one: the crashes issue 18 reported and the fuzzer found, files
+"""Bad plan and dump files, one by one: the crashes reported and the fuzzer found, files
 larger than any real one, and valid plans at the schema's bounds rendered for real (the fuzzer
 stands in for the PNG images; see tests/test_fuzz_readers.py)."""
 
@@ -34,7 +34,7 @@ def _first_type(data):
     return next(iter(data["partition_types"]))
 
 
-# The four crashes of issue 18 (each a raw exception in a reader before the schema), then what the
+# Four reported crashes (each a raw exception in a reader before the schema), then what the
 # fuzzer found: (edit of a real plan, the field the refusal names).
 REGRESSIONS = [
     # AttributeError: 'NoneType' object has no attribute 'startswith' (slot-op shortener)

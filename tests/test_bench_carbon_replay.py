@@ -1,5 +1,5 @@
 """bench/carbon_replay.py's report arithmetic: the daily swing, the hull at a constant slowdown and
-the points priced below the frontier (issue 31: every README number from a command)."""
+the points priced below the frontier (every README number comes from a command)."""
 
 from __future__ import annotations
 

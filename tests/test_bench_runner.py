@@ -164,7 +164,7 @@ def test_committed_baseline_passes_the_smoke_suite(capsys):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "issue 15: on the current cost model the launch slot is worth little on the simulated GPU (it "
+        "on the current cost model the launch slot is worth little on the simulated GPU (it "
         "already failed on main before the balanced stages); the smoke case tuned without it (360 configurations a type instead of "
         "1,080-1,260, the same 15 % budget) scores higher, e.g. Kareus iso-energy time reduction 0.0758 "
         "against the baseline's 0.0715 (NCCL's 24 baseline SMs), so no quality metric regresses (kareus bench --suite smoke "

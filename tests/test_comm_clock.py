@@ -1,4 +1,4 @@
-"""A collective's per-SM rate follows the clock by its own exponent, a prior of 0 (issue 32, round six)."""
+"""A collective's per-SM rate follows the clock by its own exponent, a prior of 0."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A collective's SMs draw their own SM-active power (issue 32, round six, energy side)."""
+"""A collective's SMs draw their own SM-active power."""
 
 from __future__ import annotations
 

@@ -295,7 +295,7 @@ def test_the_group_measurer_runs_on_one_gpu_over_nccl_with_an_sm_limited_communi
 
 @pytest.mark.slow
 def test_kareus_plan_cpu_replay_on_four_processes_profiles_in_two_groups(tmp_path):
-    """The issue's acceptance command (about 4-5 minutes on 2 cores)."""
+    """The acceptance command (about 4-5 minutes on 2 cores)."""
     import subprocess
 
     from kareus_fx.plan.plan_format import load_plan

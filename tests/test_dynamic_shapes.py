@@ -1,4 +1,4 @@
-"""Variable sequence lengths (issue 21): the nanobatch split under Dynamo's dynamic shapes.
+"""Variable sequence lengths: the nanobatch split under Dynamo's dynamic shapes.
 
 A TP=2 tiny Llama over gloo (2 processes) is fed a different sequence length every step, as
 fine-tuning batches padded to their longest sample are. After Dynamo's recompile with a symbolic

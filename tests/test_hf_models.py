@@ -1,4 +1,4 @@
-"""Hugging Face transformers models under ``backend="kareus"``, 2 gloo ranks, TP=2 (issue 17).
+"""Hugging Face transformers models under ``backend="kareus"``, 2 gloo ranks, TP=2.
 
 Models as users bring them: ``LlamaForCausalLM`` and ``Qwen3ForCausalLM`` (QK-norm) built from tiny
 configs (no weights, no download; one decoder layer, two with sequence parallelism), the config's defaults kept (``use_cache=True``: a cache built in

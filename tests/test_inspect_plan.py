@@ -5,7 +5,7 @@ simulated GPU, shared with the other tests of plan readers); its planner work di
 the graph dumps the dump tests read.
 
 The HTML is checked by parsing it (every tag closed in order, images decode as PNGs of a sane
-size). Rendering it in headless Chromium (the issue's "opens without errors" and screenshot
+size). Rendering it in headless Chromium ("opens without errors" and a screenshot
 check) is NOT done: no browser is installed on these machines and none can be downloaded.
 """
 

@@ -28,7 +28,7 @@ from kareus_fx.plan.stage_tracing import trace_stages
 from kareus_fx.workload import OpCost, fused_kernels
 
 FRONTIER_RTOL = 1e-3
-"""The issue's bound: every method's frontier within 0.1 % of the full trace's."""
+"""The bound: every method's frontier within 0.1 % of the full trace's."""
 
 
 def test_added_layer_is_the_nodes_one_more_layer_adds():
@@ -142,7 +142,7 @@ def test_six_layer_slice_gives_the_full_traces_graphs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["qwen3-1.7b-tp8-mbs8-seq4k", "llama3.2-3b-cp2tp4-mbs8-seq4k"])
 def test_sliced_plan_equals_full_trace_plan(tmp_path, preset):
-    """The issue's must-show: same partition types and counts, same graph fingerprints, and every
+    """What must hold: same partition types and counts, same graph fingerprints, and every
     method's frontier within 0.1 % of the full trace's (as many points, each point's time and
     energy within 0.1 %)."""
     req = plan_request_from_preset(preset)

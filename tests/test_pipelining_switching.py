@@ -1,4 +1,4 @@
-"""Point switching under ``torch.distributed.pipelining`` (issue 31): PyTorch's ``Schedule1F1B``
+"""Point switching under ``torch.distributed.pipelining``: PyTorch's ``Schedule1F1B``
 runs the stages and a :class:`PointSwitcher` changes the frontier point between its ``step`` calls.
 
 The plan's frontier gets four points (:data:`POINTS`), each with its own clock per (stage,

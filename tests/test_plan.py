@@ -226,7 +226,7 @@ def test_small_plan_frontier_points_replay_from_their_choices(small_plan):
 
 @pytest.mark.slow
 def test_qwen_preset_json_reports_the_four_methods(tmp_path, capsys):
-    """The issue's acceptance run (under 10 minutes on the 2-core machine; wall_s is reported)."""
+    """The acceptance run (under 10 minutes on the 2-core machine; wall_s is reported)."""
     assert cli.main(["plan", "--preset", "qwen3-1.7b-tp8-mbs8-seq4k", "--json", "--out", str(tmp_path)]) == 0
     result = json.loads(capsys.readouterr().out)
     methods = result["methods"]

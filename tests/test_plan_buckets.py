@@ -1,4 +1,4 @@
-"""Bucketed plans (issue 21): one plan holding a frontier per sequence-length bucket, deployed
+"""Bucketed plans: one plan holding a frontier per sequence-length bucket, deployed
 per call on a graph whose sequence length is symbolic.
 
 The plan is made once per module by the real planner for tiny-llama, TP=2, 1 layer, fp32, with

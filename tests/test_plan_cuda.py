@@ -111,7 +111,7 @@ def test_cuda_factory_builds_one_device_profiler_replaying_each_graph_from_its_d
         assert isinstance(device, DeviceProfiler) and factory().inner is device  # one GPU, one profiler
         assert cached.kind == "cuda-graph"  # the profile database key: CUDA-graph replays by default
         assert device.gpu_name == canonical_gpu_name(req.gpu)
-        assert device.min_window_s == 5.0  # the window by default
+        assert device.min_window_s == 5.0  # the default window
         controller = device.frequency
         assert controller.mode == "dry-run"
         work = list(_measured_work(stage))

@@ -1,4 +1,4 @@
-"""Switching frontier points between iterations without recompiling (issue 31, item 1), on gloo.
+"""Switching frontier points between iterations without recompiling, on gloo.
 
 The plan is made once per session by the real planner for tiny-llama, TP=2, 2 microbatches of
 [2, 256] tokens, 1 layer, fp32 (the parity dtype; ``tiny_tp2_plan_data`` in conftest.py). At

@@ -1,4 +1,4 @@
-"""Run-time policies (issue 31, item 2) on hand-made frontiers, in one process (fast).
+"""Run-time policies on hand-made frontiers, in one process (fast).
 
 The gloo tests with real replicas are in tests/test_straggler_policy.py; the Zeus objectives are
 checked against the installed Zeus's own selectors and cost function.

@@ -1,5 +1,5 @@
 """The sixth method, Megatron-LM + power limit: priced by the simulated GPU's power cap, chosen
-by Zeus's own selector (issue 31)."""
+by Zeus's own selector."""
 
 from __future__ import annotations
 

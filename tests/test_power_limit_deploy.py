@@ -1,4 +1,4 @@
-"""Deploying a plan as a job-wide power limit instead of clocks (issue 31, item 3)."""
+"""Deploying a plan as a job-wide power limit instead of clocks."""
 
 from __future__ import annotations
 

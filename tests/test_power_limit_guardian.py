@@ -1,4 +1,4 @@
-"""Power limits restored after any death: the guardian process, as for clocks (issue 31).
+"""Power limits restored after any death: the guardian process, as for clocks.
 
 A child process opens a power-limit controller on a simulated GPU (a stand-in for NVML whose
 limit lives in a state file), sets 250 W and is killed with SIGKILL; the state file is what the

@@ -1,4 +1,4 @@
-"""Switching between clock points and Kareus power-limit points at run time (issue 31, item 3).
+"""Switching between clock points and Kareus power-limit points at run time.
 
 The plan is :mod:`test_point_switching`'s (a real fp32 tiny-llama TP2 plan given a frontier of
 four clock points, each on options of its own) with a Kareus power-limit curve of three rows

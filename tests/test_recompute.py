@@ -1,4 +1,4 @@
-"""Activation checkpointing end to end (issue 32): ``kareus plan --recompute``, the split, deployment.
+"""Activation checkpointing end to end: ``kareus plan --recompute``, the split, deployment.
 
 One real plan (``make_plan``: trace, tune, compose) of tiny-llama, TP=2, 2 layers, 2 microbatches
 of [2, 1536] tokens, float32, with ``recompute="full"`` (every decoder layer checkpointed, as

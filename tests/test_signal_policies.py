@@ -1,4 +1,4 @@
-"""Carbon and price signals, the forecaster, the signal-budget policy and the replay (issue 31).
+"""Carbon and price signals, the forecaster, the signal-budget policy and the replay.
 Frontiers here are synthetic (a convex time-energy trade-off); the shipped traces are real."""
 
 from __future__ import annotations

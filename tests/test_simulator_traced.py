@@ -114,7 +114,7 @@ def test_memory_bound_launch_slot_runs_longer_at_max_clock(sim, attn):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "issue 15: on the middle layer's partition (the type's exemplar) the simulated A100 prices the norm "
+        "on the middle layer's partition (the type's exemplar) the simulated A100 prices the norm "
         "launch within -0.5 % to +0.4 % of the linear launch at 11-30 SMs (below the linear launch at 12, 13, "
         "29 and 30); on the first layer's it was +0.06 % to +0.7 %. The paper's Figure 3d vs 3b gap needs "
         "more contention than the calibrated model has"
@@ -137,9 +137,9 @@ def test_memory_bound_launch_slot_costs_more_at_max_clock(sim, attn):
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "with fused kernels (issue 14) and the split contention (issue 15) the simulated A100's optimum "
+        "with fused kernels and the split contention the simulated A100's optimum "
         "launches with the memory-bound RoPE slot at both 1,410 and 1,100 MHz (python bench/section3_traced.py "
-        "--tp 4 --clocks 1410 1100), so the clock does not move it as in the paper's Figure 3f; issue 15"
+        "--tp 4 --clocks 1410 1100), so the clock does not move it as in the paper's Figure 3f"
     ),
 )
 def test_lower_clock_moves_the_energy_optimal_launch_slot(sim, attn):

@@ -1,4 +1,4 @@
-"""SM-active power follows the SMs that hold CTAs: a partial last wave leaves SMs empty (issue 32, round five)."""
+"""SM-active power follows the SMs that hold CTAs: a partial last wave leaves SMs empty."""
 
 from __future__ import annotations
 
