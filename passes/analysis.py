@@ -323,7 +323,7 @@ def _concrete(value: Any) -> int:
     node = value.node
     if sizes and node.maybe_as_int() is None:
         hints = {sym: int(val) for sym, val in node.shape_env.backed_var_to_val.items()}
-        expr = node.expr.xreplace({**hints, **sizes})
+        expr = sympy.sympify(node.expr.xreplace({**hints, **sizes}))  # a lone symbol becomes its int
         if not expr.free_symbols:
             return int(expr)
     if node.hint is not None:
