@@ -30,11 +30,12 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kareus_fx.capture.dump import load_dump
 from kareus_fx.compose.iteration import IterationFrontier
 from kareus_fx.cost_models.hardware import canonical_gpu_name, gpu_spec
 from kareus_fx.cost_models.profile_queue import ProfileQueue
@@ -44,7 +45,7 @@ from kareus_fx.plan.plan_data import plan_data
 from kareus_fx.plan.profilers import QUEUE_FILE, distinct_types, profiler_factory
 from kareus_fx.plan.profiling_cost import MeasurementLedger, ProfilingCost
 from kareus_fx.plan.request import PlanRequest, validate_plan_request, validate_tuning_request
-from kareus_fx.plan.stage_tracing import StageGraphs, backward_repricing, trace_plan_stages
+from kareus_fx.plan.stage_tracing import LoadedDumps, StageGraphs, backward_repricing, trace_plan_stages
 from kareus_fx.tuner.mbo import MBOSettings
 from kareus_fx.tuner.tune_pool import tune_partition_types
 
@@ -75,9 +76,10 @@ def make_plan(req: PlanRequest, work_dir: str | Path | None = None, *, progress:
         work = Path(work_dir) if work_dir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        req, traced = trace_plan_stages(req, work / "dumps")
+        load = LoadedDumps()
+        req, traced = trace_plan_stages(req, work / "dumps", load)
         wall["trace_s"] = time.perf_counter() - t0
-        outcome = plan_traced(req, traced, work, progress=progress)
+        outcome = plan_traced(req, traced, work, progress=progress, load=load)
     outcome.wall_s = {**wall, **outcome.wall_s, "total_s": time.perf_counter() - started}
     outcome.data["wall_s"] = outcome.wall_s
     return outcome
@@ -92,15 +94,17 @@ def plan_traced(
     profiler: Any | None = None,
     groups: int = 1,
     device: str | None = None,
+    load: Callable[[Path], Mapping[str, Any]] = load_dump,
 ) -> PlanOutcome:
     """Steps 2-4 of the module docstring on graphs already traced (``traced``: one entry per
     distinct stage, covering stages 0..pp-1). ``work_dir`` keeps the profile database.
 
     ``profiler``: one that keeps its own database and measures with ``groups`` parallel groups of
     ``tp x cp`` devices (the distributed profilers, ``distributed_plan.py``; ``device`` says what
-    measured); None builds the request's profiler."""
+    measured); None builds the request's profiler. ``load`` reads a dump (the tracing step's
+    :class:`~kareus_fx.plan.stage_tracing.LoadedDumps` serves the dumps it already read)."""
     validate_tuning_request(req)
-    repricing = backward_repricing(req, traced)
+    repricing = backward_repricing(req, traced, load)
     started = time.perf_counter()
     wall: dict[str, float] = {}
     t0 = time.perf_counter()

@@ -58,20 +58,23 @@ class StageGraphs:
     """Bytes of the activation the stage sends on to the next (``pipeline_sends.boundary_bytes``)."""
 
 
-def trace_plan_stages(req: PlanRequest, dump_root: Path) -> tuple[PlanRequest, list[StageGraphs]]:
+def trace_plan_stages(
+    req: PlanRequest, dump_root: Path, load: LoadedDumps | None = None
+) -> tuple[PlanRequest, list[StageGraphs]]:
     """``req`` with its stage split resolved, and every distinct stage's graphs (:func:`trace_stages`).
 
     ``"balanced"`` traces each stage role's slices first (``layer_slice.SLICE_LAYERS``), prices
     them as the request's training framework runs them on the simulated GPU at its maximum clock
     and takes the split that evens out the stages (``stage_balance.py``); the stages' graphs then extend the same
-    slices (or trace the stages in full, where slicing does not apply)."""
+    slices (or trace the stages in full, where slicing does not apply). ``load`` reads each dump
+    once (:class:`LoadedDumps`); pass the planner's, and later steps read the same dumps from it."""
+    load = load or LoadedDumps()
     if req.stage_layers != "balanced":
-        return req, with_framework_work(req, trace_stages(req, dump_root))
+        return req, with_framework_work(req, trace_stages(req, dump_root, None, load))
     if req.num_stages == 1:
         req = dataclasses.replace(req, stage_layers="even")
-        return req, with_framework_work(req, trace_stages(req, dump_root))
+        return req, with_framework_work(req, trace_stages(req, dump_root, None, load))
     first_stage_of_role = {stage_role(i, req.num_stages): i for i in reversed(range(req.num_stages))}
-    load = LoadedDumps()
     dumps = _run_traces(
         {
             stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
