@@ -46,17 +46,15 @@ predictions of a simulated GPU, not measurements.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+from kareus_fx.cost_models.end_to_end_fit import simulator_overrides
 from kareus_fx.cost_models.paper_testbed import (
     CALIBRATION_ROWS,
     TARGET_PP,
@@ -65,7 +63,6 @@ from kareus_fx.cost_models.paper_testbed import (
     mean_abs,
     read_rows,
 )
-from kareus_fx.cost_models.sim_params import OVERRIDES_ENV, clear_cache
 from kareus_fx.plan.planner import make_plan, plan_traced
 from kareus_fx.plan.presets import PRESETS
 from kareus_fx.plan.request import plan_request_from_preset
@@ -142,26 +139,6 @@ def _kept(data: dict, wall_s: float) -> dict:
     }
 
 
-@contextlib.contextmanager
-def _simulator_overrides(values: dict) -> Iterator[None]:
-    """The simulated GPU with ``values`` replacing calibrated parameters (``OVERRIDES_ENV``; the
-    planner's spawned processes inherit it), restored after."""
-    before = os.environ.get(OVERRIDES_ENV)
-    if values:
-        os.environ[OVERRIDES_ENV] = json.dumps(values)
-    else:
-        os.environ.pop(OVERRIDES_ENV, None)
-    clear_cache()
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(OVERRIDES_ENV, None)
-        else:
-            os.environ[OVERRIDES_ENV] = before
-        clear_cache()
-
-
 def plan_corners(preset: str, keys: list[str], corners: list[tuple[str, str]]) -> dict:
     """Plan ``keys`` (``preset`` and its ``MAX_CLOCK_SUFFIX`` key) in each (recompute, swing)
     corner, tracing ``preset`` once per recompute. Returns {corner name: {key: kept plan}}."""
@@ -172,7 +149,7 @@ def plan_corners(preset: str, keys: list[str], corners: list[tuple[str, str]]) -
             req, traced = trace_plan_stages(plan_request_from_preset(preset, recompute=recompute), Path(tmp) / "dumps")
             trace_s = time.perf_counter() - started
             for swing in [s for r, s in corners if r == recompute]:
-                with _simulator_overrides(SWINGS[swing]):
+                with simulator_overrides(SWINGS[swing]):
                     for key in keys:
                         t0 = time.perf_counter()
                         outcome = plan_traced(

@@ -72,9 +72,12 @@ def _source_fingerprint() -> str:
 @contextlib.contextmanager
 def simulator_overrides(values: Mapping[str, float]) -> Iterator[None]:
     """The simulated GPU with ``values`` replacing its parameters (``OVERRIDES_ENV``: the planner's
-    spawned processes inherit it), restored after."""
+    spawned processes inherit it; empty: the calibrated parameters), restored after."""
     before = os.environ.get(OVERRIDES_ENV)
-    os.environ[OVERRIDES_ENV] = json.dumps(dict(values))
+    if values:
+        os.environ[OVERRIDES_ENV] = json.dumps(dict(values))
+    else:
+        os.environ.pop(OVERRIDES_ENV, None)
     clear_cache()
     try:
         yield
