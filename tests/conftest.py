@@ -78,10 +78,10 @@ def sharing_traces(traces):
 
     real = planner.trace_plan_stages
 
-    def trace(req, dump_root):
+    def trace(req, dump_root, load=None):
         key = dataclasses.replace(req, **_NOT_TRACED)
         if key not in traces:
-            traces[key] = real(req, dump_root)
+            traces[key] = real(req, dump_root, load)
         resolved, traced = traces[key]
         return dataclasses.replace(req, stage_layers=resolved.stage_layers), traced
 
