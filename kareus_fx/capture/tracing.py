@@ -7,8 +7,11 @@ graphs exactly as a real rank would.
 
 Pipeline parallelism: a spec with ``pp > 1`` traces one stage (``stage``) of the pipeline: its
 layers, plus the embedding on the first stage and the LM head and loss on the last (see
-``kareus_fx.models.stage_layers``). The fake process group has the stage's ``tp * cp`` ranks: the
-stage's graphs communicate only within its TP x CP grid (sends between stages are outside them).
+``kareus_fx.models.stage_layers``). The fake process group has the stage's ranks: its TP x CP grid,
+or with expert parallelism (``ep`` > 1, a mixture-of-experts model) its EP group of ``ep`` ranks
+(``ep // tp`` data-parallel replicas' TP groups): the stage's graphs communicate only within them
+(sends between stages are outside them). The expert all-to-alls of a traced stage assume each
+expert's load is ``expert_imbalance`` times the uniform one (``kareus_fx.models.moe_pricing``).
 :func:`distinct_stages` lists the stages worth tracing: one per group of identical stages.
 """
 
@@ -65,10 +68,16 @@ class TraceSpec:
     """What is compiled as one graph: the whole stage (``"stage"``), or one decoder layer
     (``"block"``: torchtitan's per-block compile, ``integrations.torchtitan.compile_blocks``),
     the stage's last, with the rest of the stage running un-compiled around it."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts model: 1, or a multiple of ``tp``."""
+    expert_imbalance: float = 1.0
+    """The busiest expert's load over the uniform one (>= 1), at which every rank's expert
+    all-to-alls and expert GEMMs are priced."""
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.cp
+        """Ranks of the traced stage: its TP x CP grid, times ``ep // tp`` replicas under EP."""
+        return self.tp * self.cp * max(1, self.ep // self.tp)
 
 
 _INT_ARGUMENTS = ("tp", "cp", "mbs", "seq", "layers", "pp", "stage")
@@ -115,7 +124,16 @@ def validate_trace_spec(spec: TraceSpec) -> None:
             f"sequence length {spec.seq} is not divisible by cp={spec.cp}: each context-parallel "
             f"rank needs an equal chunk; choose seq as a multiple of {spec.cp}"
         )
-    config.check_parallel(tp=spec.tp, cp=spec.cp)
+    config.check_parallel(tp=spec.tp, cp=spec.cp, ep=spec.ep)
+    if not spec.expert_imbalance >= 1.0:
+        raise ParallelConfigError(
+            f"expert_imbalance is the busiest expert's load over the uniform one: >= 1, got {spec.expert_imbalance}"
+        )
+    if config.moe is not None and spec.tp > 1 and (spec.seq // spec.cp) % spec.tp:
+        raise ParallelConfigError(
+            f"sequence length {spec.seq} is not divisible by tp={spec.tp}: each TP rank routes an equal share of "
+            f"every sequence's tokens through the experts; choose seq as a multiple of {spec.tp * spec.cp}"
+        )
     check_stage_layers(spec.layers or config.num_layers, spec.pp)
     if spec.stage_layers is not None:
         PipelineStage(0, spec.pp, spec.stage_layers)
@@ -253,7 +271,7 @@ def _stage_model(spec: TraceSpec) -> Iterator[tuple[Any, dict[str, torch.Tensor]
     torch._dynamo.reset()
     try:
         with fake_process_group(spec.world_size):
-            layout = ParallelLayout.from_default_group(tp=spec.tp, cp=spec.cp)
+            layout = ParallelLayout.from_default_group(tp=spec.tp, cp=spec.cp, ep=spec.ep)
             with torch.device("meta"):
                 model = build_model(
                     spec.model,
@@ -262,6 +280,7 @@ def _stage_model(spec: TraceSpec) -> Iterator[tuple[Any, dict[str, torch.Tensor]
                     dtype=spec.dtype,
                     stage=PipelineStage(spec.stage, spec.pp, spec.stage_layers),
                     recompute=spec.recompute,
+                    expert_imbalance=spec.expert_imbalance,
                 )
             yield model, model.example_batch(mbs=spec.mbs, seq=spec.seq, device="meta")
     finally:

@@ -89,6 +89,7 @@ from torch.utils.checkpoint import checkpoint
 from kareus_fx.errors import ParallelConfigError
 from kareus_fx.models.attention_op import attention as kareus_attention
 from kareus_fx.models.configs import ModelConfig, get_config
+from kareus_fx.models.moe_pricing import CountPricedMoE
 from kareus_fx.models.parallel import (
     ParallelLayout,
     copy_to_tp,
@@ -359,6 +360,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention and an MLP, or for a mixture-of-experts model's layer ``index`` (global, counted
+    over the whole model) at or past ``config.moe.dense_layers`` the sparse block
+    (:class:`~kareus_fx.models.moe_pricing.CountPricedMoE`, meta only) as ``mlp``."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -366,12 +371,19 @@ class DecoderLayer(nn.Module):
         dtype=None,
         attention: str = "kareus",
         recompute_core: bool = False,
+        index: int = 0,
+        expert_imbalance: float = 1.0,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, dtype)
         self.self_attn = Attention(config, layout, dtype, attention, recompute_core)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, dtype)
-        self.mlp = MLP(config, layout, dtype)
+        moe = config.moe
+        self.mlp: MLP | CountPricedMoE = (
+            MLP(config, layout, dtype)
+            if moe is None or index < moe.dense_layers
+            else CountPricedMoE(config.hidden_size, moe, layout, config.init_std, dtype, expert_imbalance)
+        )
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -395,12 +407,13 @@ class Transformer(nn.Module):
         attention: str = "kareus",
         stage: PipelineStage | None = None,
         recompute: str = "none",
+        expert_imbalance: float = 1.0,
     ) -> None:
         super().__init__()
         self.recompute = check_recompute(recompute)
         layout = layout or ParallelLayout()
         stage = stage or PipelineStage()
-        config.check_parallel(layout.tp, layout.cp)
+        config.check_parallel(layout.tp, layout.cp, layout.ep)
         if attention not in ATTENTION_IMPLS:
             raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         self.config, self.layout, self.stage = config, layout, stage
@@ -409,7 +422,8 @@ class Transformer(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype) if stage.is_first else None
         self.rotary = RotaryEmbedding(config, layout)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, dtype, attention, recompute == "selective") for _ in self.layer_range
+            DecoderLayer(config, layout, dtype, attention, recompute == "selective", index, expert_imbalance)
+            for index in self.layer_range
         )
         if stage.is_last:
             self.norm: RMSNorm | None = RMSNorm(h, config.norm_eps, dtype)
@@ -592,6 +606,7 @@ def build_model(
     attention: str = "kareus",
     stage: PipelineStage | None = None,
     recompute: str = "none",
+    expert_imbalance: float = 1.0,
 ) -> Transformer:
     """The model ``name`` (see ``model_names()``) sharded for ``layout``, on the default device.
 
@@ -603,6 +618,8 @@ def build_model(
     math path with the full score matrix in the graph).
     ``recompute``: activation checkpointing, ``"none"``, ``"full"`` (every decoder layer) or
     ``"selective"`` (core attention); see ``recompute.py``.
+    ``expert_imbalance``: a mixture-of-experts model's assumed busiest-expert load over the uniform
+    one (``moe_pricing.py``; its sparse layers build and run on the meta device only).
     """
     config = get_config(name) if isinstance(name, str) else name
-    return Transformer(config.with_layers(num_layers), layout, dtype, attention, stage, recompute)
+    return Transformer(config.with_layers(num_layers), layout, dtype, attention, stage, recompute, expert_imbalance)
