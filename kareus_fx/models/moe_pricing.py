@@ -13,14 +13,15 @@ per expert of each sequence's ``s`` routed tokens. The step, per rank:
 
 1. router: a linear to the expert logits, softmax (float32), top-k, the top-k weights renormalised
    (``normalize_top_k``) -- real work;
-2. dispatch permutation: the (token, choice) slots of each sequence sorted by expert (``argsort``)
-   and their tokens' rows gathered into the send buffer (repeated cyclically past the real slots
-   when the assumed load exceeds them);
+2. dispatch permutation: the (token, choice) slots of each sequence sorted by expert (``argsort``,
+   the routing weights permuted alongside) and the tokens' rows selected into the send buffer
+   (``index_select``; a fixed order stands in for the sort's, unknown on meta, repeated cyclically
+   past the real slots when the assumed load exceeds them);
 3. dispatch ``all_to_all_single`` with equal splits;
 4. the local experts: one batched GEMM per projection over each expert's ``c`` rows from every
    peer and sequence (a grouped GEMM of equal groups), SwiGLU;
-5. combine ``all_to_all_single`` back, then the rows put back in slot order (a gather by the
-   sort's inverse), weighted by their routing weights and summed over each token's ``k`` choices.
+5. combine ``all_to_all_single`` back, then each slot's row put back in token order (an
+   ``index_select``), weighted by its routing weight and summed over each token's ``k`` choices.
 
 Buffers are laid out ``(ep, B, c * local experts)`` along dim 0 (peer, sequence, row), the layout
 the nanobatch pass's all-to-all rule splits per nanobatch: each nanobatch exchanges its own
@@ -115,16 +116,20 @@ class CountPricedMoE(nn.Module):
         weights, ids = probs.topk(k, dim=-1)
         if self.moe.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        order = ids.reshape(b, s * k).argsort(dim=1)  # each sequence's slots sorted by expert
+        # The permutation (Megatron-LM's): each sequence's slots sorted by expert, the routing
+        # weights permuted alongside. Which token fills which row is unknown on meta, so the rows
+        # are selected in a fixed order (row j holds slot j's token, cyclically past the real slots).
+        order = ids.reshape(b, s * k).argsort(dim=1)
+        sorted_weights = weights.reshape(b, s * k).gather(1, order).to(x.dtype)
         sent = self.ep * rows  # >= s * k: the assumed load covers every real slot
-        sent_slots = order.repeat(1, math.ceil(sent / (s * k)))[:, :sent] if sent > s * k else order
-        send = x.gather(1, (sent_slots // k).unsqueeze(-1).expand(b, sent, d))
-        send = send.reshape(b, self.ep, rows, d).transpose(0, 1).reshape(self.ep * b * rows, d)
+        slot = torch.arange(sent, device=x.device) % (s * k)
+        send = x.index_select(1, slot // k)
+        send = send.reshape(b, self.ep, rows, d).transpose(0, 1).reshape(sent * b, d)
         out = self._exchange(self._experts(self._exchange(send), b))
-        out = out.reshape(self.ep, b, rows, d).transpose(0, 1).reshape(b, self.ep * rows, d)
-        inverse = order.argsort(dim=1)  # slot -> its row in sorted order
-        slots = out.gather(1, inverse.unsqueeze(-1).expand(b, s * k, d))
-        y = (slots.reshape(b, s, k, d) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=2)
+        out = out.reshape(self.ep, b, rows, d).transpose(0, 1).reshape(b, sent, d)
+        # the un-permutation: each slot's row back in token order, weighted, summed per token
+        slots = out.index_select(1, slot[: s * k]) * sorted_weights.unsqueeze(-1)
+        y = slots.reshape(b, s, k, d).sum(dim=2)
         if self.shared_gate_up is not None and self.shared_down is not None:
             gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
             y = y + F.linear(F.silu(gate) * up, self.shared_down)
