@@ -6,10 +6,12 @@ gives this rank's inputs. See ``transformer.py`` for the collectives each layout
 ``build_model(..., stage=PipelineStage(index, num_stages))`` builds one pipeline stage
 (``stage_layers.py``: layer split, stage roles, groups of stages with the same graph structure).
 Attention is the fused ``kareus::attention`` op (``attention_op.py``), which the analysis prices
-and the on-device profiler replays.
+and the on-device profiler replays. A mixture-of-experts config (``ModelConfig.moe``) builds sparse
+layers whose expert-parallel exchange is priced by counts on the meta device (``moe_pricing.py``);
+``moe.py`` holds the exact, runnable expert-parallel layer.
 """
 
-from kareus_fx.models.configs import ModelConfig, UnknownModelError, get_config, model_names
+from kareus_fx.models.configs import ModelConfig, MoEConfig, UnknownModelError, get_config, model_names
 from kareus_fx.models.parallel import (
     ParallelLayout,
     copy_to_tp,
@@ -26,6 +28,7 @@ from kareus_fx.models.stage_layers import (
 from kareus_fx.models.transformer import Transformer, build_model
 
 __all__ = [
+    "MoEConfig",
     "ModelConfig",
     "ParallelLayout",
     "PipelineStage",

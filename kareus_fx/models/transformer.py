@@ -72,6 +72,17 @@ embeddings and more than one stage, the first stage's ``embed_tokens.weight`` an
 their two gradients is the tied weight's gradient (Megatron's embedding-group all-reduce, a step
 outside the stage's graph, like :meth:`Transformer.finalize_grads`).
 
+Mixture of experts (``config.moe``): decoder layers from ``config.moe.dense_layers`` on (global
+layer index, so every pipeline stage gets its own right) have the sparse block
+:class:`~kareus_fx.models.moe_pricing.CountPricedMoE` as ``mlp``: a router, the expert all-to-alls
+over the EP group (``layout.ep`` ranks) and the experts, with the exchange priced by counts under an
+assumed expert load (``expert_imbalance``). Under TP each rank routes its ``1 / tp`` of every
+sequence and the block's output is all-gathered over the TP group, so a sparse layer issues 1
+all-reduce (``self_attn.o_proj``), 2 all-to-alls and 1 all-gather forward, and 1 all-reduce
+(``self_attn.qkv_proj``), 2 all-to-alls and 1 all-gather (of the token slice's gradient) backward.
+The sparse block prices a step for planning and runs on the meta device only; the exact, runnable
+expert-parallel layer is :class:`~kareus_fx.models.moe.ExpertParallelMoE`.
+
 The model has no data-dependent Python control flow and no ``.item()``: it builds and runs on the
 meta device at full size (build under ``with torch.device("meta")``).
 """
