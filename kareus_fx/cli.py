@@ -146,11 +146,24 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
         ("pp", "pipeline stages (GPUs of one pipeline)"),
         ("virtual-stages", "model chunks per pipeline GPU: above 1, interleaved 1F1B (default 1)"),
         ("dp", "data-parallel replicas: energies count every GPU of the job (default 1)"),
+        (
+            "ep",
+            "expert-parallel degree of a mixture-of-experts model: its all-to-alls span the TP groups of "
+            "ep / tp data-parallel replicas (default 1)",
+        ),
         ("microbatches", "microbatches per iteration"),
         ("mbs", "microbatch size"),
         ("layers", "decoder layers (default: the model's)"),
     ):
         plan.add_argument(f"--{name}", type=int, default=None, help=what)
+    plan.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=None,
+        metavar="F",
+        help="mixture-of-experts routing: the busiest expert-parallel rank's token load over the uniform "
+        "share, priced on every rank (default 1: uniform)",
+    )
     plan.add_argument(
         "--seq",
         type=_seq_buckets,
@@ -295,7 +308,8 @@ def _plan_request(args: argparse.Namespace):
     from kareus_fx.plan.request import PlanRequest, plan_request_from_preset
 
     shape = {
-        k: getattr(args, k) for k in ("tp", "cp", "pp", "virtual_stages", "dp", "microbatches", "mbs", "seq", "layers")
+        k: getattr(args, k)
+        for k in ("tp", "cp", "pp", "virtual_stages", "dp", "ep", "microbatches", "mbs", "seq", "layers")
     }
     if shape["seq"] is not None:
         shape["seq"] = max(shape["seq"])  # the largest bucket (the others: _run_plan)
@@ -324,6 +338,8 @@ def _plan_request(args: argparse.Namespace):
         common["recompute"] = args.recompute
     if args.framework is not None:
         common["framework"] = args.framework
+    if args.expert_imbalance is not None:
+        common["expert_imbalance"] = args.expert_imbalance
     given = [
         flag
         for flag, value in (("--preset", args.preset), ("--model", args.model), ("--hf-config", args.hf_config))
@@ -338,7 +354,7 @@ def _plan_request(args: argparse.Namespace):
             "give --preset NAME, or --model (or --hf-config PATH) with --tp/--cp/--pp/--microbatches/--mbs/--seq"
         )
     model = args.model or f"{HF_CONFIG_PREFIX}{args.hf_config.resolve()}"
-    defaults = {"tp": 1, "cp": 1, "pp": 1, "virtual_stages": 1, "dp": 1, "microbatches": 1}
+    defaults = {"tp": 1, "cp": 1, "pp": 1, "virtual_stages": 1, "dp": 1, "ep": 1, "microbatches": 1}
     missing = [f"--{k}" for k in ("mbs", "seq") if shape[k] is None]
     if missing:
         raise OptionsError(f"{given[0]} needs {' and '.join(missing)}")

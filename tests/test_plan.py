@@ -105,6 +105,7 @@ def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
     plan = load_plan(small_plan / "plan.json")
     assert plan.workload["pp"] == 2 and plan.workload["world_size"] == 16
     assert plan.workload["stage_layers"] == [1, 1]  # a --model request: Megatron-LM's even split
+    assert "ep" not in plan.workload and "expert_imbalance" not in plan.workload  # a dense plan as before
     assert set(plan.data["methods"]) == {
         "megatron",
         "megatron+perseus",

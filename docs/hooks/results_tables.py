@@ -201,6 +201,47 @@ def paper_tables() -> str:
     )
 
 
+MOE_METHODS = {
+    "megatron+perseus": "Megatron-LM + Perseus",
+    "nanobatching": "two-microbatch overlap",
+    "nanobatching+perseus": "two-microbatch overlap + Perseus",
+    "megatron+power-limit": "Zeus power limit",
+    "kareus": "Kareus",
+}
+
+
+def moe_presets() -> str:
+    """Every method's reductions against Megatron-LM on the presets ``bench/moe_presets.py`` planned."""
+    report = _load("bench/results/moe_presets.json")
+    rows = []
+    for preset, entry in report.items():
+        for method, label in MOE_METHODS.items():
+            metrics = entry["metrics"].get(method)
+            if metrics is None:
+                continue
+            rows.append(
+                [
+                    f"`{preset}`",
+                    label,
+                    _frac_pct(metrics["max_throughput_time_reduction"]),
+                    _frac_pct(metrics["max_throughput_energy_reduction"]),
+                    _frac_pct(metrics["iso_time_energy_reduction"]),
+                    _frac_pct(metrics["iso_energy_time_reduction"]),
+                ]
+            )
+    return _table(
+        [
+            "preset",
+            "method",
+            "time reduction at max throughput (%)",
+            "energy reduction at max throughput (%)",
+            "iso-time energy reduction vs M+P (%)",
+            "iso-energy time reduction vs M+P (%)",
+        ],
+        rows,
+    )
+
+
 def stage_slack() -> str:
     report = _load("bench/results/stage_slack.json")
     rows = [
@@ -321,6 +362,7 @@ RENDERERS: dict[str, Callable[[], str]] = {
         end_to_end_ablation,
         absolute_scale,
         paper_tables,
+        moe_presets,
         stage_slack,
         carbon_replay,
         carbon_verdicts,

@@ -122,11 +122,14 @@ def stage_layer_range(num_layers: int, num_stages: int, index: int, layer_counts
 
 @dataclass(frozen=True)
 class StageGroup:
-    """Pipeline stages whose graphs have the same structure: same role, same layer count."""
+    """Pipeline stages whose graphs have the same structure: same role, same layer count (and, in
+    a mixture of experts with dense first layers, as many of them dense)."""
 
     role: StageRole
     num_layers: int
     stages: tuple[int, ...]
+    dense_layers: int = 0
+    """Of the stage's layers, those before the model's first sparse layer (``MoEConfig.dense_layers``)."""
 
     @property
     def representative(self) -> int:
@@ -134,11 +137,15 @@ class StageGroup:
         return self.stages[0]
 
 
-def group_stages(num_layers: int, num_stages: int, layer_counts: Sequence[int] | None = None) -> list[StageGroup]:
-    """The pipeline's stages grouped by (role, layer count), in order of their first stage."""
+def group_stages(
+    num_layers: int, num_stages: int, layer_counts: Sequence[int] | None = None, dense_layers: int = 0
+) -> list[StageGroup]:
+    """The pipeline's stages grouped by (role, layer count, dense layers), in order of their first
+    stage. ``dense_layers``: the model's leading layers that are dense where the others are sparse."""
     check_stage_layers(num_layers, num_stages)
-    groups: dict[tuple[StageRole, int], list[int]] = {}
+    groups: dict[tuple[StageRole, int, int], list[int]] = {}
     for index in range(num_stages):
-        key = (stage_role(index, num_stages), len(stage_layer_range(num_layers, num_stages, index, layer_counts)))
-        groups.setdefault(key, []).append(index)
-    return [StageGroup(role, count, tuple(stages)) for (role, count), stages in groups.items()]
+        layers = stage_layer_range(num_layers, num_stages, index, layer_counts)
+        dense = len(range(layers.start, min(layers.stop, dense_layers)))
+        groups.setdefault((stage_role(index, num_stages), len(layers), dense), []).append(index)
+    return [StageGroup(role, count, tuple(stages), dense) for (role, count, dense), stages in groups.items()]

@@ -204,6 +204,7 @@ def plan_data(
             "dtype": req.dtype,
             "recompute": req.recompute,
             "compile_unit": req.compile_unit,
+            **({"ep": req.ep, "expert_imbalance": req.expert_imbalance} if req.ep > 1 else {}),
         },
         "gpu": canonical_gpu_name(req.gpu),
         "profiler": profiler_kind,

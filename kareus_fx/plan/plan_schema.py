@@ -95,6 +95,10 @@ class Workload(SchemaModel):
     """What the job compiles as one graph: the whole stage, or each decoder layer (``kareus plan
     --compile-unit block``: the stage graphs' fingerprints are one block's); plans older than the
     field read as "stage"."""
+    ep: PositiveCount = 1
+    """Expert-parallel degree (written for mixture-of-experts plans with ``ep > 1``; else 1)."""
+    expert_imbalance: Annotated[int | float, finite(1.0, 1_000.0)] = 1.0
+    """The busiest expert-parallel rank's token load over the uniform share the plan priced."""
 
 
 class StageGraph(SchemaModel):

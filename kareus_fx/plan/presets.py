@@ -10,7 +10,7 @@ The testbed presets split their 28 layers 15 + 13, as the paper's artifact confi
 (``num_layers_in_first_pipeline_stage: 15``, ``megatron_settings.py``; the paper says it partitions its
 stages "such that stages are as balanced as possible, following Perseus", section 6.1), and carry
 the artifact's other Megatron settings (``Preset.megatron``); the emulation's pipelines are
-balanced by the planner (``stage_layers="balanced"``). Every
+balanced by the planner (``stage_layers="balanced"``). Every dense
 preset recomputes activations (``recompute="full"``): "We use activation checkpointing to reduce
 memory pressure" (section 6.1), on Megatron-LM, whose checkpointing recomputes whole layers.
 
@@ -28,7 +28,23 @@ layer each from the first and the last stages". Presets ``llama3.1-405b-pp16tp8-
 ``N`` = 64 or 128 microbatches per pipeline (the paper's own count per step is 16; more
 microbatches per pipeline is what a smaller data-parallel degree gives).
 
-Names read ``<model>-<layout>-mbs<M>-seq<S>k`` (testbed), ``llama3.3-70b-pp10tp8[-v2]-mb<N>``
+Mixture-of-experts jobs with expert parallelism (EP), each on H100-SXM5-80GB with attention
+data-parallel (``tp = 1``) and the expert-parallel group made of ``ep`` data-parallel replicas'
+GPUs of one stage, placed node by node:
+
+- ``qwen3-30b-a3b-ep8pp2-mbs2-seq4k``: Qwen3-30B-A3B, EP8 inside one node (NVLink), two stages.
+- ``deepseek-v3-ep64pp16-mbs2-seq4k``: a DeepSeek-V3-shaped model as its pre-training ran (DeepSeek-AI,
+  "DeepSeek-V3 Technical Report", arXiv 2412.19437, section 3.2: 16-way pipeline, 64-way expert
+  parallelism across 8 nodes, ZeRO-1 data parallelism, 2048 H800 GPUs; section 4.2: 4K sequences, a
+  batch of 15360). The first stage holds the 3 dense layers, the last 2 layers and the LM head, the 14
+  others 4 MoE layers each. The H800 is an H100 with less NVLink bandwidth; the plan prices an H100.
+  Its pipeline schedule is 1F1B (not DualPipe), and its attention is priced as standard attention
+  (``kareus_fx.models.configs``).
+- Routing is priced at uniform expert load (``expert_imbalance = 1``; ``--expert-imbalance``).
+- Neither recomputes activations (``recompute="none"``): DeepSeek-V3 recomputes only its RMSNorms and
+  MLA up-projections (section 3.2.3), which the standard attention priced here does not have.
+
+Names read ``<model>-<layout>-mbs<M>-seq<S>k`` (testbed, MoE), ``llama3.3-70b-pp10tp8[-v2]-mb<N>``
 (emulation) and ``llama3.1-405b-pp16tp8-v<V>-mb<N>``, for example ``qwen3-1.7b-tp8-mbs8-seq4k``.
 """
 
@@ -84,6 +100,10 @@ class Preset:
     megatron: MegatronSettings = HF_DEFAULTS
     """Training settings outside the traced model (tied embeddings, distributed optimizer, dropout);
     the testbed presets carry the artifact's (``megatron_settings.py``)."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts model (1: dense, or experts not split)."""
+    expert_imbalance: float = 1.0
+    """The routing's load on the busiest expert-parallel rank over the uniform share (1: uniform)."""
 
     @property
     def gpus_per_pipeline(self) -> int:
@@ -200,7 +220,54 @@ def _llama3_405b_presets() -> list[Preset]:
     ]
 
 
-PRESETS: dict[str, Preset] = {p.name: p for p in _testbed_presets() + _emulation_presets() + _llama3_405b_presets()}
+def _moe_presets() -> list[Preset]:
+    """Expert-parallel mixture-of-experts training jobs (see the module docstring)."""
+    return [
+        Preset(
+            name="qwen3-30b-a3b-ep8pp2-mbs2-seq4k",
+            model="qwen3-30b-a3b",
+            tp=1,
+            cp=1,
+            pp=2,
+            microbatches=8,
+            mbs=2,
+            seq=4096,
+            source="Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): 128 experts, top-8, expert parallelism 8 "
+            "inside one 8-GPU node, attention data-parallel (tp 1), 2 pipeline stages, 8 microbatches of 2 "
+            "sequences (a layout chosen here, not a published job's)",
+            stage_layers="balanced",
+            gpu="H100-SXM5-80GB",
+            in_paper=False,
+            recompute="none",
+            dp=8,
+            ep=8,
+        ),
+        Preset(
+            name="deepseek-v3-ep64pp16-mbs2-seq4k",
+            model="deepseek-v3",
+            tp=1,
+            cp=1,
+            pp=16,
+            microbatches=60,
+            mbs=2,
+            seq=4096,
+            source="DeepSeek-V3 (arXiv 2412.19437, section 3.2 and 4.2): 2048 GPUs, 16-way pipeline, 64-way "
+            "expert parallelism over 8 nodes, data parallelism elsewhere (tp 1), 4K sequences, a batch of 15360 "
+            "sequences (120 per pipeline over 128 replicas); microbatches of 2 sequences (not published: the "
+            "least that splits into two nanobatches); 1F1B, not DualPipe",
+            stage_layers=(3, *([4] * 14), 2),
+            gpu="H100-SXM5-80GB",
+            in_paper=False,
+            recompute="none",
+            dp=128,
+            ep=64,
+        ),
+    ]
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p for p in _testbed_presets() + _emulation_presets() + _llama3_405b_presets() + _moe_presets()
+}
 
 
 def get_preset(name: str) -> Preset:

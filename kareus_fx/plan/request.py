@@ -14,6 +14,7 @@ from kareus_fx.cost_models.hardware import DEFAULT_GPU, canonical_gpu_name
 from kareus_fx.errors import OptionsError, ParallelConfigError
 from kareus_fx.frameworks.megatron_settings import HF_DEFAULTS, MegatronSettings
 from kareus_fx.frameworks.registry import get_framework
+from kareus_fx.models.configs import get_config
 from kareus_fx.plan.presets import Preset, get_preset
 from kareus_fx.plan.profiler_capabilities import profiler_capabilities
 from kareus_fx.tuner.space import DEFAULT_CLOCK_STRIDE_MHZ
@@ -93,6 +94,12 @@ class PlanRequest:
     """Data-parallel replicas of the pipeline (``--dp``): each runs the same plan on its own data, so
     the plan's energies are ``dp`` times one pipeline's; times are one replica's (data-parallel
     gradient collectives, which the plan does not schedule, are outside it)."""
+    ep: int = 1
+    """Expert-parallel degree of a mixture-of-experts model (``--ep``): its expert all-to-alls run over
+    ``ep`` GPUs, the TP groups of ``ep / tp`` data-parallel replicas of a stage (``dp`` must hold them)."""
+    expert_imbalance: float = 1.0
+    """The routing's token load on the busiest expert-parallel rank over the uniform share
+    (``--expert-imbalance``): every rank is priced at that load, since the combine waits for it."""
     virtual_stages: int = 1
     """Model chunks per GPU (``--virtual-stages``): above 1 the pipeline runs interleaved 1F1B
     (``compose.pipeline_schedule``) over ``pp x virtual_stages`` global stages, GPU ``r`` holding stages ``r,
@@ -148,6 +155,8 @@ class PlanRequest:
             stage_layers=counts,
             recompute=self.recompute,
             compile_unit=self.compile_unit,
+            ep=self.ep,
+            expert_imbalance=self.expert_imbalance,
         )
 
 
@@ -169,6 +178,8 @@ def plan_request_from_preset(name: str, **overrides: Any) -> PlanRequest:
         "dp": p.dp,
         "gpu": p.gpu,
         "megatron": p.megatron,
+        "ep": p.ep,
+        "expert_imbalance": p.expert_imbalance,
     }
     return PlanRequest(**{**fields, **overrides})
 
@@ -183,9 +194,36 @@ def validate_plan_request(req: PlanRequest) -> None:
             f"--stage-layers must be {' or '.join(STAGE_SPLITS)} or one layer count per "
             f"stage (e.g. 15,13), got {req.stage_layers!r}"
         )
-    validate_trace_spec(req.trace_spec())  # model, tp/cp divisibility, seq, layers, pp, stage layers, unit
+    _validate_expert_parallel(req)
+    validate_trace_spec(req.trace_spec())  # model, tp/cp/ep divisibility, seq, layers, pp, stage layers, unit
     if req.compile_unit == "block":
         _validate_block_request(req)
+
+
+def _validate_expert_parallel(req: PlanRequest) -> None:
+    """``--ep``: the expert-parallel group is the TP groups of ``ep / tp`` data-parallel replicas."""
+    if isinstance(req.ep, bool) or not isinstance(req.ep, int) or req.ep < 1:
+        raise ParallelConfigError(f"--ep must be an expert-parallel degree (int >= 1), got {req.ep!r}")
+    if not req.expert_imbalance >= 1.0:
+        raise ParallelConfigError(
+            f"--expert-imbalance is the busiest rank's load over the uniform share, at least 1, got {req.expert_imbalance!r}"
+        )
+    moe = get_config(req.model).moe if req.model != LIVE_GRAPH_MODEL else None
+    if req.stage_layers == "balanced" and moe is not None and moe.dense_layers:
+        raise ParallelConfigError(
+            f"--stage-layers balanced prices stages from slices of alike layers, but the first {moe.dense_layers} "
+            f"layers of {req.model} are dense and the others sparse: give one layer count per stage (N,N,...) "
+            "or even"
+        )
+    if req.ep == 1:
+        return
+    replicas = req.ep // req.tp if req.ep % req.tp == 0 else 0
+    if replicas == 0 or req.dp % replicas:
+        raise ParallelConfigError(
+            f"--ep {req.ep} over --tp {req.tp} spans {req.ep / req.tp:g} data-parallel replicas of each stage, "
+            f"which --dp {req.dp} must hold a whole number of times: use an --ep that is a multiple of --tp "
+            f"and a --dp that is a multiple of --ep / --tp"
+        )
 
 
 def _validate_block_request(req: PlanRequest) -> None:

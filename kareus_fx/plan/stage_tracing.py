@@ -86,6 +86,14 @@ def trace_plan_stages(
     return req, with_framework_work(req, trace_stages(req, dump_root, role_slices, load))
 
 
+def layers_alike(model: str) -> bool:
+    """Whether every decoder layer of ``model`` has one structure, as slices assume (``layer_slice.py``):
+    not a mixture of experts whose first layers are dense, whose slice models (a few layers per stage)
+    would put the dense layers elsewhere than the model does."""
+    moe = get_config(model).moe
+    return moe is None or moe.dense_layers == 0
+
+
 def prices_framework_work(req: PlanRequest) -> bool:
     """Whether the plan adds the framework's work the traced model does not run
     (``TrainingFramework.extra_work``): where the profiler can price it and the stages are a
@@ -214,6 +222,7 @@ def trace_stages(
         if not req.full_trace
         and profiler_capabilities(req.profiler).prices_untraced_work
         and slice_pays(group.num_layers)
+        and layers_alike(req.model)
     }
     slice_at: dict[StageRole, int] = {}
     for group in groups:
