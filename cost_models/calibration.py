@@ -10,6 +10,7 @@ Steps, each recorded with its data file and fit error in the output's provenance
    bandwidth-vs-SMs curve, from the steady-state (longest) kernels.
 2. Collectives (NanoFlow, NCCL on 8xA100): the knee of the bus-bandwidth-vs-SMs curve from the
    reduce-scatter runs with 8/16/32 CTAs and the all-gather / reduce-scatter per-SM rate ratio.
+   The all-to-all's kind factor is the all-gather's (pure data movement); its lanes are step 7's.
    2b. A collective's contention beside a compute-bound kernel (NanoFlow's network kernel beside a
    GEMM, ``network_interference.csv``): ``comm_contention_compute``.
 3. Partition timing (Kareus attention overlap, 2xA100 TP=2, clocks unlocked = max clock unless
@@ -37,6 +38,9 @@ HuggingFace-style unfused attention of the Merak-based runs that produced them
    then fitted again with them held. Without ``--end-to-end`` the last fit's values are held (read
    from the packaged parameters' provenance), so a plain run reproduces the file in about a minute;
    ``--micro-only`` leaves the micro fits' own values.
+7. All-to-all (DeepEP's dispatch and combine on H800, ``all_to_all_fit.py``): the NVLink and network
+   lane efficiencies and the all-to-all's latency, on the final parameters of steps 1-6 (the
+   NVLink lane's per-SM rate is step 3's), given to the A100 and the A40 alike.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import least_squares, minimize, nnls
 
+from kareus_fx.cost_models.all_to_all_fit import FIELDS as ALL_TO_ALL_FIELDS
+from kareus_fx.cost_models.all_to_all_fit import fit_all_to_all
 from kareus_fx.cost_models.analytic_workloads import GPT3_175B, kareus_attention_tp2, transformer_stage_ops
 from kareus_fx.cost_models.end_to_end_fit import calibration_rows_loss, fit_end_to_end, with_values
 from kareus_fx.cost_models.hardware import GPUSpec, gpu_spec
@@ -291,7 +297,7 @@ def fit_collective_shape(prior: SimParams) -> tuple[dict[str, float], dict[str, 
         "bus_bandwidth_GBps": {f"{k}_{b}": round(v[1] / 1e9, 1) for (k, b), v in per_file.items()},
         "knee_fit_max_abs_rel_error": float(np.max(np.abs(err))),
         "nccl_reduce_scatter_curve": {"per_cta_bytes_per_s": float(sol.x[0]), "cap_bytes_per_s": float(sol.x[1])},
-        "all_to_all": "assumed like all-gather (pure data movement)",
+        "all_to_all": "per-SM rate assumed like all-gather's (pure data movement); lane caps and latency: step 7",
     }
     return values, prov
 
@@ -683,12 +689,12 @@ def _fit_steps_3_to_5(params: SimParams, held: Collection[str], log: Callable[[s
     """Partition timing, power and clock, and the A40 on top of ``params``; ``held`` fields keep
     their values (the end-to-end coefficients)."""
     spec = gpu_spec(A100)
-    log("3/6 partition timing (Kareus attention overlap)")
+    log("3/7 partition timing (Kareus attention overlap)")
     rows = load_overlap()
     harness0 = OverlapHarness(0.55, 500e-6)
     params, harness, time_prov = fit_partition_timing(params, rows, harness0, spec, held=held)
     log(f"    time MAPE {time_prov['time_mape']:.4f}")
-    log("4/6 power, voltage curve and per-SM clock sensitivity (Kareus energies, Perseus GPT-3 A100)")
+    log("4/7 power, voltage curve and per-SM clock sensitivity (Kareus energies, Perseus GPT-3 A100)")
     perseus = load_stage_profile(PERSEUS_A100_FILE)
     perseus_spec = replace(gpu_spec(A100_80), tdp_w=PERSEUS_A100_TDP_W)
     params, power_prov = fit_power_and_clock(params, rows, harness, spec, perseus, perseus_spec, log)
@@ -700,7 +706,7 @@ def _fit_steps_3_to_5(params: SimParams, held: Collection[str], log: Callable[[s
         log("    the 400 W cap binds on some Kareus rows: partition timing again, capped")
         params, harness, time_prov = fit_partition_timing(params, rows, harness, spec, power_capped=True, held=held)
         log(f"    time MAPE {time_prov['time_mape']:.4f}")
-    log("5/6 A40 (Perseus GPT-3 A40)")
+    log("5/7 A40 (Perseus GPT-3 A40)")
     a40, a40_prov = fit_a40(params)
     log(f"    power MAPE {a40_prov['power_mape']:.4f}, time-ratio MAPE {a40_prov['time_ratio_mape']:.4f}")
     log(f"    throttle swing {a40.throttle_swing_mhz:.0f} MHz, carried to the A100")
@@ -745,13 +751,13 @@ def calibrate(
     cores), then steps 3-5 are fitted again with them held and the rows planned once more."""
     t_start = time.time()
     prior = SimParams()
-    log("1/6 memory-bound kernel curve (NanoFlow)")
+    log("1/7 memory-bound kernel curve (NanoFlow)")
     mem, mem_prov = fit_memory_curve(prior)
     params = _with_fitted(prior, mem)
-    log("2/6 collective curve shape (NanoFlow)")
+    log("2/7 collective curve shape (NanoFlow)")
     coll, coll_prov = fit_collective_shape(prior)
     params = _with_fitted(params, coll)
-    log("2b/6 collective contention beside a compute-bound kernel (NanoFlow)")
+    log("2b/7 collective contention beside a compute-bound kernel (NanoFlow)")
     contention, contention_prov = fit_compute_contention(params, coll_prov)
     params = _with_fitted(params, contention)
     log(f"    comm_contention_compute {contention['comm_contention_compute']:.3f}")
@@ -763,7 +769,7 @@ def calibrate(
     steps = _fit_steps_3_to_5(with_values(micro, held), held, log)
     end_to_end_prov: dict[str, Any] = {}
     if refit_end_to_end:
-        log("6/6 end to end on the calibration rows (Llama 3.2 3B, Tables 3 and 4)")
+        log("6/7 end to end on the calibration rows (Llama 3.2 3B, Tables 3 and 4)")
         held, end_to_end_prov = fit_end_to_end(steps.params, cache_path=end_to_end_cache, log=log)
         log(f"    fitted {held}; steps 3-5 again with them held")
         steps = _fit_steps_3_to_5(with_values(micro, held), held, log)
@@ -772,8 +778,20 @@ def calibrate(
         log(f"    rows' loss after steps 3-5: {sum(final.values()):.3f}")
     elif held and end_to_end is None:
         end_to_end_prov = previous
-    params, harness = steps.params, steps.harness
-    fitted = set(mem) | set(coll) | set(contention) | set(_TIME_FIT) | set(_POWER_COEFFS) | set(_POWER_SHAPE)
+    log("7/7 all-to-all lanes (DeepEP on H800)")
+    a2a, a2a_prov = fit_all_to_all(steps.params)
+    log(f"    {a2a}, max abs error {a2a_prov['max_abs_rel_error']:.3f}")
+    params, harness = _with_fitted(steps.params, a2a), steps.harness
+    a40 = _with_fitted(steps.a40, a2a)
+    fitted = (
+        set(mem)
+        | set(coll)
+        | set(contention)
+        | set(_TIME_FIT)
+        | set(_POWER_COEFFS)
+        | set(_POWER_SHAPE)
+        | set(ALL_TO_ALL_FIELDS)
+    )
     if held:
         end_to_end_prov = {**end_to_end_prov, "values": held}
     a100_prov = {
@@ -786,6 +804,7 @@ def calibrate(
         "priors": sorted(set(params.to_dict()) - fitted - {"throttle_swing_mhz"}),
         "throttle_swing": {"from": "A40 (step 5)", **steps.swing_check},
         "checks": interference_check(params),
+        "all_to_all": a2a_prov,
         **({"end_to_end": end_to_end_prov} if end_to_end_prov else {}),
     }
     return {
@@ -803,7 +822,7 @@ def calibrate(
                 },
             },
             "A40": {
-                "params": steps.a40.to_dict(),
+                "params": a40.to_dict(),
                 "provenance": {"calibrated": True, **steps.a40_prov},
                 "spec": {
                     "values": {k: v for k, v in asdict(A40_SPEC).items() if k != "sources"},

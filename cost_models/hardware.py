@@ -141,6 +141,14 @@ class GPUSpec:
         """Arithmetic intensity above which an op is compute-bound (roofline ridge point)."""
         return self.peak_flops_per_s(clock_mhz) / self.hbm_bandwidth_bytes_per_s
 
+    @property
+    def node_network_share_bytes_per_s(self) -> float | None:
+        """One GPU's share of its node's network line rate (every GPU of the node sends at once);
+        None when the spec has no sourced node."""
+        if self.node_network_bytes_per_s is None or self.gpus_per_node is None:
+            return None
+        return self.node_network_bytes_per_s / self.gpus_per_node
+
     def supported_clocks_mhz(self) -> list[int]:
         """All clocks on the spec grid from the minimum to the maximum, descending (as NVML lists them)."""
         return list(range(self.clock_max_mhz, self.clock_min_mhz - 1, -self.clock_step_mhz))

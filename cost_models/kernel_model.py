@@ -23,9 +23,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kareus_fx.cost_models.all_to_all import all_to_all_split
 from kareus_fx.cost_models.hardware import GPUSpec
 from kareus_fx.cost_models.sim_params import SimParams
-from kareus_fx.workload import CollectiveSpec, CommLibrary
+from kareus_fx.workload import CollectiveKind, CollectiveSpec, CommLibrary
 
 
 def smooth_min(x: float, cap: float, sharpness: float) -> float:
@@ -176,14 +177,36 @@ class KernelModel:
         kernel: the per-SM rate and the cap are calibrated on a 2-GPU group (one peer). A CTA of a
         direct-access collective (MSCCL++) keeps requests in flight to every peer at once, so both
         grow as ``peers ** comm_peer_exponent``; the cap never exceeds the GPU's NVLink bandwidth.
+        An all-to-all: its bus bytes over its slower lane's time (:meth:`all_to_all_lane_time_s`).
         """
+        if collective.kind == "all_to_all":
+            g = collective.group_size
+            if g <= 1:  # nothing leaves the GPU: the NVLink lane's rate, for callers that divide by it
+                return self.all_to_all_nvlink_bandwidth(0, sms, clock_mhz, library)
+            split = all_to_all_split(self.spec, g)
+            lane_s = self.all_to_all_lane_time_s(
+                split.nvlink_fraction, split.network_fraction, split.ranks_per_node - 1, sms, clock_mhz, library
+            )
+            return (g - 1) / g / lane_s
         if library == "nccl":
             return self.nccl_bandwidth(collective, sms, clock_mhz)
         p = self.params
         peers = max(1, collective.group_size - 1) ** p.comm_peer_exponent
-        per_sm = p.comm_bus_bw_per_sm_bytes_per_s * p.comm_kind_factor(collective.kind) * peers
         cap = min(p.comm_bus_bw_cap_bytes_per_s * peers, self.spec.nvlink_bandwidth_bytes_per_s)
+        per_sm = self.comm_per_sm_rate(collective.kind, collective.group_size - 1, library)
         return smooth_min(per_sm * self.comm_clock_scale(clock_mhz) * sms, cap, p.comm_knee)
+
+    def comm_per_sm_rate(self, kind: CollectiveKind, peers: int, library: CommLibrary) -> float:
+        """Bus bytes/s one SM (one CTA) of a ``kind`` collective moves at the maximum clock.
+
+        ``"mscclpp"``: the all-reduce's per-SM rate times the kind factor times
+        ``peers ** comm_peer_exponent``. ``"nccl"``: NCCL's per-CTA reduce-scatter rate scaled by the
+        kind factor relative to the reduce-scatter's (a ring's rate does not depend on the peers).
+        """
+        p = self.params
+        if library == "nccl":
+            return p.nccl_bus_bw_per_cta_bytes_per_s * p.comm_kind_factor(kind) / p.comm_factor_reduce_scatter
+        return p.comm_bus_bw_per_sm_bytes_per_s * p.comm_kind_factor(kind) * max(1, peers) ** p.comm_peer_exponent
 
     def nccl_bandwidth(self, collective: CollectiveSpec, ctas: int, clock_mhz: float) -> float:
         """Bus bandwidth (bytes/s) of NCCL's collective on ``ctas`` CTAs (one per channel; the
@@ -196,9 +219,42 @@ class KernelModel:
         (:meth:`collective_bandwidth` with ``"mscclpp"``) are calibrated separately.
         """
         p = self.params
-        per_cta = p.nccl_bus_bw_per_cta_bytes_per_s * p.comm_kind_factor(collective.kind) / p.comm_factor_reduce_scatter
+        per_cta = self.comm_per_sm_rate(collective.kind, collective.group_size - 1, "nccl")
         cap = min(p.nccl_bus_bw_cap_bytes_per_s, self.spec.nvlink_bandwidth_bytes_per_s)
         return smooth_min(per_cta * self.comm_clock_scale(clock_mhz) * ctas, cap, p.comm_knee)
+
+    def all_to_all_nvlink_bandwidth(self, peers: int, sms: int, clock_mhz: float, library: CommLibrary) -> float:
+        """Bytes/s an all-to-all's NVLink lane moves on ``sms`` SMs with ``peers`` other ranks on the
+        node: the library's per-SM rate, smoothly capped at ``all_to_all_nvlink_efficiency`` x NVLink
+        (:mod:`~kareus_fx.cost_models.all_to_all`)."""
+        p = self.params
+        per_sm = self.comm_per_sm_rate("all_to_all", peers, library)
+        cap = p.all_to_all_nvlink_efficiency * self.spec.nvlink_bandwidth_bytes_per_s
+        return smooth_min(per_sm * self.comm_clock_scale(clock_mhz) * sms, cap, p.comm_knee)
+
+    def all_to_all_network_bandwidth(self) -> float:
+        """Bytes/s an all-to-all's off-node lane moves: ``all_to_all_network_efficiency`` x the GPU's
+        share of its node's network (no SM or clock dependence: the NIC moves the bytes)."""
+        share = self.spec.node_network_share_bytes_per_s
+        if share is None:
+            raise ValueError(f"no node network is known for the {self.spec.name}: an all-to-all across nodes")
+        return self.params.all_to_all_network_efficiency * share
+
+    def all_to_all_lane_time_s(
+        self, nvlink_bytes: float, network_bytes: float, peers: int, sms: int, clock_mhz: float, library: CommLibrary
+    ) -> float:
+        """Seconds for ``nvlink_bytes`` over NVLink and ``network_bytes`` to other nodes, moved at
+        once (the slower lane), without the latency."""
+        nvlink_s = (
+            nvlink_bytes / self.all_to_all_nvlink_bandwidth(peers, sms, clock_mhz, library) if nvlink_bytes > 0 else 0.0
+        )
+        network_s = network_bytes / self.all_to_all_network_bandwidth() if network_bytes > 0 else 0.0
+        return max(nvlink_s, network_s)
+
+    def collective_latency_s(self, collective: CollectiveSpec) -> float:
+        """Fixed cost of a collective: ``all_to_all_latency_s`` for an all-to-all, else ``comm_latency_s``."""
+        p = self.params
+        return p.all_to_all_latency_s if collective.kind == "all_to_all" else p.comm_latency_s
 
     def collective_time(
         self, collective: CollectiveSpec, sms: int, clock_mhz: float, library: CommLibrary = "mscclpp"
@@ -208,4 +264,6 @@ class KernelModel:
         if bus <= 0.0:
             return 0.0
         # A fused collective is one kernel (paper section 4.5): one latency for all its parts.
-        return self.params.comm_latency_s + bus / self.collective_bandwidth(collective, sms, clock_mhz, library)
+        return self.collective_latency_s(collective) + bus / self.collective_bandwidth(
+            collective, sms, clock_mhz, library
+        )

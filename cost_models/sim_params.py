@@ -91,6 +91,20 @@ class SimParams:
     comm_factor_reduce_scatter: float = 1.0
     comm_factor_all_to_all: float = 1.0
     """Per-SM bus rate of each kind relative to all-reduce."""
+    all_to_all_nvlink_efficiency: float = 0.85
+    """Share of the spec's NVLink bandwidth (``GPUSpec.nvlink_bandwidth_bytes_per_s``: links x NCCL's
+    effective rate per link) an all-to-all's NVLink lane reaches with enough SMs: the lane's cap for
+    both libraries, whose per-SM rates (the SM response) stay their own. Fitted on DeepEP's intranode
+    rows (calibration step 7, :mod:`~kareus_fx.cost_models.all_to_all`)."""
+    all_to_all_network_efficiency: float = 0.85
+    """Share of one GPU's part of its node's network line rate (``GPUSpec.node_network_share_bytes_per_s``)
+    an all-to-all's off-node lane reaches. Fitted on DeepEP's internode rows (step 7)."""
+    all_to_all_latency_s: float = 50e-6
+    """Fixed cost of one all-to-all, in place of ``comm_latency_s`` (fitted on the MSCCL++ all-reduce
+    data; DeepEP's rows fit it twice as badly, with both lanes near their links' full rate). Fitted
+    with the two efficiencies (step 7; the prior is ``comm_latency_s``'s): it lands at its lower
+    bound, 0, since the rows (60-310 MB a rank, one size each) show no fixed cost. Small
+    all-to-alls are priced by their bytes alone."""
     default_comm_sms: int = 24
     """SMs a collective gets outside a tuned partition (non-partitioned parts, sequential runs, the
     Megatron-LM and nanobatching baselines): NCCL's channel count, one CTA per SM per channel

@@ -520,7 +520,7 @@ class Simulator:
                     segs.append(Segment(t, t + launch_gap_s, None, False))
                 t += launch_gap_s
             comm_frac = comm_sms / sm_count
-            latency = p.comm_latency_s
+            latency = self.kernels.collective_latency_s(coll)
             remaining = bus
             comm_weight = p.comm_request_weight * comm_frac
             hbm_per_bus = p.comm_hbm_bytes_per_bus_byte
