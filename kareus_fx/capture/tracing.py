@@ -80,19 +80,21 @@ class TraceSpec:
         return self.tp * self.cp * max(1, self.ep // self.tp)
 
 
-_INT_ARGUMENTS = ("tp", "cp", "mbs", "seq", "layers", "pp", "stage")
+_INT_ARGUMENTS = ("tp", "cp", "mbs", "seq", "layers", "pp", "stage", "ep")
 
 
 def add_trace_arguments(parser: argparse.ArgumentParser, spec: TraceSpec) -> None:
-    """Add --model/--tp/--cp/--mbs/--seq/--layers/--pp/--stage with ``spec``'s values as defaults."""
+    """Add --model/--tp/--cp/--mbs/--seq/--layers/--pp/--stage/--ep/--expert-imbalance with
+    ``spec``'s values as defaults."""
     parser.add_argument("--model", default=spec.model)
     for name in _INT_ARGUMENTS:
         parser.add_argument(f"--{name}", type=int, default=getattr(spec, name))
+    parser.add_argument("--expert-imbalance", type=float, default=spec.expert_imbalance)
 
 
 def trace_spec_from_args(args: argparse.Namespace, **overrides: int) -> TraceSpec:
     """The :class:`TraceSpec` that :func:`add_trace_arguments`' arguments describe."""
-    values = {name: getattr(args, name) for name in ("model", *_INT_ARGUMENTS)}
+    values = {name: getattr(args, name) for name in ("model", *_INT_ARGUMENTS, "expert_imbalance")}
     return TraceSpec(**{**values, **overrides})
 
 
