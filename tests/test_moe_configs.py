@@ -134,3 +134,17 @@ def test_sparse_layouts_the_model_cannot_reproduce_are_refused(tmp_path, kind, f
     cls = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[kind]
     with pytest.raises(HFConfigError, match=named):
         get_config(_saved(tmp_path, cls(**_SMALL, num_local_experts=8, **fields)))
+
+
+def test_expert_parallel_group_spans_whole_tp_groups():
+    from kareus_fx.capture.tracing import fake_process_group
+    from kareus_fx.models import ParallelLayout
+
+    with fake_process_group(8):
+        layout = ParallelLayout.from_default_group(tp=2, ep=8)
+        assert (layout.world_size, layout.ep_replicas, layout.ep_rank) == (8, 4, 0)
+        assert (layout.tp_group.size(), layout.ep_group.size()) == (2, 8)
+        with pytest.raises(ParallelConfigError, match=r"world size 8 != tp\*cp\*pp\*\(ep/tp\) = 2\*1\*1\*2 = 4"):
+            ParallelLayout.from_default_group(tp=2, ep=4)
+    with pytest.raises(ParallelConfigError, match="cp=1"):
+        ParallelLayout.from_default_group(tp=2, cp=2, ep=4)
