@@ -148,3 +148,11 @@ def test_expert_parallel_group_spans_whole_tp_groups():
             ParallelLayout.from_default_group(tp=2, ep=4)
     with pytest.raises(ParallelConfigError, match="cp=1"):
         ParallelLayout.from_default_group(tp=2, cp=2, ep=4)
+
+
+def test_stages_with_dense_and_sparse_layers_trace_apart():
+    from kareus_fx.capture.tracing import distinct_stages
+
+    spec = TraceSpec(model="deepseek-v3", ep=8, pp=5, stage_layers=(2, 2, 2, 2, 53))
+    groups = [(g.role, g.num_layers, g.dense_layers, g.stages) for g in distinct_stages(spec)]
+    assert groups == [("first", 2, 2, (0,)), ("middle", 2, 1, (1,)), ("middle", 2, 0, (2, 3)), ("last", 53, 0, (4,))]

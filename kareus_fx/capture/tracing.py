@@ -152,7 +152,8 @@ def validate_trace_spec(spec: TraceSpec) -> None:
 
 
 def distinct_stages(spec: TraceSpec) -> list[StageGroup]:
-    """The pipeline's stages grouped by graph structure (role and layer count), in stage order.
+    """The pipeline's stages grouped by graph structure (role, layer count and, in a mixture of
+    experts, dense layers), in stage order.
 
     Trace ``group.representative`` of each group once: every stage of a group has the same
     forward and backward graphs. ``spec.stage`` is ignored.
@@ -160,7 +161,9 @@ def distinct_stages(spec: TraceSpec) -> list[StageGroup]:
     from kareus_fx.models import get_config
 
     validate_trace_spec(replace(spec, stage=0))
-    return group_stages(spec.layers or get_config(spec.model).num_layers, spec.pp, spec.stage_layers)
+    config = get_config(spec.model)
+    sparse_from = None if config.moe is None else config.moe.dense_layers
+    return group_stages(spec.layers or config.num_layers, spec.pp, spec.stage_layers, sparse_from)
 
 
 @contextmanager
