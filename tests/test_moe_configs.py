@@ -134,3 +134,49 @@ def test_sparse_layouts_the_model_cannot_reproduce_are_refused(tmp_path, kind, f
     cls = {"qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}[kind]
     with pytest.raises(HFConfigError, match=named):
         get_config(_saved(tmp_path, cls(**_SMALL, num_local_experts=8, **fields)))
+
+
+def test_expert_parallel_group_spans_whole_tp_groups():
+    from kareus_fx.capture.tracing import fake_process_group
+    from kareus_fx.models import ParallelLayout
+
+    with fake_process_group(8):
+        layout = ParallelLayout.from_default_group(tp=2, ep=8)
+        assert (layout.world_size, layout.ep_replicas, layout.ep_rank) == (8, 4, 0)
+        assert (layout.tp_group.size(), layout.ep_group.size()) == (2, 8)
+        with pytest.raises(ParallelConfigError, match=r"world size 8 != tp\*cp\*pp\*\(ep/tp\) = 2\*1\*1\*2 = 4"):
+            ParallelLayout.from_default_group(tp=2, ep=4)
+    with pytest.raises(ParallelConfigError, match="cp=1"):
+        ParallelLayout.from_default_group(tp=2, cp=2, ep=4)
+
+
+def test_stages_with_dense_and_sparse_layers_trace_apart():
+    from kareus_fx.capture.tracing import distinct_stages
+
+    spec = TraceSpec(model="deepseek-v3", ep=8, pp=5, stage_layers=(2, 2, 2, 2, 53))
+    groups = [(g.role, g.num_layers, g.dense_layers, g.stages) for g in distinct_stages(spec)]
+    assert groups == [("first", 2, 2, (0,)), ("middle", 2, 1, (1,)), ("middle", 2, 0, (2, 3)), ("last", 53, 0, (4,))]
+
+
+def test_the_model_cards_config_reads_as_the_registry_entry(tmp_path):
+    from dataclasses import replace
+
+    from transformers import Qwen3MoeConfig
+
+    card = Qwen3MoeConfig(  # Qwen/Qwen3-30B-A3B's config.json architecture fields
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
+    assert replace(get_config(_saved(tmp_path, card)), name="qwen3-30b-a3b") == get_config("qwen3-30b-a3b")

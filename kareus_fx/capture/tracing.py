@@ -80,19 +80,21 @@ class TraceSpec:
         return self.tp * self.cp * max(1, self.ep // self.tp)
 
 
-_INT_ARGUMENTS = ("tp", "cp", "mbs", "seq", "layers", "pp", "stage")
+_INT_ARGUMENTS = ("tp", "cp", "mbs", "seq", "layers", "pp", "stage", "ep")
 
 
 def add_trace_arguments(parser: argparse.ArgumentParser, spec: TraceSpec) -> None:
-    """Add --model/--tp/--cp/--mbs/--seq/--layers/--pp/--stage with ``spec``'s values as defaults."""
+    """Add --model/--tp/--cp/--mbs/--seq/--layers/--pp/--stage/--ep/--expert-imbalance with
+    ``spec``'s values as defaults."""
     parser.add_argument("--model", default=spec.model)
     for name in _INT_ARGUMENTS:
         parser.add_argument(f"--{name}", type=int, default=getattr(spec, name))
+    parser.add_argument("--expert-imbalance", type=float, default=spec.expert_imbalance)
 
 
 def trace_spec_from_args(args: argparse.Namespace, **overrides: int) -> TraceSpec:
     """The :class:`TraceSpec` that :func:`add_trace_arguments`' arguments describe."""
-    values = {name: getattr(args, name) for name in ("model", *_INT_ARGUMENTS)}
+    values = {name: getattr(args, name) for name in ("model", *_INT_ARGUMENTS, "expert_imbalance")}
     return TraceSpec(**{**values, **overrides})
 
 
@@ -150,7 +152,8 @@ def validate_trace_spec(spec: TraceSpec) -> None:
 
 
 def distinct_stages(spec: TraceSpec) -> list[StageGroup]:
-    """The pipeline's stages grouped by graph structure (role, layer count, dense layers), in stage order.
+    """The pipeline's stages grouped by graph structure (role, layer count and, in a mixture of
+    experts, dense layers), in stage order.
 
     Trace ``group.representative`` of each group once: every stage of a group has the same
     forward and backward graphs. ``spec.stage`` is ignored.
@@ -159,8 +162,8 @@ def distinct_stages(spec: TraceSpec) -> list[StageGroup]:
 
     validate_trace_spec(replace(spec, stage=0))
     config = get_config(spec.model)
-    dense_layers = 0 if config.moe is None else config.moe.dense_layers
-    return group_stages(spec.layers or config.num_layers, spec.pp, spec.stage_layers, dense_layers)
+    sparse_from = None if config.moe is None else config.moe.dense_layers
+    return group_stages(spec.layers or config.num_layers, spec.pp, spec.stage_layers, sparse_from)
 
 
 @contextmanager

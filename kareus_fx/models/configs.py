@@ -12,6 +12,11 @@ tensor-parallel plan is the one it implements (q/k/v and gate/up column-parallel
 row-parallel; Qwen3's q/k-norm), with SiLU, no linear biases and default or ``llama3`` RoPE, and the
 mixture-of-experts types ``mixtral`` and ``qwen3_moe`` (the same attention; their sparse layers map
 onto :class:`MoEConfig`, whose layout is: every layer from ``dense_layers`` on is sparse).
+
+``deepseek-v3`` is shaped, not exact: its multi-head latent attention is approximated by standard
+attention of the same head count (128 heads of head_dim 128, 128 KV heads), which misses the
+low-rank query and key-value projections and the compressed KV cache, and its router by a softmax
+top-k without the node-limited group routing (see its registry entry).
 """
 
 from __future__ import annotations

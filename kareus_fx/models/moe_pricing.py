@@ -136,7 +136,9 @@ class CountPricedMoE(nn.Module):
         return gather_along_tp(y, 1, self.tp_group, self.tp, self.tp_rank)
 
     def _experts(self, rows: torch.Tensor, b: int) -> torch.Tensor:
-        """SwiGLU of ``rows`` (laid out peer, sequence, local expert, row) by their local experts."""
+        """SwiGLU of ``rows`` (laid out peer, sequence, local expert, row) by their local experts:
+        the rows regrouped by expert (the copy Megatron-LM's dispatcher makes after the exchange when
+        a rank holds several experts), one batched GEMM per projection, and grouped back."""
         e, d = self.local_experts, rows.shape[-1]
         grouped = rows.reshape(self.ep, b, e, -1, d).permute(2, 0, 1, 3, 4).reshape(e, -1, d)
         gate, up = torch.bmm(grouped, self.w_gate_up).chunk(2, dim=-1)

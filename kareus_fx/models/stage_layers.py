@@ -18,7 +18,9 @@ partition give) replaces the even one: the Kareus paper's testbed balances its s
 
 Stages with the same role and the same layer count trace to graphs of the same structure (the
 layers of a stage are numbered from 0 in the stage's module tree, as in Megatron's
-``TransformerBlock``), so a planner traces one stage of each :class:`StageGroup`.
+``TransformerBlock``), so a planner traces one stage of each :class:`StageGroup`. In a
+mixture-of-experts model whose first layers are dense, the count of dense layers a stage holds
+joins the key: a stage of dense and sparse layers differs from one of sparse layers alone.
 """
 
 from __future__ import annotations
@@ -122,14 +124,13 @@ def stage_layer_range(num_layers: int, num_stages: int, index: int, layer_counts
 
 @dataclass(frozen=True)
 class StageGroup:
-    """Pipeline stages whose graphs have the same structure: same role, same layer count (and, in
-    a mixture of experts with dense first layers, as many of them dense)."""
+    """Pipeline stages whose graphs have the same structure: same role, same layer count, same
+    count of dense layers (those before a mixture-of-experts model's first sparse one)."""
 
     role: StageRole
     num_layers: int
     stages: tuple[int, ...]
     dense_layers: int = 0
-    """Of the stage's layers, those before the model's first sparse layer (``MoEConfig.dense_layers``)."""
 
     @property
     def representative(self) -> int:
@@ -138,14 +139,15 @@ class StageGroup:
 
 
 def group_stages(
-    num_layers: int, num_stages: int, layer_counts: Sequence[int] | None = None, dense_layers: int = 0
+    num_layers: int, num_stages: int, layer_counts: Sequence[int] | None = None, sparse_from: int | None = None
 ) -> list[StageGroup]:
     """The pipeline's stages grouped by (role, layer count, dense layers), in order of their first
-    stage. ``dense_layers``: the model's leading layers that are dense where the others are sparse."""
+    stage. ``sparse_from``: a mixture-of-experts model's first sparse layer (None: a dense model,
+    every layer counts as dense-structured alike)."""
     check_stage_layers(num_layers, num_stages)
     groups: dict[tuple[StageRole, int, int], list[int]] = {}
     for index in range(num_stages):
         layers = stage_layer_range(num_layers, num_stages, index, layer_counts)
-        dense = len(range(layers.start, min(layers.stop, dense_layers)))
+        dense = 0 if sparse_from is None else len(range(layers.start, min(layers.stop, sparse_from)))
         groups.setdefault((stage_role(index, num_stages), len(layers), dense), []).append(index)
     return [StageGroup(role, count, tuple(stages), dense) for (role, count, dense), stages in groups.items()]
