@@ -50,6 +50,7 @@ from kareus_fx.errors import UnsupportedGraphError
 
 __all__ = [
     "SLICE_LAYERS",
+    "SPARSE_SLICE_LAYERS",
     "SliceNotRepresentativeError",
     "added_layer",
     "block_dump",
@@ -71,9 +72,17 @@ NodeKey = tuple[str | bool | None, ...]
 left out), partition type, slot (repr), and whether it is leftover work of a partitioned graph."""
 
 
-def slice_pays(num_layers: int) -> bool:
+SPARSE_SLICE_LAYERS = (3, 4)
+"""Layer counts of the slice traces of a mixture of experts. Its nanobatched backward has a partition
+type that one more sparse layer adds two of, from one in two layers: there the partition pass
+dissolves it as an edge (fewer than half the most frequent type's count, ``passes/partitions.py``)
+while the full stage keeps it, so a 2-layer slice is not the full stage's structure and 3 layers
+are the least that are."""
+
+
+def slice_pays(num_layers: int, slice_layers: tuple[int, int] = SLICE_LAYERS) -> bool:
     """Whether tracing the slices costs fewer layer traces than the ``num_layers``-layer stage."""
-    return sum(SLICE_LAYERS) < num_layers
+    return sum(slice_layers) < num_layers
 
 
 class SliceNotRepresentativeError(UnsupportedGraphError):

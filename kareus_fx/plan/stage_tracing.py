@@ -37,7 +37,14 @@ from kareus_fx.plan.graph_workload import (
     sequential_graphs,
     with_extra_ops,
 )
-from kareus_fx.plan.layer_slice import SLICE_LAYERS, SliceNotRepresentativeError, block_dump, extend_dump, slice_pays
+from kareus_fx.plan.layer_slice import (
+    SLICE_LAYERS,
+    SPARSE_SLICE_LAYERS,
+    SliceNotRepresentativeError,
+    block_dump,
+    extend_dump,
+    slice_pays,
+)
 from kareus_fx.plan.profiler_capabilities import profiler_capabilities
 from kareus_fx.plan.request import LIVE_GRAPH_MODEL, PlanRequest
 from kareus_fx.plan.stage_balance import StageCost, balanced_layer_counts, cost_from_slices
@@ -63,7 +70,7 @@ def trace_plan_stages(
 ) -> tuple[PlanRequest, list[StageGraphs]]:
     """``req`` with its stage split resolved, and every distinct stage's graphs (:func:`trace_stages`).
 
-    ``"balanced"`` traces each stage role's slices first (``layer_slice.SLICE_LAYERS``), prices
+    ``"balanced"`` traces each stage role's slices first (:func:`slice_layers`), prices
     them as the request's training framework runs them on the simulated GPU at its maximum clock
     and takes the split that evens out the stages (``stage_balance.py``); the stages' graphs then extend the same
     slices (or trace the stages in full, where slicing does not apply). ``load`` reads each dump
@@ -77,13 +84,19 @@ def trace_plan_stages(
     first_stage_of_role = {stage_role(i, req.num_stages): i for i in reversed(range(req.num_stages))}
     dumps = _run_traces(
         {
-            stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS]
+            stage: [_slice_trace(req, stage, layers, dump_root) for layers in slice_layers(req.model)]
             for stage in first_stage_of_role.values()
         }
     )
     role_slices = {role: dumps[stage] for role, stage in first_stage_of_role.items()}
     req = dataclasses.replace(req, stage_layers=_balanced_stage_layers(req, role_slices, load))
     return req, with_framework_work(req, trace_stages(req, dump_root, role_slices, load))
+
+
+def slice_layers(model: str) -> tuple[int, int]:
+    """The layer counts of ``model``'s slice traces (``layer_slice.py``): ``SPARSE_SLICE_LAYERS`` for a
+    mixture of experts, else ``SLICE_LAYERS``."""
+    return SLICE_LAYERS if get_config(model).moe is None else SPARSE_SLICE_LAYERS
 
 
 def layers_alike(model: str) -> bool:
@@ -183,7 +196,8 @@ def _balanced_stage_layers(
         return total_s
 
     role_costs = {
-        role: cost_from_slices(step_s(short), step_s(long), SLICE_LAYERS[0]) for role, (short, long) in paths.items()
+        role: cost_from_slices(step_s(short), step_s(long), slice_layers(req.model)[0])
+        for role, (short, long) in paths.items()
     }
     roles = [stage_role(s, req.num_stages) for s in range(req.num_stages)]
     sends = framework.pipeline_sends(req, [boundary_bytes(load(paths[role][0])) for role in roles], spec)
@@ -221,15 +235,16 @@ def trace_stages(
         for group in groups
         if not req.full_trace
         and profiler_capabilities(req.profiler).prices_untraced_work
-        and slice_pays(group.num_layers)
         and layers_alike(req.model)
+        and slice_pays(group.num_layers, slice_layers(req.model))
     }
     slice_at: dict[StageRole, int] = {}
     for group in groups:
         if group.stages[0] in sliced and group.role not in role_slices:
             slice_at.setdefault(group.role, group.stages[0])
     traces = {
-        stage: [_slice_trace(req, stage, layers, dump_root) for layers in SLICE_LAYERS] for stage in slice_at.values()
+        stage: [_slice_trace(req, stage, layers, dump_root) for layers in slice_layers(req.model)]
+        for stage in slice_at.values()
     }
     traces.update(
         {
@@ -247,7 +262,9 @@ def trace_stages(
             continue
         try:
             short, long = role_slices[group.role]
-            paths[stage] = _extend_slices(stage, group.num_layers, short, long, dump_root, load)
+            paths[stage] = _extend_slices(
+                stage, group.num_layers, slice_layers(req.model)[1], (short, long), dump_root, load
+            )
         except SliceNotRepresentativeError as err:
             warnings.warn(f"{err}; tracing all {group.num_layers} layers of stage {stage}", stacklevel=2)
     retraced = _run_traces(
@@ -381,17 +398,21 @@ def _trace(req: PlanRequest, spec: TraceSpec, dump_root: Path, name: str) -> fun
 
 
 def _extend_slices(
-    stage: int, num_layers: int, short: Mapping[str, Path], long: Mapping[str, Path], dump_root: Path, load: LoadedDumps
+    stage: int,
+    num_layers: int,
+    long_layers: int,
+    slices: tuple[Mapping[str, Path], Mapping[str, Path]],
+    dump_root: Path,
+    load: LoadedDumps,
 ) -> dict[str, Path]:
-    """Dumps of stage ``stage`` at ``num_layers`` layers, extended from the dumps of its
-    ``SLICE_LAYERS`` slices (``layer_slice.py``), nanobatched and sequential."""
+    """Dumps of stage ``stage`` at ``num_layers`` layers, extended from the dumps of its slices of
+    ``long_layers - 1`` and ``long_layers`` layers (``layer_slice.py``), nanobatched and sequential."""
+    short, long = slices
     paths = {}
     dump_root.mkdir(parents=True, exist_ok=True)
     for kind in ("nanobatched", "sequential"):
         paths[kind] = dump_root / f"stage{stage}-{kind}-extended.json"
-        extended = extend_dump(
-            load(short[kind]), load(long[kind]), SLICE_LAYERS[1], num_layers, f"stage {stage} {kind}"
-        )
+        extended = extend_dump(load(short[kind]), load(long[kind]), long_layers, num_layers, f"stage {stage} {kind}")
         paths[kind].write_text(json.dumps(extended))
     paths["boundary"] = short["sequential"]  # an extended dump keeps no outputs; the slice's are the stage's
     return paths
