@@ -12,6 +12,9 @@ Paper section 3 in rates:
 - A collective likewise needs SMs to reach link bandwidth (NanoFlow ``collectives/*_blocks.csv``
   for the curve's shape; the Kareus all-reduce data for its scale); its per-SM rate follows the
   clock by its own exponent (``comm_clock_exponent``, a prior: no calibration data vary it).
+- An all-to-all runs on two lanes at once, NVLink inside the node (the same per-SM curves, capped at
+  its fitted share of NVLink) and the GPU's share of the node network across nodes, the slower one
+  setting its time (:mod:`~kareus_fx.cost_models.all_to_all`).
 - A kernel's time is a smooth maximum of its compute time and its memory time (roofline with
   imperfect overlap), plus a fixed launch gap before it.
 
