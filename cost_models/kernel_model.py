@@ -219,8 +219,11 @@ class KernelModel:
         a ring's bus bandwidth is assumed the same for the 2- and 4-GPU groups inside the node.
         Other kinds than the measured reduce-scatter scale their per-CTA rate by their kind factor;
         the cap is the links', the same for every kind. Kareus's MSCCL++ kernels
-        (:meth:`collective_bandwidth` with ``"mscclpp"``) are calibrated separately.
+        (:meth:`collective_bandwidth` with ``"mscclpp"``) are calibrated separately. An all-to-all
+        runs on its two lanes (:meth:`collective_bandwidth`), its NVLink lane on this per-CTA rate.
         """
+        if collective.kind == "all_to_all":
+            return self.collective_bandwidth(collective, ctas, clock_mhz, "nccl")
         p = self.params
         per_cta = self.comm_per_sm_rate(collective.kind, collective.group_size - 1, "nccl")
         cap = min(p.nccl_bus_bw_cap_bytes_per_s, self.spec.nvlink_bandwidth_bytes_per_s)

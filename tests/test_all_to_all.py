@@ -94,6 +94,13 @@ def test_more_sms_help_inside_a_node_up_to_the_cap():
         assert km.collective_bandwidth(_a2a(8), 132, clock, library) <= cap
 
 
+def test_nccl_curve_prices_an_all_to_all_on_its_lanes():
+    km = _km(H100)
+    clock = km.spec.clock_max_mhz
+    for group in (8, 32):
+        assert km.nccl_bandwidth(_a2a(group), 24, clock) == km.collective_bandwidth(_a2a(group), 24, clock, "nccl")
+
+
 def test_across_nodes_sms_do_not_limit_the_network_lane():
     km = _km(H100)
     clock = km.spec.clock_max_mhz
