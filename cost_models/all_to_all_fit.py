@@ -259,7 +259,7 @@ def fit_all_to_all(params: SimParams) -> tuple[dict[str, float], dict[str, Any]]
             }
         )
     errors = np.array([t["rel_error"] for t in table])
-    # The all-reduce's latency in place of the fitted one: how far the rows reject it.
+    # The all-reduce's latency in place of the fitted one: how much worse the rows fit.
     with_comm = _fit(prepared, params.comm_latency_s, latency_s=params.comm_latency_s)
     comm_errors = [_predicted(p, with_comm)[0] / p.row.bandwidth_bytes_per_s - 1.0 for p in prepared]
     cap_share = {}
@@ -293,8 +293,13 @@ def fit_all_to_all(params: SimParams) -> tuple[dict[str, float], dict[str, Any]]
             "note": "the NVLink lane on the intranode rows' 24 SMs relative to its cap",
             **cap_share,
         },
-        "latency": f"{values['all_to_all_latency_s']:.3g} s (lower bound 0: the rows show no fixed cost at 60-310 MB "
-        "a rank); identified only by dispatch against combine (the FP8 dispatch moves about half the combine's "
+        "latency": f"{values['all_to_all_latency_s']:.3g} s"
+        + (
+            " (its lower bound: no fixed cost shows at 60-310 MB a rank)"
+            if values["all_to_all_latency_s"] < 1e-9
+            else ""
+        )
+        + "; identified only by dispatch against combine (the FP8 dispatch moves about half the combine's "
         "bytes); the all-reduce's comm_latency_s in its place leaves a max abs error of "
         f"{max(abs(e) for e in comm_errors):.3f} with the efficiencies at "
         f"{with_comm['all_to_all_nvlink_efficiency']:.3f} / {with_comm['all_to_all_network_efficiency']:.3f}",

@@ -12,6 +12,9 @@ Paper section 3 in rates:
 - A collective likewise needs SMs to reach link bandwidth (NanoFlow ``collectives/*_blocks.csv``
   for the curve's shape; the Kareus all-reduce data for its scale); its per-SM rate follows the
   clock by its own exponent (``comm_clock_exponent``, a prior: no calibration data vary it).
+- An all-to-all runs on two lanes at once, NVLink inside the node (the same per-SM curves, capped at
+  its fitted share of NVLink) and the GPU's share of the node network across nodes, the slower one
+  setting its time (:mod:`~kareus_fx.cost_models.all_to_all`).
 - A kernel's time is a smooth maximum of its compute time and its memory time (roofline with
   imperfect overlap), plus a fixed launch gap before it.
 
@@ -216,8 +219,11 @@ class KernelModel:
         a ring's bus bandwidth is assumed the same for the 2- and 4-GPU groups inside the node.
         Other kinds than the measured reduce-scatter scale their per-CTA rate by their kind factor;
         the cap is the links', the same for every kind. Kareus's MSCCL++ kernels
-        (:meth:`collective_bandwidth` with ``"mscclpp"``) are calibrated separately.
+        (:meth:`collective_bandwidth` with ``"mscclpp"``) are calibrated separately. An all-to-all
+        runs on its two lanes (:meth:`collective_bandwidth`), its NVLink lane on this per-CTA rate.
         """
+        if collective.kind == "all_to_all":
+            return self.collective_bandwidth(collective, ctas, clock_mhz, "nccl")
         p = self.params
         per_cta = self.comm_per_sm_rate(collective.kind, collective.group_size - 1, "nccl")
         cap = min(p.nccl_bus_bw_cap_bytes_per_s, self.spec.nvlink_bandwidth_bytes_per_s)

@@ -10,11 +10,13 @@ import pytest
 
 from kareus_fx.cost_models.all_to_all import all_to_all_lanes, all_to_all_split
 from kareus_fx.cost_models.all_to_all_fit import DEEPEP_FILE, FIELDS, load_rows, predicted_bandwidths
+from kareus_fx.cost_models.analytic_workloads import gemm
 from kareus_fx.cost_models.calibration import A40_SPEC
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.cost_models.kernel_model import KernelModel
 from kareus_fx.cost_models.sim_params import gpu_params
-from kareus_fx.workload import CollectiveSpec
+from kareus_fx.cost_models.simulator import Simulator
+from kareus_fx.workload import CollectiveSpec, PartitionConfig, PartitionType, SlotSpec
 
 A100 = "A100-SXM4-40GB"
 H100 = "H100-SXM5-80GB"
@@ -92,6 +94,13 @@ def test_more_sms_help_inside_a_node_up_to_the_cap():
         assert km.collective_bandwidth(_a2a(8), 132, clock, library) <= cap
 
 
+def test_nccl_curve_prices_an_all_to_all_on_its_lanes():
+    km = _km(H100)
+    clock = km.spec.clock_max_mhz
+    for group in (8, 32):
+        assert km.nccl_bandwidth(_a2a(group), 24, clock) == km.collective_bandwidth(_a2a(group), 24, clock, "nccl")
+
+
 def test_across_nodes_sms_do_not_limit_the_network_lane():
     km = _km(H100)
     clock = km.spec.clock_max_mhz
@@ -136,3 +145,14 @@ def test_lanes_state_the_assumption():
         params.all_to_all_nvlink_efficiency * h100.nvlink_bandwidth_bytes_per_s
     )
     assert "uniform routing" in lanes["assumption"]
+
+
+def test_the_simulated_partition_runs_the_all_to_all_with_its_own_latency():
+    loaded = gpu_params(H100)
+    params = replace(loaded.params, all_to_all_latency_s=1e-3)
+    sim, km = Simulator(loaded.spec, params), KernelModel(loaded.spec, params)
+    ptype = PartitionType("experts", "forward", (SlotSpec((gemm("expert", 4096, 2048, 768),)),), _a2a(16), 1, (0,))
+    sequential = sim.predict(ptype, PartitionConfig(loaded.spec.clock_max_mhz, 24, None))
+    expected = km.collective_time(_a2a(16), 24, loaded.spec.clock_max_mhz)
+    assert expected > 1e-3 + 1e-4
+    assert sequential.exposed_comm_s == pytest.approx(expected, rel=1e-9)
