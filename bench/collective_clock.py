@@ -43,13 +43,14 @@ SM_COUNTS: tuple[tuple[int, CommLibrary], ...] = ((3, "mscclpp"), (6, "mscclpp")
 def linear_over_cap(km: KernelModel, coll: CollectiveSpec, sms: int, library: CommLibrary) -> float:
     """The per-SM rate x SMs over the cap at the maximum clock (how far from link bound)."""
     p = km.params
+    peers = coll.group_size - 1
+    per = km.comm_per_sm_rate(coll.kind, peers, library)
     if library == "nccl":
-        per = p.nccl_bus_bw_per_cta_bytes_per_s * p.comm_kind_factor(coll.kind) / p.comm_factor_reduce_scatter
         cap = min(p.nccl_bus_bw_cap_bytes_per_s, km.spec.nvlink_bandwidth_bytes_per_s)
     else:
-        peers = max(1, coll.group_size - 1) ** p.comm_peer_exponent
-        per = p.comm_bus_bw_per_sm_bytes_per_s * p.comm_kind_factor(coll.kind) * peers
-        cap = min(p.comm_bus_bw_cap_bytes_per_s * peers, km.spec.nvlink_bandwidth_bytes_per_s)
+        cap = min(
+            p.comm_bus_bw_cap_bytes_per_s * max(1, peers) ** p.comm_peer_exponent, km.spec.nvlink_bandwidth_bytes_per_s
+        )
     return per * sms / cap
 
 

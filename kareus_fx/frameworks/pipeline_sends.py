@@ -62,13 +62,14 @@ def node_of(rank: int, spec: GPUSpec) -> int:
 
 def network_share_bytes_per_s(spec: GPUSpec) -> float:
     """One GPU's share of its node's network (all of a node's GPUs send at once)."""
-    if spec.node_network_bytes_per_s is None or spec.gpus_per_node is None:
+    share = spec.node_network_share_bytes_per_s
+    if share is None:
         raise OptionsError(
             f"no node network bandwidth is known for the {spec.name} (node_network_bytes_per_s): traffic across "
             f"nodes (a pipeline's send/recv, a gradient sync) cannot be priced; plan for a GPU with a node entry "
             f"in gpu_specs"
         )
-    return spec.node_network_bytes_per_s / spec.gpus_per_node
+    return share
 
 
 def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec, receiver: int | None = None) -> float:
