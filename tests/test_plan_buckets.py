@@ -243,3 +243,29 @@ def test_bucketed_plan_logs_each_iterations_bucket_against_its_prediction(bucket
     one_length.pop("buckets")
     assert main(["inspect", "--run", str(runs[0]), "--plan", str(write_plan(tmp_path / "128.json", one_length))]) != 0
     assert "of bucket seq=128 of a" in capsys.readouterr().err
+
+
+def test_an_iteration_of_several_buckets_is_logged_at_the_largest(bucketed_plan, tmp_path):
+    """The run log's bookkeeping alone (no graph runs): an iteration whose calls ran buckets 128
+    and 256 is recorded at 256's prediction; a call without the plan ends the open iteration and
+    no iteration is recorded until a planned call opens one."""
+    from kareus_fx.compose.pipeline_schedule import PipelineNode
+    from kareus_fx.deploy.run_log import RunLog, RunLogOptions
+    from kareus_fx.deploy.run_record import read_run_log
+    from kareus_fx.plan.plan_format import Plan
+
+    plan = Plan(data=validate_plan(_with_bucket_clocks(bucketed_plan)), source="plan.json")
+    log = RunLog(RunLogOptions(path=tmp_path / "run.jsonl"), plan, clocks_requested=False)
+    point = {seq: plan.bucket(seq).point_index("max-throughput") for seq in plan.buckets}
+    forward, backward = PipelineNode(0, "forward", 0), PipelineNode(0, "backward", 0)
+    for node, seq in ((forward, 128), (forward, 256), (backward, 256), (backward, 128), (forward, 128)):
+        log.called(node, point[seq], seq)
+    log.unplanned()
+    log.unplanned()
+    log.close()
+    records = read_run_log(tmp_path / "run.jsonl")
+    assert [(r.iteration, r.bucket) for r in records] == [(0, 256), (1, 128)]
+    for record in records:
+        predicted = plan.bucket(record.bucket).frontier[point[record.bucket]]
+        assert record.point == point[record.bucket] and record.predicted_energy_j == predicted["energy_j"]
+    assert records[1].clocks_mhz == {"F0@S0": BUCKET_CLOCKS_MHZ[128]}
