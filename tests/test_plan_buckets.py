@@ -247,16 +247,19 @@ def test_bucketed_plan_logs_each_iterations_bucket_against_its_prediction(bucket
 
 def test_an_iteration_of_several_buckets_is_logged_at_the_largest(bucketed_plan, tmp_path):
     """The run log's bookkeeping alone (no graph runs): an iteration whose calls ran buckets 128
-    and 256 is recorded at 256's prediction; a call without the plan ends the open iteration and
+    and 256 is recorded at 256's point and prediction; a call without the plan ends the open iteration and
     no iteration is recorded until a planned call opens one."""
     from kareus_fx.compose.pipeline_schedule import PipelineNode
     from kareus_fx.deploy.run_log import RunLog, RunLogOptions
     from kareus_fx.deploy.run_record import read_run_log
     from kareus_fx.plan.plan_format import Plan
 
-    plan = Plan(data=validate_plan(_with_bucket_clocks(bucketed_plan)), source="plan.json")
+    data = _with_bucket_clocks(bucketed_plan)
+    frontier = data["buckets"][-1]["iteration_frontier"]  # a second point, so that 256's point is not 128's
+    frontier.append({**frontier[0], "time_s": frontier[0]["time_s"] * 1.1, "energy_j": frontier[0]["energy_j"] * 0.9})
+    plan = Plan(data=validate_plan(data), source="plan.json")
     log = RunLog(RunLogOptions(path=tmp_path / "run.jsonl"), plan, clocks_requested=False)
-    point = {seq: plan.bucket(seq).point_index("max-throughput") for seq in plan.buckets}
+    point = {128: 0, 256: len(frontier) - 1}
     forward, backward = PipelineNode(0, "forward", 0), PipelineNode(0, "backward", 0)
     for node, seq in ((forward, 128), (forward, 256), (backward, 256), (backward, 128), (forward, 128)):
         log.called(node, point[seq], seq)

@@ -120,7 +120,7 @@ class RunLog:
         if node.instruction == "backward":
             self._saw_backward = True
         if bucket is not None and self._open_bucket is not None and bucket > self._open_bucket:
-            self._open_bucket = bucket
+            self._open_point, self._open_bucket = point, bucket  # the larger bucket's point and prediction
         self._stages.add(node.stage)
         option = self._plan_of(bucket).option(point, node.stage, node.instruction, node.microbatch)
         self._clocks_mhz[str(node)] = int(option["clock_mhz"])
