@@ -95,9 +95,9 @@ def test_bucketed_plan_with_unordered_or_wrong_buckets_is_refused(bucketed_plan)
         validate_plan(broken)
 
 
-def _deployed_model(plan_path):
+def _deployed_model(plan_path, run_log=None):
     """tiny-llama TP=2 (fp32, seeded) and its compile with ``plan_path`` deployed on a dry-run
-    clock controller: (model, controller, compiled)."""
+    clock controller, writing ``run_log`` when given: (model, controller, compiled)."""
     from kareus_fx.models import ParallelLayout, build_model
     from kareus_fx.runtime.clock_controller import ClockController
 
@@ -111,9 +111,8 @@ def _deployed_model(plan_path):
     )
     model.init_weights(seed=0)
     controller = ClockController.open("dry-run", handle_sigterm=False)
-    compiled = torch.compile(
-        model, backend="kareus", fullgraph=True, options={"plan": plan_path, "clock_controller": controller}
-    )
+    options = {"plan": plan_path, "clock_controller": controller, "run_log": run_log}
+    compiled = torch.compile(model, backend="kareus", fullgraph=True, options=options)
     return model, controller, compiled
 
 
@@ -187,3 +186,89 @@ def test_one_length_plan_on_a_symbolic_graph_is_its_one_bucket(bucketed_plan, tm
     for requests, caught in run_distributed(_one_length_worker, 2, str(plan_path), timeout_s=600):
         assert requests == [[BUCKET_CLOCKS_MHZ[128]] * 2, []]
         assert len(caught) == 1 and "sequence length 200 is in no bucket" in caught[0], caught
+
+
+RUN_LOG_SEQS = (100, 200, 128, 300, 120)  # buckets 128, 256, 128, none, 128
+
+
+def _run_log_worker(rank, world_size, plan_path, run_path):
+    import warnings
+
+    from kareus_fx.deploy.plan_drift import PlanDriftWarning
+    from kareus_fx.deploy.run_log import close_run_logs
+
+    run_log = {"path": run_path, "compare_time_on_cpu": True, "drift_threshold": 0.01, "drift_window": 2, "warmup": 1}
+    model, controller, compiled = _deployed_model(plan_path, run_log)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seq in RUN_LOG_SEQS:
+            batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
+            mark_sequence_dynamic(batch)
+            compiled(**batch).backward()
+        close_run_logs()
+    controller.close()
+    return [str(w.message) for w in caught if issubclass(w.category, PlanDriftWarning)]
+
+
+def test_bucketed_plan_logs_each_iterations_bucket_against_its_prediction(bucketed_plan, tmp_path, capsys):
+    """Each record names the bucket its iteration ran and holds that bucket's prediction and
+    clocks; the call no bucket holds ends the iteration before it and is not recorded; ``kareus
+    inspect`` compares each row with its bucket's frontier; the forced drift warns once per rank."""
+    from kareus_fx.cli import main
+    from kareus_fx.deploy.run_record import read_run_log
+
+    data = _with_bucket_clocks(bucketed_plan)
+    plan_path = write_plan(tmp_path / "plan.json", data)
+    drift = run_distributed(_run_log_worker, 2, str(plan_path), str(tmp_path / "run-{rank}.jsonl"), timeout_s=600)
+    plan = load_plan(plan_path)
+    runs = [tmp_path / f"run-{rank}.jsonl" for rank in range(2)]
+    for rank, (path, messages) in enumerate(zip(runs, drift)):
+        records = read_run_log(path)
+        assert [(r.iteration, r.bucket) for r in records] == [(0, 128), (1, 256), (2, 128), (3, 128)]
+        for record in records:
+            bucket = plan.bucket(record.bucket)
+            predicted = bucket.frontier[bucket.point_index("max-throughput")]
+            assert record.rank == rank and record.point == bucket.point_index("max-throughput")
+            assert record.predicted_time_s == predicted["time_s"] and record.energy_j == predicted["energy_j"]
+            assert record.clocks_mhz == dict.fromkeys(("B0@S0", "F0@S0"), BUCKET_CLOCKS_MHZ[record.bucket])
+            assert record.energy_source == "simulated" and record.clocks_requested
+        (message,) = messages
+        assert f"rank {rank} drifts" in message
+    capsys.readouterr()
+    assert main(["inspect", "--run", *map(str, runs), "--plan", str(plan_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [row["bucket"] for row in rows] == [128, 256, 128, 128] * 2
+    assert all(row["energy_ratio"] == pytest.approx(1.0) for row in rows)
+    one_length = dict(plan.bucket(128).data)
+    one_length.pop("buckets")
+    assert main(["inspect", "--run", str(runs[0]), "--plan", str(write_plan(tmp_path / "128.json", one_length))]) != 0
+    assert "of bucket seq=128 of a" in capsys.readouterr().err
+
+
+def test_an_iteration_of_several_buckets_is_logged_at_the_largest(bucketed_plan, tmp_path):
+    """The run log's bookkeeping alone (no graph runs): an iteration whose calls ran buckets 128
+    and 256 is recorded at 256's point and prediction; a call without the plan ends the open iteration and
+    no iteration is recorded until a planned call opens one."""
+    from kareus_fx.compose.pipeline_schedule import PipelineNode
+    from kareus_fx.deploy.run_log import RunLog, RunLogOptions
+    from kareus_fx.deploy.run_record import read_run_log
+    from kareus_fx.plan.plan_format import Plan
+
+    data = _with_bucket_clocks(bucketed_plan)
+    frontier = data["buckets"][-1]["iteration_frontier"]  # a second point, so that 256's point is not 128's
+    frontier.append({**frontier[0], "time_s": frontier[0]["time_s"] * 1.1, "energy_j": frontier[0]["energy_j"] * 0.9})
+    plan = Plan(data=validate_plan(data), source="plan.json")
+    log = RunLog(RunLogOptions(path=tmp_path / "run.jsonl"), plan, clocks_requested=False)
+    point = {128: 0, 256: len(frontier) - 1}
+    forward, backward = PipelineNode(0, "forward", 0), PipelineNode(0, "backward", 0)
+    for node, seq in ((forward, 128), (forward, 256), (backward, 256), (backward, 128), (forward, 128)):
+        log.called(node, point[seq], seq)
+    log.unplanned()
+    log.unplanned()
+    log.close()
+    records = read_run_log(tmp_path / "run.jsonl")
+    assert [(r.iteration, r.bucket) for r in records] == [(0, 256), (1, 128)]
+    for record in records:
+        predicted = plan.bucket(record.bucket).frontier[point[record.bucket]]
+        assert record.point == point[record.bucket] and record.predicted_energy_j == predicted["energy_j"]
+    assert records[1].clocks_mhz == {"F0@S0": BUCKET_CLOCKS_MHZ[128]}

@@ -29,61 +29,21 @@ def _llama_parity(rank: int, world_size: int, options: dict, dp: int = 1) -> dic
     """Rank ``rank`` of ``dp`` FSDP2 replicas x ``world_size // dp``-way TP; each replica trains on
     its own rows of one global batch. Reference: the unparallelized eager model on the global
     batch (the gradient of its loss is the sum of the replicas', which FSDP2 reduces to)."""
-    from torchtitan_import import import_torchtitan
-
-    llama3 = import_torchtitan()
-    import torchtitan.distributed.parallel_dims as parallel_dims_module
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, distribute_tensor
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+    from torchtitan_llama import debug_llama
 
     import kareus_fx.capture.compile_step as compile_step
     import kareus_fx.plan.live_tuning as live_tuning
-    from kareus_fx.integrations.torchtitan import kareus_parallelize
     from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
 
-    parallel_dims_module.device_type = "cpu"  # torchtitan picks "cuda" on a machine without a GPU
     os.environ["KAREUS_OPTIONS"] = json.dumps(options)
-    spec = llama3.model_registry("debugmodel")
-    config = spec.model
-    config.layers = config.layers[:LAYERS]
-    for layer in config.layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    set_llama3_sharding_config(config, enable_sp=True)
-    parallelism = ParallelismConfig(
-        tensor_parallel_degree=world_size // dp, data_parallel_shard_degree=dp, spmd_backend="partial_dtensor"
-    )
-    dims = ParallelDims.from_config(parallelism, world_size)
-    dims.build_mesh()
-
-    def built() -> torch.nn.Module:
-        with torch.device("meta"):
-            model = config.build()
-        return model
-
-    reference = built()
+    llama = debug_llama(world_size, LAYERS, dp)
+    model, dims = llama.model, llama.dims
+    reference = llama.built()
     reference.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
         reference.init_weights(buffer_device=torch.device("cpu"))
-    model = kareus_parallelize(spec.parallelize_fn)(
-        built(),
-        parallel_dims=dims,
-        training=TrainingConfig(mixed_precision_param="float32"),
-        parallelism=parallelism,
-        compile_config=CompileConfig(enable=True, backend="kareus"),
-        ac_config=None,
-        dump_folder="",
-    )
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # gloo has no PREMUL_SUM: SUM, then FSDP2 divides apart
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))  # buffers (RoPE cache)
         full = dict(reference.named_parameters())
         for name, p in model.named_parameters():
             if isinstance(p, DTensor):

@@ -18,6 +18,10 @@ than the largest, or a concrete length that is not a bucket) runs the un-split g
 plan, with one :class:`~kareus_fx.deploy.plan_checks.PlanDeviationWarning` per length that names
 the length and the fix.
 
+With the option ``run_log`` every bucket reports its calls to the plan's one run log, naming the
+bucket, and a call that no bucket holds tells it that it runs without the plan
+(``deploy/run_log.py``).
+
 The sequence length is dim 1 of the first batch-carrying input of two or more dims that the
 nanobatch split found (``input_ids`` / ``hidden_states`` laid out ``[batch, seq, ...]``).
 """
@@ -36,6 +40,7 @@ import torch.fx
 from kareus_fx.config import KareusOptions
 from kareus_fx.deploy.deployment import Deployment, clock_binding
 from kareus_fx.deploy.plan_checks import PlanDeviationWarning, PlanMismatchError
+from kareus_fx.deploy.run_log import RunLog
 from kareus_fx.plan.plan_format import Plan
 
 __all__ = ["BucketedDeployment", "SequenceInput", "deployment_from_options", "sequence_input"]
@@ -49,7 +54,7 @@ def deployment_from_options(opts: KareusOptions) -> Deployment | BucketedDeploym
     deployment = Deployment.from_options(opts)
     if deployment is None or not deployment.plan.buckets:
         return deployment
-    return BucketedDeployment.from_plan(deployment.plan, opts)
+    return BucketedDeployment.from_plan(deployment.plan, opts, deployment.run_log)
 
 
 @dataclass(frozen=True)
@@ -83,26 +88,37 @@ class BucketedDeployment:
 
     plan: Plan
     buckets: dict[int, Deployment]
+    run_log: RunLog | None = None
+    """The plan's run log, told of the calls that run without the plan; None: no run log."""
 
     @classmethod
-    def from_plan(cls, plan: Plan, opts: KareusOptions) -> BucketedDeployment:
+    def from_plan(cls, plan: Plan, opts: KareusOptions, run_log: RunLog | None = None) -> BucketedDeployment:
+        """Every bucket of ``plan`` deployed at ``opts.target``, each reporting to ``run_log``."""
         buckets: dict[int, Deployment] = {}
         for seq in plan.buckets:
             bucket = plan.bucket(seq)
             point = bucket.point_index(opts.target)
             clock = clock_binding(bucket, point, opts.clock_controller)
             buckets[seq] = Deployment(
-                plan=bucket, point_index=point, stage=opts.stage, clock=clock, dump_dir=opts.dump_dir
+                plan=bucket,
+                point_index=point,
+                stage=opts.stage,
+                clock=clock,
+                dump_dir=opts.dump_dir,
+                run_log=run_log,
+                bucket=seq,
             )
         cursor = buckets[plan.buckets[0]].cursor
         for deployment in buckets.values():
             deployment.cursor = cursor  # one count of microbatches over all buckets
-        return cls(plan=plan, buckets=buckets)
+        return cls(plan=plan, buckets=buckets, run_log=run_log)
 
     @classmethod
     def of_one_length(cls, deployment: Deployment) -> BucketedDeployment:
         """A one-length plan's deployment as the one bucket of its ``workload.seq``."""
-        return cls(plan=deployment.plan, buckets={deployment.plan.workload["seq"]: deployment})
+        return cls(
+            plan=deployment.plan, buckets={deployment.plan.workload["seq"]: deployment}, run_log=deployment.run_log
+        )
 
     def bucket_for(self, length: int) -> int | None:
         """The smallest bucket holding a call of ``length`` tokens (None: longer than all)."""
@@ -122,7 +138,7 @@ class BucketedDeployment:
                 compiled[seq] = compile_one(deployment)
         unsplit = compile_one(None)  # now: a compile outside Dynamo's would specialise the shapes
         warned: set[int] = set()
-        plan, index, buckets = self.plan, sequence.index, tuple(sorted(self.buckets))
+        plan, index, buckets, run_log = self.plan, sequence.index, tuple(sorted(self.buckets)), self.run_log
         fixed = sequence.symbol is None
 
         def run(*args: Any) -> Any:
@@ -133,6 +149,8 @@ class BucketedDeployment:
             if length not in warned:
                 warned.add(length)
                 warnings.warn(_outside_message(plan, buckets, length, fixed), PlanDeviationWarning, stacklevel=2)
+            if run_log is not None:
+                run_log.unplanned()
             return unsplit(*args)
 
         return run

@@ -142,6 +142,9 @@ class Deployment:
     sequence length, ``deploy/bucket_dispatch.py``); None: at the hints of the compiled call."""
     run_log: RunLog | None = None
     """Where each iteration's record goes (``deploy/run_log.py``); None: no run log."""
+    bucket: int | None = None
+    """The sequence-length bucket ``plan`` is of a bucketed plan (``deploy/bucket_dispatch.py``),
+    named in the run log; None: ``plan`` is a one-length plan."""
     switching: PointSwitcher | None = None
     """Run-time point switching (``deploy/switching.py``): variants are compiled for each of its
     candidate points and every call runs its current point; None: ``point_index`` only."""
@@ -285,6 +288,7 @@ class Deployment:
             self.running_point,
             self.running_candidate,
             self.run_log,
+            self.bucket,
         )
 
     def select_graph(self, nanobatched: Callable[..., Any], unsplit: Callable[..., Any]) -> Callable[..., Any]:

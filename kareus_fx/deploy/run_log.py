@@ -22,6 +22,14 @@ the energy written is the plan's price of the point run, labelled ``energy_sourc
 With a process group of more than one rank each rank writes its own file: ``{rank}`` in the path
 is replaced by the rank, otherwise ``.rank<R>`` goes before the suffix. Drift is checked per rank
 (:mod:`kareus_fx.deploy.plan_drift`).
+
+Bucketed plans (``deploy/bucket_dispatch.py``): every bucket's graphs report to the one run log of
+the plan, naming their bucket; a record names the iteration's bucket and holds that bucket's
+prediction and clocks. An iteration's microbatches are assumed to share a bucket (batches padded
+to one length); when they do not, the record takes the largest bucket run, whose prediction
+bounds the mix from above. A call that no bucket holds runs without the plan: it ends the open
+iteration (recorded start to that call) and iterations until the next planned call are not
+recorded, since there is no prediction to compare them with.
 """
 
 from __future__ import annotations
@@ -96,21 +104,38 @@ class RunLog:
         )
         self.iterations = 0
         self._open_point: int | None = None
+        self._open_bucket: int | None = None
+        self._bucket_plans: dict[int, Plan] = {}
         self._saw_backward = False
         self._stages: set[int] = set()
         self._clocks_mhz: dict[str, int] = {}
 
-    def called(self, node: PipelineNode, point: int) -> None:
-        """A deployed graph runs ``node`` at frontier point ``point`` (the dispatcher calls this)."""
+    def called(self, node: PipelineNode, point: int, bucket: int | None = None) -> None:
+        """A deployed graph runs ``node`` at frontier point ``point`` of ``bucket`` (None: a
+        one-length plan); the dispatcher calls this."""
         if node.instruction == "forward" and node.microbatch == 0 and (self._open_point is None or self._saw_backward):
             self._end_iteration()
             self.monitor.begin_iteration()
-            self._open_point, self._saw_backward = point, False
+            self._open_point, self._open_bucket, self._saw_backward = point, bucket, False
         if node.instruction == "backward":
             self._saw_backward = True
+        if bucket is not None and self._open_bucket is not None and bucket > self._open_bucket:
+            self._open_point, self._open_bucket = point, bucket  # the larger bucket's point and prediction
         self._stages.add(node.stage)
-        option = self.plan.option(point, node.stage, node.instruction, node.microbatch)
+        option = self._plan_of(bucket).option(point, node.stage, node.instruction, node.microbatch)
         self._clocks_mhz[str(node)] = int(option["clock_mhz"])
+
+    def unplanned(self) -> None:
+        """A call runs without the plan (no bucket holds it): record the open iteration, if any."""
+        self._end_iteration()
+
+    def _plan_of(self, bucket: int | None) -> Plan:
+        """The plan whose prediction and clocks hold for ``bucket``."""
+        if bucket is None:
+            return self.plan
+        if bucket not in self._bucket_plans:
+            self._bucket_plans[bucket] = self.plan.bucket(bucket)
+        return self._bucket_plans[bucket]
 
     def close(self) -> None:
         """Record the open iteration, if any."""
@@ -122,7 +147,8 @@ class RunLog:
             return
         measured = self.monitor.end_iteration()
         workload = self.plan.workload
-        predicted = self.plan.frontier[point]
+        bucket = self._open_bucket
+        predicted = self._plan_of(bucket).frontier[point]
         simulated = measured.energy_j is None
         pipeline_gpus = int(workload["tp"] * workload["cp"] * workload["pp"])
         record = RunRecord(
@@ -132,6 +158,7 @@ class RunLog:
             plan=str(self.plan.source),
             gpu=self.plan.gpu,
             point=point,
+            bucket=bucket,
             clocks_mhz=dict(sorted(self._clocks_mhz.items())),
             clocks_requested=self.clocks_requested,
             time_s=max(measured.time_s, 1e-9),
@@ -145,7 +172,7 @@ class RunLog:
         with self.path.open("a") as file:
             file.write(record_line(record))
         self.iterations += 1
-        self._open_point = None
+        self._open_point = self._open_bucket = None
         self._stages.clear()
         self._clocks_mhz.clear()
         self.drift.observe(record)

@@ -36,6 +36,9 @@ class RunRecord(BaseModel):
     plan: str = Field(description="the plan file deployed")
     gpu: str = Field(description="the GPU the plan was made for")
     point: int = Field(ge=0, description="frontier point index whose variants and clocks ran")
+    bucket: int | None = Field(
+        None, ge=1, description="sequence-length bucket of a bucketed plan whose point ran (None: a one-length plan)"
+    )
     clocks_mhz: dict[str, int] = Field(description="planned clock of each instruction run, e.g. {'F0@S0': 1410}")
     clocks_requested: bool = Field(description="the clocks were requested from a clock controller")
     time_s: float = Field(gt=0, description="measured wall time of the iteration")

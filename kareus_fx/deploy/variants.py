@@ -164,11 +164,13 @@ def dispatcher(
     running_point: Callable[[], int],
     running_candidate: Callable[[], int],
     run_log: RunLog | None = None,
+    bucket: int | None = None,
 ) -> Callable[..., Any]:
     """The boxed callable of graph ``name``: per call, the variant of the running (point,
     microbatch) (``variant_of`` names its key in ``variants``), run under the running candidate's
     clock; a failed collective raises :class:`~kareus_fx.deploy.peer_failure.PeerFailureError`.
-    ``run_log`` hears of every call (the iteration boundaries and clocks it records)."""
+    ``run_log`` hears of every call (the iteration boundaries and clocks it records), naming
+    ``bucket``, the sequence-length bucket of a bucketed plan these variants deploy."""
 
     def run(args: list[Any]) -> Any:
         node = cursor.next(name)
@@ -182,7 +184,7 @@ def dispatcher(
                 f"drive other orders with StepContext and next_instruction()"
             )
         if run_log is not None:
-            run_log.called(node, point)
+            run_log.called(node, point, bucket)
         clock = clocks[running_candidate()]
         set_running(node, clock)
         deployed, compiled = variants[key]

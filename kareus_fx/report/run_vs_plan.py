@@ -2,8 +2,9 @@
 ratios' median and spread (p10-p90) over the iterations after warm-up.
 
 The prediction of each iteration is read from the plan given (its frontier point the run
-recorded), not from the record, so a run can be held against another plan of the same workload
-(a recalibrated one, ``kareus plan --calibrate-from``). Energy is compared per GPU (a record's
+recorded; of a bucketed plan, the bucket's frontier the record names), not from the record, so a
+run can be held against another plan of the same workload (a recalibrated one, ``kareus plan
+--calibrate-from``). Energy is compared per GPU (a record's
 energy covers ``gpus_measured`` GPUs, the plan's one pipeline ``tp x cp x pp``), assuming every
 GPU of the pipeline costs alike.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import base64
 import html
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,7 +26,7 @@ from kareus_fx.errors import KareusError
 from kareus_fx.plan.plan_format import Plan
 from kareus_fx.report.figure_png import figure_png
 
-_COLUMNS = ("iter", "rank", "point", "time ms", "plan ms", "x", "energy J", "plan J", "x", "energy from")
+_COLUMNS = ("iter", "rank", "seq", "point", "time ms", "plan ms", "x", "energy J", "plan J", "x", "energy from")
 
 __all__ = ["IterationRow", "RatioSpread", "RunComparison", "compare_run", "comparison_html", "print_comparison"]
 
@@ -52,6 +53,7 @@ class IterationRow:
 
     iteration: int
     rank: int
+    bucket: int | None
     point: int
     time_s: float
     planned_time_s: float
@@ -80,23 +82,27 @@ class RunComparison:
 
 def compare_run(records: Sequence[RunRecord], plan: Plan, warmup: int = 1) -> RunComparison:
     """Hold ``records`` against ``plan`` (see the module docstring); refuses records of another GPU
-    or a point the plan does not have, and a run with no iteration after ``warmup``."""
+    or a point or bucket the plan does not have, and a run with no iteration after ``warmup``."""
     workload = plan.workload
     pipeline_gpus = int(workload["tp"] * workload["cp"] * workload["pp"])
+    frontiers = {seq: plan.bucket(seq).frontier for seq in plan.buckets}
     rows = []
     for record in records:
-        if record.gpu != plan.gpu or record.point >= len(plan.frontier):
+        frontier = plan.frontier if record.bucket is None else frontiers.get(record.bucket, [])
+        if record.gpu != plan.gpu or record.point >= len(frontier):
+            ran = f"point {record.point}" + ("" if record.bucket is None else f" of bucket seq={record.bucket}")
             raise KareusError(
-                f"the run of {record.plan} (rank {record.rank}, iteration {record.iteration}) ran point "
-                f"{record.point} of a {record.gpu} plan; {plan.source} is a {plan.gpu} plan of "
-                f"{len(plan.frontier)} points: give the plan the run deployed (or one re-planned for its workload)"
+                f"the run of {record.plan} (rank {record.rank}, iteration {record.iteration}) ran {ran} of a "
+                f"{record.gpu} plan; {plan.source} is a {plan.gpu} plan of {_points_text(plan, frontiers)}: give "
+                f"the plan the run deployed (or one re-planned for its workload)"
             )
-        point = plan.frontier[record.point]
+        point = frontier[record.point]
         planned_time_s, planned_energy_j = float(point["time_s"]), float(point["energy_j"])
         rows.append(
             IterationRow(
                 iteration=record.iteration,
                 rank=record.rank,
+                bucket=record.bucket,
                 point=record.point,
                 time_s=record.time_s,
                 planned_time_s=planned_time_s,
@@ -121,6 +127,13 @@ def compare_run(records: Sequence[RunRecord], plan: Plan, warmup: int = 1) -> Ru
     )
 
 
+def _points_text(plan: Plan, frontiers: dict[int, list[Mapping[str, Any]]]) -> str:
+    """How many frontier points ``plan`` has (per bucket of a bucketed plan)."""
+    if not frontiers:
+        return f"{len(plan.frontier)} points"
+    return "buckets " + ", ".join(f"seq={seq} ({len(points)} points)" for seq, points in frontiers.items())
+
+
 def print_comparison(comparison: RunComparison, console: Console) -> None:
     """The per-iteration table and the ratios' summary."""
     table = Table(title=f"run against {comparison.plan}")
@@ -137,6 +150,7 @@ def _cells(row: IterationRow) -> tuple[str, ...]:
     return (
         str(row.iteration),
         str(row.rank),
+        "-" if row.bucket is None else str(row.bucket),
         str(row.point),
         f"{row.time_s * 1e3:.1f}",
         f"{row.planned_time_s * 1e3:.1f}",
