@@ -114,6 +114,39 @@ def test_six_layer_slice_gives_the_full_traces_graphs(tmp_path):
     model traced as slices equal a full trace's; extended to 7 layers the fingerprints differ, so
     deployment refuses a plan for another layer count."""
     req = PlanRequest(model="llama3.2-3b", tp=2, cp=1, pp=1, microbatches=1, mbs=2, seq=256, layers=6)
+    sliced = _sliced_equals_full(req, tmp_path)
+    short, long = (
+        load_dump(next((tmp_path / "slice").glob(f"stage0-nanobatched-slice{k}/*.json"))) for k in SLICE_LAYERS
+    )
+    seven = partitioned_graphs(extend_dump(short, long, SLICE_LAYERS[1], 7, "stage 0"))
+    assert seven["forward"].fingerprint != sliced[0].partitioned["forward"].fingerprint
+
+
+@pytest.mark.slow  # about 4 minutes: a full 8-layer trace beside the slices; the MoE plan test is the fast sibling
+def test_mixture_of_experts_slices_give_the_full_traces_graphs(tmp_path):
+    """An 8-layer expert-parallel MoE (every layer sparse) traced as 3- and 4-layer slices equals its
+    full trace, backward all-to-all types and counts included (a 2-layer slice would dissolve one)."""
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ).save_pretrained(tmp_path / "config")
+    req = PlanRequest(model=f"hf:{tmp_path / 'config'}", tp=1, cp=1, pp=1, microbatches=1, mbs=2, seq=64, ep=2, dp=2)
+    sliced = _sliced_equals_full(req, tmp_path)
+    kinds = {t.collective.kind for graph in sliced[0].partitioned.values() for t in graph.ptypes}
+    assert kinds == {"all_to_all"}
+
+
+def _sliced_equals_full(req: PlanRequest, tmp_path):
+    """``req``'s stages traced as slices, after checking them against a full trace."""
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         sliced = trace_stages(req, tmp_path / "slice")
@@ -131,12 +164,7 @@ def test_six_layer_slice_gives_the_full_traces_graphs(tmp_path):
             assert sorted((t.type_id, t.count) for t in sp.ptypes) == sorted((t.type_id, t.count) for t in fp.ptypes)
             assert _op_multiset(sp.outside) == _op_multiset(fp.outside)
             assert Counter(_kernels(sp.outside.ops)) == Counter(_kernels(fp.outside.ops))
-
-    short, long = (
-        load_dump(next((tmp_path / "slice").glob(f"stage0-nanobatched-slice{k}/*.json"))) for k in SLICE_LAYERS
-    )
-    seven = partitioned_graphs(extend_dump(short, long, SLICE_LAYERS[1], 7, "stage 0"))
-    assert seven["forward"].fingerprint != sliced[0].partitioned["forward"].fingerprint
+    return sliced
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kareus_fx.errors import ParallelConfigError
+from kareus_fx.errors import OptionsError, ParallelConfigError
 from kareus_fx.models import get_config
 from kareus_fx.plan.plan_format import load_plan, write_plan
 from kareus_fx.plan.presets import PRESETS
@@ -59,6 +59,11 @@ def test_bad_expert_parallel_requests_are_refused_before_tracing(fields, message
         validate_plan_request(_request(**fields))
 
 
+def test_expert_all_to_alls_are_planned_on_the_simulated_gpu_only():
+    with pytest.raises(OptionsError, match="measuring expert all-to-alls on devices is not supported"):
+        validate_plan_request(_request(ep=2, dp=2, profiler="cpu-replay"))
+
+
 @pytest.fixture(scope="module")
 def moe_plan(tmp_path_factory):
     from kareus_fx.plan.planner import make_plan
@@ -71,6 +76,7 @@ def moe_plan(tmp_path_factory):
 def test_moe_plan_tunes_its_expert_all_to_alls_and_reads_back(moe_plan, tmp_path):
     workload = moe_plan["workload"]
     assert (workload["ep"], workload["expert_imbalance"], workload["dp"]) == (2, 1.0, 2)
+    assert moe_plan["profiling"]["gpus_per_group"] == 2  # the expert-parallel group, not the TP x CP grid
     all_to_all = {
         type_id: record
         for type_id, record in moe_plan["partition_types"].items()

@@ -24,6 +24,10 @@ Assumptions (each a stated physical fact, none fitted):
   ranks ``s * tp * cp`` onward, on node ``rank // gpus_per_node``. A boundary between two nodes
   runs over the node network, each GPU at its share (``node_network_bytes_per_s / gpus_per_node``,
   line rate; e.g. AWS p4d: 400 Gbps over 8 A100s, 6.25 GB/s each); within a node over NVLink.
+- Under expert parallelism over data-parallel replicas (``ep > tp``), a stage's expert-parallel
+  group is the TP x CP grids of ``ep / tp`` replicas placed next to each other (Megatron-LM's
+  order tensor, context, expert-data, pipeline), so stage ``s`` holds ranks ``s * tp * cp * ep / tp``
+  onward: its ``stage_replicas``.
 """
 
 from __future__ import annotations
@@ -72,10 +76,19 @@ def network_share_bytes_per_s(spec: GPUSpec) -> float:
     return share
 
 
-def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec, receiver: int | None = None) -> float:
+def link_wait_s(
+    sent_bytes: float,
+    tp: int,
+    cp: int,
+    sender: int,
+    spec: GPUSpec,
+    receiver: int | None = None,
+    stage_replicas: int = 1,
+) -> float:
     """Seconds from pipeline rank ``sender``'s send to the activation being whole on pipeline rank
-    ``receiver`` (default ``sender + 1``; interleaved 1F1B's last rank sends on to rank 0)."""
-    group = tp * cp
+    ``receiver`` (default ``sender + 1``; interleaved 1F1B's last rank sends on to rank 0).
+    ``stage_replicas``: the data-parallel replicas whose ranks of one stage sit together."""
+    group = tp * cp * stage_replicas
     receiver = sender + 1 if receiver is None else receiver
     across_nodes = node_of(sender * group, spec) != node_of(receiver * group, spec)
     per_gpu_bytes_per_s = network_share_bytes_per_s(spec) if across_nodes else spec.nvlink_bandwidth_bytes_per_s
@@ -83,20 +96,25 @@ def link_wait_s(sent_bytes: float, tp: int, cp: int, sender: int, spec: GPUSpec,
 
 
 def stage_transfer_s(
-    sent_bytes: Sequence[float], tp: int, cp: int, spec: GPUSpec, ranks: int | None = None
+    sent_bytes: Sequence[float],
+    tp: int,
+    cp: int,
+    spec: GPUSpec,
+    ranks: int | None = None,
+    stage_replicas: int = 1,
 ) -> dict[tuple[int, Instruction], float]:
     """Per (stage, instruction), the blocking send it ends with: a forward sends its activation
     to the next stage, a backward the activation's gradient to the previous one (``sent_bytes[s]``:
     the boundary tensor stage ``s`` sends on; the last stage's is unused). Zero where nothing is sent.
 
     ``ranks``: the pipeline's GPUs (default: one per stage); with fewer, global stage ``s`` runs on
-    rank ``s mod ranks`` (interleaved 1F1B's looping placement)."""
+    rank ``s mod ranks`` (interleaved 1F1B's looping placement). ``stage_replicas``: see :func:`link_wait_s`."""
     stages = len(sent_bytes)
     ranks = stages if ranks is None else ranks
     waits: dict[tuple[int, Instruction], float] = {(s, "forward"): 0.0 for s in range(stages)}
     waits |= {(s, "backward"): 0.0 for s in range(stages)}
     for s in range(stages - 1):
-        wait_s = link_wait_s(sent_bytes[s], tp, cp, s % ranks, spec, receiver=(s + 1) % ranks)
+        wait_s = link_wait_s(sent_bytes[s], tp, cp, s % ranks, spec, (s + 1) % ranks, stage_replicas)
         waits[(s, "forward")] = wait_s
         waits[(s + 1, "backward")] = wait_s
     return waits

@@ -66,7 +66,7 @@ class TracedOrder:
         self, req: JobRequest, sent_bytes: Sequence[float], spec: GPUSpec
     ) -> dict[tuple[int, Instruction], float]:
         """Each tensor-parallel rank sends the whole activation to its peer (``pipeline_sends.py``)."""
-        return stage_transfer_s(sent_bytes, req.tp, req.cp, spec, ranks=req.pp)
+        return stage_transfer_s(sent_bytes, req.tp, req.cp, spec, ranks=req.pp, stage_replicas=max(1, req.ep // req.tp))
 
     def step_tail(self, req: JobRequest, simulator: Simulator) -> StepTail | None:
         """The plain data-parallel step: gradient all-reduce, Adam over every parameter of the rank."""

@@ -146,11 +146,12 @@ def _tuning_settings(req: PlanRequest) -> MBOSettings:
 def _profiling_cost(
     req: PlanRequest, ledger: MeasurementLedger, duplicates: int, groups: int, device: str | None
 ) -> ProfilingCost:
-    """The plan's ``profiling`` record: ``groups`` TP x CP groups of ``--gpu`` GPUs (``profiling_cost.py``)."""
+    """The plan's ``profiling`` record: ``groups`` groups of ``--gpu`` GPUs, each a stage's TP x CP grid
+    (with its expert-parallel replicas) (``profiling_cost.py``)."""
     gpu = canonical_gpu_name(req.gpu)
     if device is None:
         device = (
-            f"estimate for one group of {req.tp * req.cp} {gpu} GPUs; the measurements are cost-model predictions"
+            f"estimate for one group of {req.stage_group_size} {gpu} GPUs; the measurements are cost-model predictions"
             if req.profiler == "simulated"
             else f"this process's {gpu} GPU"
         )
@@ -158,7 +159,7 @@ def _profiling_cost(
         measurements=len(ledger),
         duplicates=duplicates,
         groups=groups,
-        gpus_per_group=req.tp * req.cp,
+        gpus_per_group=req.stage_group_size,
         window_s=req.device_window_s,
         device=device,
         by_purpose=ledger.by_purpose(),

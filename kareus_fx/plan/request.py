@@ -135,6 +135,12 @@ class PlanRequest:
         return self.tp * self.cp * self.pp
 
     @property
+    def stage_group_size(self) -> int:
+        """GPUs one stage's collectives span: its TP x CP grid, times the data-parallel replicas of
+        its expert-parallel group (``ep / tp`` when ``ep > tp``)."""
+        return self.tp * self.cp * max(1, self.ep // self.tp)
+
+    @property
     def num_stages(self) -> int:
         """Global pipeline stages (model chunks): ``pp x virtual_stages``."""
         return self.pp * self.virtual_stages
@@ -217,6 +223,11 @@ def _validate_expert_parallel(req: PlanRequest) -> None:
         )
     if req.ep == 1:
         return
+    if req.profiler != "simulated":
+        raise OptionsError(
+            f"--ep {req.ep} with --profiler {req.profiler}: measuring expert all-to-alls on devices is not "
+            "supported yet (the replay has no expert-parallel group); plan with --profiler simulated"
+        )
     replicas = req.ep // req.tp if req.ep % req.tp == 0 else 0
     if replicas == 0 or req.dp % replicas:
         raise ParallelConfigError(
