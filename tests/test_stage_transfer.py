@@ -42,6 +42,16 @@ def test_a_stage_boundary_between_p4d_nodes_runs_at_the_gpus_share_of_400_gbps()
     assert crossing == [False, False, False, True, False, False, False]
 
 
+def test_expert_parallel_replicas_of_a_stage_fill_its_node_so_the_send_crosses_nodes():
+    # TP1 x PP2 with EP8 over 8 data-parallel replicas: stage 0 is ranks 0-7 (node 0), stage 1 ranks
+    # 8-15 (node 1), so each replica's send crosses the network; without EP both stages share a node.
+    per_gpu = 400e9 / 8 / 8
+    alone = stage_transfer_s([1e8, 0.0], 1, 1, A100)
+    replicas = stage_transfer_s([1e8, 0.0], 1, 1, A100, stage_replicas=8)
+    assert alone[(0, "forward")] == pytest.approx(1e8 / A100.nvlink_bandwidth_bytes_per_s)
+    assert replicas[(0, "forward")] == replicas[(1, "backward")] == pytest.approx(1e8 / per_gpu)
+
+
 def test_forwards_send_to_the_next_stage_and_backwards_to_the_previous():
     waits = stage_transfer_s([QWEN_TP8_BYTES] * 3, 8, 1, A100)
     link = link_wait_s(QWEN_TP8_BYTES, 8, 1, 0, A100)
