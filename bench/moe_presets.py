@@ -34,10 +34,10 @@ MOE_PRESETS = tuple(name for name, preset in PRESETS.items() if preset.ep > 1)
 DENSE_PRESETS = ("qwen3-1.7b-tp8-mbs8-seq4k",)
 """A dense testbed workload planned the same way, for scale."""
 METHOD_LABELS = {
-    "megatron": "Megatron-LM MoE (no overlap)",
+    "megatron": "Megatron-LM (MoE: no overlap)",
     "megatron+perseus": "Megatron-LM + Perseus",
-    "nanobatching": "two-microbatch overlap",
-    "nanobatching+perseus": "two-microbatch overlap + Perseus",
+    "nanobatching": "nanobatching (two-microbatch overlap)",
+    "nanobatching+perseus": "nanobatching + Perseus",
     "megatron+power-limit": "Zeus power limit",
     "kareus": "Kareus",
 }

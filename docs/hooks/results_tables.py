@@ -203,8 +203,8 @@ def paper_tables() -> str:
 
 MOE_METHODS = {
     "megatron+perseus": "Megatron-LM + Perseus",
-    "nanobatching": "two-microbatch overlap",
-    "nanobatching+perseus": "two-microbatch overlap + Perseus",
+    "nanobatching": "nanobatching (two-microbatch overlap)",
+    "nanobatching+perseus": "nanobatching + Perseus",
     "megatron+power-limit": "Zeus power limit",
     "kareus": "Kareus",
 }
