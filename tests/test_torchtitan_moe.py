@@ -146,7 +146,7 @@ def _qwen3_moe_ep_parity(rank: int, world_size: int) -> dict:
     return {"fallbacks": [str(w.message) for w in record if issubclass(w.category, NanobatchFallbackWarning)]}
 
 
-@pytest.mark.slow  # about 320 s on a loaded 2-core machine (Inductor compiles each rank's block graph)
+@pytest.mark.slow  # 4 to 5 minutes on a loaded 2-core machine (Inductor compiles each rank's block graph)
 def test_torchtitan_qwen3_moe_ep_blocks_compile_and_match_eager():
     for result in run_distributed(_qwen3_moe_ep_parity, 2, timeout_s=600):
         # one Dynamo graph for both blocks; it falls back unsplit on the split sizes' unbacked symbols
