@@ -2,15 +2,19 @@
 
 With ``torch._dynamo.config.capture_scalar_outputs`` (torchtitan sets it) a ``.tolist()`` or
 ``.item()`` stays in the graph and binds an unbacked symbol (``u0``): a size known only when the
-graph runs, such as the split sizes of an expert-parallel ``all_to_all_single``. Dynamo records
-the binding in ``node.meta["unbacked_bindings"]``. The nanobatch split cannot give each nanobatch
-its own value of such a symbol (the symbol is bound once, by the full batch's data), and a fake run
-of the graph would allocate fresh symbols that no later trace binds, so the split refuses these
-graphs before running anything on them.
+graph runs, such as the split sizes of an expert-parallel ``all_to_all_single`` (torchtitan's
+all-to-all dispatcher exchanges per-expert token counts, sums them per rank and reads the sums
+with ``.tolist()``). An exact split would give each nanobatch its own count exchange and its own
+``.tolist()``, binding its own symbols, and would need a rule for every op those sizes shape (an
+all-to-all by uneven split sizes, the received rows' reordering by ``repeat_interleave``, their
+scatter back before the return exchange); there are none, and a fake run of the graph would
+allocate fresh symbols that no later trace binds, so the split refuses these graphs before running
+anything on them. The reason names the binding node and the first tensor op that reads it.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from kareus_fx.passes.batch_dims import op_name
@@ -18,9 +22,19 @@ from kareus_fx.passes.batch_dims import op_name
 __all__ = ["unbacked_symbol_binding"]
 
 
+def _first_tensor_reader(node: fx.Node) -> fx.Node | None:
+    """The first user of ``node`` (in graph order) that is an ATen or collective op, skipping the
+    size checks and symbolic arithmetic Dynamo writes around a bound symbol."""
+    for user in node.users:
+        if isinstance(user.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            return user
+    return None
+
+
 def unbacked_symbol_binding(gm: fx.GraphModule) -> str | None:
-    """``"op (node): binds u0, u1"`` for the first node of ``gm`` or of a graph it holds (the
-    bodies of higher-order ops) that binds unbacked symbols; None when there is none."""
+    """``"op (node): binds unbacked symbols u0, read by op (node)"`` for the first node of ``gm``
+    or of a graph it holds (the bodies of higher-order ops) that binds unbacked symbols; None when
+    there is none."""
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
@@ -28,5 +42,7 @@ def unbacked_symbol_binding(gm: fx.GraphModule) -> str | None:
             bindings = node.meta.get("unbacked_bindings")
             if bindings:
                 symbols = ", ".join(sorted(str(s) for s in bindings))
-                return f"{op_name(node)} ({node.name}): binds unbacked symbols {symbols}"
+                reader = _first_tensor_reader(node)
+                read = f", read by {op_name(reader)} ({reader.name})" if reader is not None else ""
+                return f"{op_name(node)} ({node.name}): binds unbacked symbols {symbols}{read}"
     return None

@@ -3,8 +3,8 @@
 An expert-parallel exchange as torchtitan writes it (``capture_scalar_outputs``; per-rank token
 counts exchanged by an ``all_to_all_single``, turned into split sizes by ``.tolist()``, then the
 tokens' dispatch and combine ``all_to_all_single`` with those split sizes) on 2 gloo ranks. The
-split sizes are unbacked symbols: the nanobatch split falls back with one warning naming them, and
-the graph compiles unsplit with Inductor. Reference: the same module in eager, same inputs.
+split sizes are unbacked symbols: the nanobatch split falls back with one warning naming them and
+the all-to-all that reads them, and the graph compiles unsplit with Inductor. Reference: the same module in eager, same inputs.
 """
 
 from __future__ import annotations
@@ -60,4 +60,7 @@ def _run(rank: int, world_size: int) -> list[str]:
 
 def test_expert_parallel_split_sizes_fall_back_and_run_with_inductor():
     for fallbacks in run_distributed(_run, 2, timeout_s=300):
-        assert fallbacks and all("unbacked symbols" in m for m in fallbacks), fallbacks
+        # the reason names the symbols and the collective whose split sizes they are
+        assert fallbacks and all(
+            "unbacked symbols" in m and "read by c10d.all_to_all_single" in m for m in fallbacks
+        ), fallbacks
