@@ -10,7 +10,9 @@ combine returns the same slots. Padded, fixed-size buffers keep every shape stat
 traffic of a dropless exchange by counts; no token is ever dropped, so each token's output
 depends on its own row alone and the nanobatch split is exact. The layer composes with the
 tensor-parallel attention of :mod:`kareus_fx.models.transformer` (the experts replace the MLP of
-a block; the expert-parallel group may be the TP group or another).
+a block; the expert-parallel group may be the TP group or another): ``build_model(...,
+exact_moe=True)`` puts it in the sparse decoder layers of a model with ``config.moe``, so a
+pipeline stage holds it with its expert-parallel group inside the stage.
 
 Every collective goes through ``torch.distributed._functional_collectives`` (autograd variant),
 so Dynamo traces the layer without a graph break and the backward exchanges the gradients back.
@@ -25,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kareus_fx.errors import ParallelConfigError
+from kareus_fx.models.configs import MoEConfig
 
 
 class ExpertParallelMoE(nn.Module):
@@ -40,6 +43,7 @@ class ExpertParallelMoE(nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         std: float = 0.02,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.group = group
@@ -48,10 +52,39 @@ class ExpertParallelMoE(nn.Module):
         if experts % self.ep:
             raise ParallelConfigError(f"{experts} experts do not split evenly over {self.ep} ranks")
         self.experts, self.top_k, self.local_experts = experts, top_k, experts // self.ep
-        self.router = nn.Linear(dim, experts, bias=False)
-        self.w_gate = nn.Parameter(torch.randn(self.local_experts, dim, hidden) * std)
-        self.w_up = nn.Parameter(torch.randn(self.local_experts, dim, hidden) * std)
-        self.w_down = nn.Parameter(torch.randn(self.local_experts, hidden, dim) * std)
+        self.std = std
+        self.w_gate = nn.Parameter(torch.empty(self.local_experts, dim, hidden, dtype=dtype))
+        self.w_up = nn.Parameter(torch.empty(self.local_experts, dim, hidden, dtype=dtype))
+        self.w_down = nn.Parameter(torch.empty(self.local_experts, hidden, dim, dtype=dtype))
+        self.reset_parameters()
+        self.router = nn.Linear(dim, experts, bias=False, dtype=dtype)  # after the experts: see reset_parameters
+
+    @classmethod
+    def from_config(
+        cls,
+        dim: int,
+        moe: MoEConfig,
+        group: dist.ProcessGroup | None,
+        std: float,
+        dtype: torch.dtype | None = None,
+    ) -> ExpertParallelMoE:
+        """The layer of a model's sparse decoder layer. It has no shared expert and always
+        renormalises the top-k weights, so a config asking otherwise is refused rather than run
+        as another model."""
+        if moe.shared_ffn_size or not moe.normalize_top_k:
+            raise ParallelConfigError(
+                f"the exact expert-parallel layer has no shared expert and renormalises its top-k weights; "
+                f"got shared_ffn_size={moe.shared_ffn_size}, normalize_top_k={moe.normalize_top_k}: use a "
+                f"config with shared_ffn_size=0 and normalize_top_k=True"
+            )
+        return cls(dim, moe.expert_ffn_size, moe.experts, moe.top_k, group, std=std, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        """The local experts' weights, N(0, std). The router resets itself; drawn after the
+        experts, as ``Module.modules()`` visits it, so re-initialising a model (e.g. after
+        ``to_empty``) from a seed draws what building it from that seed drew."""
+        for weight in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(weight, 0.0, self.std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``(batch, seq, dim)`` -> the same shape."""

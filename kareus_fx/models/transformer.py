@@ -81,7 +81,9 @@ sequence and the block's output is all-gathered over the TP group, so a sparse l
 all-reduce (``self_attn.o_proj``), 2 all-to-alls and 1 all-gather forward, and 1 all-reduce
 (``self_attn.qkv_proj``), 2 all-to-alls and 1 all-gather (of the token slice's gradient) backward.
 The sparse block prices a step for planning and runs on the meta device only; the exact, runnable
-expert-parallel layer is :class:`~kareus_fx.models.moe.ExpertParallelMoE`.
+expert-parallel layer is :class:`~kareus_fx.models.moe.ExpertParallelMoE`, which ``exact_moe=True``
+puts in the sparse layers instead (its experts split over the layout's EP group, its router and
+experts on every rank's whole, replicated input: no shared expert, see its ``from_config``).
 
 The model has no data-dependent Python control flow and no ``.item()``: it builds and runs on the
 meta device at full size (build under ``with torch.device("meta")``).
@@ -100,6 +102,7 @@ from torch.utils.checkpoint import checkpoint
 from kareus_fx.errors import ParallelConfigError
 from kareus_fx.models.attention_op import attention as kareus_attention
 from kareus_fx.models.configs import ModelConfig, get_config
+from kareus_fx.models.moe import ExpertParallelMoE
 from kareus_fx.models.moe_pricing import CountPricedMoE
 from kareus_fx.models.parallel import (
     ParallelLayout,
@@ -373,7 +376,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Attention and an MLP, or for a mixture-of-experts model's layer ``index`` (global, counted
     over the whole model) at or past ``config.moe.dense_layers`` the sparse block
-    (:class:`~kareus_fx.models.moe_pricing.CountPricedMoE`, meta only) as ``mlp``."""
+    (:class:`~kareus_fx.models.moe_pricing.CountPricedMoE`, meta only; with ``exact_moe`` the
+    runnable :class:`~kareus_fx.models.moe.ExpertParallelMoE` over ``layout.ep_group``) as ``mlp``."""
 
     def __init__(
         self,
@@ -384,17 +388,20 @@ class DecoderLayer(nn.Module):
         recompute_core: bool = False,
         index: int = 0,
         expert_imbalance: float = 1.0,
+        exact_moe: bool = False,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps, dtype)
         self.self_attn = Attention(config, layout, dtype, attention, recompute_core)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps, dtype)
         moe = config.moe
-        self.mlp: MLP | CountPricedMoE = (
-            MLP(config, layout, dtype)
-            if moe is None or index < moe.dense_layers
-            else CountPricedMoE(config.hidden_size, moe, layout, config.init_std, dtype, expert_imbalance)
-        )
+        self.mlp: MLP | CountPricedMoE | ExpertParallelMoE
+        if moe is None or index < moe.dense_layers:
+            self.mlp = MLP(config, layout, dtype)
+        elif exact_moe:
+            self.mlp = ExpertParallelMoE.from_config(config.hidden_size, moe, layout.ep_group, config.init_std, dtype)
+        else:
+            self.mlp = CountPricedMoE(config.hidden_size, moe, layout, config.init_std, dtype, expert_imbalance)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin)
@@ -419,6 +426,7 @@ class Transformer(nn.Module):
         stage: PipelineStage | None = None,
         recompute: str = "none",
         expert_imbalance: float = 1.0,
+        exact_moe: bool = False,
     ) -> None:
         super().__init__()
         self.recompute = check_recompute(recompute)
@@ -433,7 +441,7 @@ class Transformer(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, layout, std, dtype) if stage.is_first else None
         self.rotary = RotaryEmbedding(config, layout)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, dtype, attention, recompute == "selective", index, expert_imbalance)
+            DecoderLayer(config, layout, dtype, attention, recompute == "selective", index, expert_imbalance, exact_moe)
             for index in self.layer_range
         )
         if stage.is_last:
@@ -618,6 +626,7 @@ def build_model(
     stage: PipelineStage | None = None,
     recompute: str = "none",
     expert_imbalance: float = 1.0,
+    exact_moe: bool = False,
 ) -> Transformer:
     """The model ``name`` (see ``model_names()``) sharded for ``layout``, on the default device.
 
@@ -631,6 +640,10 @@ def build_model(
     ``"selective"`` (core attention); see ``recompute.py``.
     ``expert_imbalance``: a mixture-of-experts model's assumed busiest-expert load over the uniform
     one (``moe_pricing.py``; its sparse layers build and run on the meta device only).
+    ``exact_moe``: the sparse layers are the exact, runnable expert-parallel layer instead
+    (``moe.py``; ``expert_imbalance`` then has no effect).
     """
     config = get_config(name) if isinstance(name, str) else name
-    return Transformer(config.with_layers(num_layers), layout, dtype, attention, stage, recompute, expert_imbalance)
+    return Transformer(
+        config.with_layers(num_layers), layout, dtype, attention, stage, recompute, expert_imbalance, exact_moe
+    )
