@@ -70,6 +70,8 @@ def test_tuning_the_live_graph_writes_and_deploys_a_plan(tmp_path):
         "recompute": "none",
         "virtual_stages": 1,
         "compile_unit": "stage",
+        "ep": 1,
+        "expert_imbalance": 1.0,
     }
     assert plan.data["simulated"] and plan.data["partition_types"]
     point = plan.point_index("max-throughput")

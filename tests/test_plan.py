@@ -105,7 +105,9 @@ def test_small_plan_writes_a_valid_plan_csv_and_report(small_plan, capsys):
     plan = load_plan(small_plan / "plan.json")
     assert plan.workload["pp"] == 2 and plan.workload["world_size"] == 16
     assert plan.workload["stage_layers"] == [1, 1]  # a --model request: Megatron-LM's even split
-    assert "ep" not in plan.workload and "expert_imbalance" not in plan.workload  # a dense plan as before
+    written = json.loads((small_plan / "plan.json").read_text())["workload"]
+    assert "ep" not in written and "expert_imbalance" not in written  # a dense plan's file as before
+    assert (plan.workload["ep"], plan.workload["expert_imbalance"]) == (1, 1.0)  # the schema's defaults
     assert set(plan.data["methods"]) == {
         "megatron",
         "megatron+perseus",
