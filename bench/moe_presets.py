@@ -25,6 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from paper_tables import planned_presets
+
 from kareus_fx.plan.planner import make_plan
 from kareus_fx.plan.presets import PRESETS
 from kareus_fx.plan.request import plan_request_from_preset
@@ -101,16 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    results = json.loads(args.results.read_text()) if args.results.exists() else {}
-    for name in args.presets:
-        if name not in PRESETS:
-            parser.error(f"unknown preset {name!r}")
-        if name in results and not args.rerun:
-            continue
-        print(f"planning {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_preset(name)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    unknown = [name for name in args.presets if name not in PRESETS]
+    if unknown:
+        parser.error(f"unknown preset {unknown[0]!r}")
+    results = planned_presets(args.presets, args.results, args.rerun, run_preset)
     shown = {name: results[name] for name in args.presets if name in results}
     if args.json:
         print(json.dumps(shown))

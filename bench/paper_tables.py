@@ -25,6 +25,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kareus_fx.plan.planner import make_plan
@@ -156,6 +157,20 @@ def _table67_rows(results: dict) -> list[str]:
     return rows
 
 
+def planned_presets(names: list[str], path: Path, rerun: bool, run: Callable[[str], dict]) -> dict:
+    """The results file at ``path`` with every preset of ``names`` it lacks (all of them with
+    ``rerun``) planned by ``run`` and written back after each, so an interrupted run keeps its plans."""
+    results = json.loads(path.read_text()) if path.exists() else {}
+    for name in names:
+        if name in results and not rerun:
+            continue
+        print(f"planning {name} ...", file=sys.stderr, flush=True)
+        results[name] = run(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1, sort_keys=True))
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -168,16 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rerun", action="store_true", help="plan again even if the results file has the preset")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    results = json.loads(args.results.read_text()) if args.results.exists() else {}
-    for name in args.presets:
-        if name not in PRESETS:
-            parser.error(f"unknown preset {name!r}")
-        if name in results and not args.rerun:
-            continue
-        print(f"planning {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_preset(name)
-        args.results.parent.mkdir(parents=True, exist_ok=True)
-        args.results.write_text(json.dumps(results, indent=1, sort_keys=True))
+    unknown = [name for name in args.presets if name not in PRESETS]
+    if unknown:
+        parser.error(f"unknown preset {unknown[0]!r}")
+    results = planned_presets(args.presets, args.results, args.rerun, run_preset)
     if args.json:
         print(json.dumps(results))
         return 0
