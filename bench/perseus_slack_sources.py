@@ -17,6 +17,12 @@ slack reclaimed, as the planner does) on three versions of that profile:
   scaled by ``1 + x`` (the same power), for x from 0 to 12 %: the faster stage then idles
   ``1 - 1 / (1 + x)`` of the slower one's step, the slack Perseus slows into.
 
+The same slack reaches every method composed with Perseus: with the last stage of the plan's
+Megatron-LM profile and of its Kareus microbatch options (``microbatch_options``) heavier by x, as
+planned, it also prints Kareus's reductions (``frontier_metrics``: max-throughput time and energy
+against Megatron-LM, iso-energy time against Megatron-LM + Perseus; the step tail, the same for
+every method, left out).
+
 It prints Megatron-LM + Perseus's max-throughput energy reduction against Megatron-LM (every
 instruction at the maximum clock) for each, its least-energy point (time and energy against
 Megatron-LM), and, for the calibration rows (the Llama rows shipped in the package; no validation
@@ -41,12 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stage_slack import idle_share, matching_idle_share
 
-from kareus_fx.compose.iteration import InstructionOption, compose_iteration
+from kareus_fx.compose.iteration import InstructionOption, IterationFrontier, IterationPoint, compose_iteration
 from kareus_fx.compose.perseus_csv import read_perseus_profile
 from kareus_fx.compose.pipeline_schedule import INSTRUCTIONS, Instruction
 from kareus_fx.compose.slack import with_reclaimed_fastest
 from kareus_fx.cost_models.hardware import gpu_spec
 from kareus_fx.cost_models.paper_testbed import calibration_rows, csv_number
+from kareus_fx.plan.metrics import frontier_metrics
 
 Options = Mapping[tuple[int, Instruction], Sequence[InstructionOption]]
 Profile = dict[tuple[int, Instruction], list[InstructionOption]]
@@ -62,14 +69,24 @@ def clock_mhz(option: InstructionOption) -> int:
     return cast(int, option.knob)
 
 
+def megatron_point(options: Options, microbatches: int, blocking_power_w: float) -> IterationPoint:
+    """Megatron-LM's iteration on a Perseus profile: every instruction at the maximum clock."""
+    fastest_only = {key: [max(items, key=clock_mhz)] for key, items in options.items()}
+    return compose_iteration(fastest_only, microbatches, blocking_power_w=blocking_power_w).points[0]
+
+
+def perseus_frontier(options: Options, microbatches: int, blocking_power_w: float) -> IterationFrontier:
+    """Perseus's iteration frontier on ``options``, its fastest point's slack reclaimed (as planned)."""
+    return with_reclaimed_fastest(
+        compose_iteration(options, microbatches, blocking_power_w=blocking_power_w, max_solver_steps=MAX_SOLVER_STEPS)
+    )
+
+
 def perseus_saving(options: Options, microbatches: int, blocking_power_w: float) -> dict[str, float]:
     """Megatron-LM (the maximum clock everywhere) and Megatron-LM + Perseus on ``options``: the
     fastest point's energy reduction and the least-energy point, in percent against Megatron-LM."""
-    fastest_only = {key: [max(items, key=clock_mhz)] for key, items in options.items()}
-    megatron = compose_iteration(fastest_only, microbatches, blocking_power_w=blocking_power_w).points[0]
-    frontier = with_reclaimed_fastest(
-        compose_iteration(options, microbatches, blocking_power_w=blocking_power_w, max_solver_steps=MAX_SOLVER_STEPS)
-    )
+    megatron = megatron_point(options, microbatches, blocking_power_w)
+    frontier = perseus_frontier(options, microbatches, blocking_power_w)
     fastest = frontier.points[0]
     least = min(frontier.points, key=lambda p: p.energy_j)
     return {
@@ -140,6 +157,50 @@ def slack_sources(options: Options, microbatches: int, blocking_power_w: float) 
     }
 
 
+def kareus_options(plan: Mapping[str, Any]) -> Profile:
+    """Kareus's microbatch options of a plan (``microbatch_options``, each stage's pipeline send
+    included), as composer options (knob: the option's index)."""
+    out: Profile = {}
+    for key, items in plan["microbatch_options"].items():
+        stage, instruction = key.split("/")
+        out[(int(stage), cast(Instruction, instruction))] = [
+            InstructionOption(float(o["time_s"]), float(o["energy_j"]), i) for i, o in enumerate(items)
+        ]
+    return out
+
+
+def kareus_sweep(
+    megatron_profile: Options, kareus: Options, microbatches: int, blocking_power_w: float
+) -> list[dict[str, float | None]]:
+    """Kareus's reductions (percent; ``frontier_metrics``, against Megatron-LM and Megatron-LM +
+    Perseus) with the last stage of both profiles, as planned, heavier by each of ``EXTRA_LOAD_PCT``
+    (the step tail left out: it is the same for every method)."""
+    out: list[dict[str, float | None]] = []
+    for extra_pct in EXTRA_LOAD_PCT:
+        meg = with_heavier_last_stage(megatron_profile, extra_pct / 100.0)
+        base = megatron_point(meg, microbatches, blocking_power_w)
+
+        def points(options: Options) -> list[tuple[float, float]]:
+            return [(p.time_s, p.energy_j) for p in perseus_frontier(options, microbatches, blocking_power_w).points]
+
+        mp = points(meg)
+        heavier = with_heavier_last_stage(kareus, extra_pct / 100.0)
+        metrics = frontier_metrics(points(heavier), (base.time_s, base.energy_j), mp)
+        mp_metrics = frontier_metrics(mp, (base.time_s, base.energy_j), mp)
+        out.append(
+            {
+                "extra_load_pct": extra_pct,
+                "mp_energy_red_pct": _pct(mp_metrics["max_throughput_energy_reduction"]),
+                **{f"kareus_{name}_pct": _pct(value) for name, value in metrics.items()},
+            }
+        )
+    return out
+
+
+def _pct(fraction: float | None) -> float | None:
+    return None if fraction is None else 100.0 * fraction
+
+
 def calibration_paper_mp_energy_red() -> dict[str, float]:
     """The paper's Megatron-LM + Perseus energy reduction (percent) of each calibration row."""
     out = {}
@@ -156,12 +217,14 @@ def analyse(plan_dir: Path, paper: Mapping[str, float]) -> dict[str, Any]:
     plan = json.loads((plan_dir / "plan.json").read_text())
     preset = plan["workload"].get("preset")
     options = read_perseus_profile(plan_dir / "perseus_profile.csv")
-    sources = slack_sources(options, int(plan["workload"]["microbatches"]), gpu_spec(plan["gpu"]).blocking_power_w)
+    microbatches, blocking_power_w = int(plan["workload"]["microbatches"]), gpu_spec(plan["gpu"]).blocking_power_w
+    sources = slack_sources(options, microbatches, blocking_power_w)
     paper_pct = paper.get(preset) if preset is not None else None
     return {
         "preset": preset,
         "gpu": plan["gpu"],
         **sources,
+        "kareus_heavier_last_stage": kareus_sweep(options, kareus_options(plan), microbatches, blocking_power_w),
         "paper_mp_energy_red_pct": paper_pct,
         "idle_share_pct_matching_paper": None
         if paper_pct is None
@@ -193,6 +256,13 @@ def main(argv: list[str] | None = None) -> int:
             for p in r["heavier_last_stage"]
         )
         print(f"    last stage heavier: {sweep}")
+        kareus = "  ".join(
+            f"+{p['extra_load_pct']:.0f} %: M+P e {_fmt(p['mp_energy_red_pct'])}, K t "
+            f"{_fmt(p['kareus_max_throughput_time_reduction_pct'])} e {_fmt(p['kareus_max_throughput_energy_reduction_pct'])} "
+            f"iso-e t {_fmt(p['kareus_iso_energy_time_reduction_pct'])}"
+            for p in r["kareus_heavier_last_stage"]
+        )
+        print(f"    as planned, last stage heavier, Kareus beside M+P: {kareus}")
         if r["paper_mp_energy_red_pct"] is not None:
             match = r["idle_share_pct_matching_paper"]
             print(
@@ -200,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'n/a' if match is None else f'{match:.1f} %'}"
             )
     return 0
+
+
+def _fmt(pct: float | None) -> str:
+    return "n/a" if pct is None else f"{pct:.1f}"
 
 
 if __name__ == "__main__":

@@ -67,3 +67,37 @@ def test_perseus_saving_grows_with_the_stage_imbalance():
     # Equal stages: only the 1F1B warm-up and cool-down are off the critical path.
     assert sources["stages_equalised"]["mp_energy_red_pct"] == pytest.approx(savings[0])
     assert sources["stages_equalised"]["mp_time_red_pct"] >= -1e-6
+
+
+def test_kareus_options_read_a_plans_microbatch_options_in_order():
+    plan = {
+        "microbatch_options": {
+            "0/forward": [{"time_s": 0.1, "energy_j": 30.0}, {"time_s": 0.12, "energy_j": 27.0}],
+            "1/backward": [{"time_s": 0.2, "energy_j": 70.0}],
+        }
+    }
+    out = pss.kareus_options(plan)
+    assert out[(0, "forward")] == [InstructionOption(0.1, 30.0, 0), InstructionOption(0.12, 27.0, 1)]
+    assert out[(1, "backward")] == [InstructionOption(0.2, 70.0, 0)]
+
+
+def test_kareus_sweep_gains_energy_from_the_slack_and_keeps_its_time():
+    megatron = _options((1.0, 1.0))
+    # A Kareus-like method: every option 10 % faster than Megatron-LM's at the same power.
+    kareus = {
+        key: [InstructionOption(o.time_s * 0.9, o.energy_j * 0.9, o.knob) for o in items]
+        for key, items in megatron.items()
+    }
+    sweep = pss.kareus_sweep(megatron, kareus, 4, blocking_power_w=85.0)
+
+    def value(point: dict[str, float | None], name: str) -> float:
+        number = point[name]
+        assert number is not None
+        return number
+
+    first, last = sweep[0], sweep[-1]
+    assert value(first, "kareus_max_throughput_time_reduction_pct") == pytest.approx(10.0, abs=0.5)
+    assert value(last, "kareus_max_throughput_time_reduction_pct") == pytest.approx(10.0, abs=0.5)
+    energy = "kareus_max_throughput_energy_reduction_pct"
+    assert value(last, energy) > value(first, energy) + 1.0
+    assert value(last, "mp_energy_red_pct") > value(first, "mp_energy_red_pct") + 1.0
