@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import time
 from collections import Counter
 
 import pytest
@@ -315,7 +314,6 @@ def test_example_batch_needs_seq_divisible_by_cp():
 
 @pytest.mark.parametrize("tp,cp", [(8, 1), (4, 2)])
 def test_full_size_meta_build_under_fake_pg(fake_world, tp, cp):
-    start = time.perf_counter()
     layout = ParallelLayout.from_default_group(tp=tp, cp=cp)
     with torch.device("meta"):
         model = build_model("llama3.2-3b", layout, num_layers=2, dtype=torch.bfloat16)
@@ -330,7 +328,6 @@ def test_full_size_meta_build_under_fake_pg(fake_world, tp, cp):
     loss.backward()
     assert loss.device.type == "meta" and loss.dtype == torch.float32
     assert model.layers[1].mlp.down_proj.weight.grad.shape == (cfg.hidden_size, cfg.ffn_size // tp)
-    assert time.perf_counter() - start < 20
 
     explanation = torch._dynamo.explain(model)(**batch)
     assert explanation.graph_break_count == 0 and explanation.graph_count == 1
