@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from conftest import TINY_TP2_WORKLOAD as WORKLOAD
 from conftest import train_microbatches
@@ -111,6 +112,9 @@ def _straggler_worker(rank, world_size, plan_path):
     return {"replica": replica, "log": log}
 
 
+# About 50 s on 2 cores (4 gloo ranks compile). Fast coverage: tests/test_policies.py (the policy's
+# choices and ReplicaTimes' exchange) and tests/test_point_switching.py (switching deployed points).
+@pytest.mark.slow
 def test_a_straggler_replica_slows_the_other_down_and_back(tiny_tp2_plan_data, tmp_path):
     from kareus_fx.compose.pipeline_schedule import PipelineNode
     from kareus_fx.deploy.plan_clocks import clock_schedule
