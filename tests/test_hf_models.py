@@ -162,30 +162,24 @@ def _hf_worker(rank, world_size, arch: str, sequence_parallel: bool, options: di
     return {"halves": splits[0].halves, "outputs": splits[0].outputs, "deployed": deployed}
 
 
-OP_BY_OP = {"inductor": False}
-
-
 @pytest.mark.parametrize(
-    "arch, sequence_parallel, kinds, codegen",
+    "arch, sequence_parallel, kinds",
     [
-        # about 30 s on 2 cores: Llama with plain TP runs in the sequence-parallel case (Inductor) and
-        # plain TP's all-reduces in the Qwen3 case
-        pytest.param("llama", False, ("all_reduce",), {}, marks=pytest.mark.slow, id="llama-tp2"),
-        pytest.param("qwen3", False, ("all_reduce",), OP_BY_OP, id="qwen3-tp2"),
-        pytest.param("llama", True, ("all_gather", "reduce_scatter"), {}, id="llama-tp2-sequence-parallel"),
+        # about 30 s on 2 cores: the Llama model runs in the sequence-parallel case and plain TP's
+        # all-reduces in the Qwen3 case
+        pytest.param("llama", False, ("all_reduce",), marks=pytest.mark.slow, id="llama-tp2"),
+        pytest.param("qwen3", False, ("all_reduce",), id="qwen3-tp2"),
+        pytest.param("llama", True, ("all_gather", "reduce_scatter"), id="llama-tp2-sequence-parallel"),
     ],
 )
-def test_hf_model_splits_without_fallback_tunes_deploys_and_matches_eager(
-    arch, sequence_parallel, kinds, codegen, tmp_path
-):
+def test_hf_model_splits_without_fallback_tunes_deploys_and_matches_eager(arch, sequence_parallel, kinds, tmp_path):
     """Compile-time tuning on the simulated A100 (``tune: "simulated"``): the partitions of each
     graph's collectives (sequence parallelism: its all-gathers and reduce-scatters, tuned as
-    all-reduces are) get frontiers, and the plan is deployed at compile time. The Qwen3 case runs
-    its graphs op by op (``inductor=False``): Inductor's code of an HF model is the Llama cases'."""
+    all-reduces are) get frontiers, and the plan is deployed at compile time."""
     from kareus_fx.plan.plan_format import load_plan
 
     plan_out = tmp_path / "plan.json"
-    options = {"tune": "simulated", "plan_out": str(plan_out), **codegen}
+    options = {"tune": "simulated", "plan_out": str(plan_out)}
     for result in run_distributed(_hf_worker, 2, arch, sequence_parallel, options, timeout_s=600):
         assert result["halves"] == (2, 2)
         assert {name for name, _ in result["deployed"]} == {"forward", "backward"}, result["deployed"]
