@@ -1,8 +1,8 @@
 """The run log: one record per iteration of a deployed plan, the drift warning, ``kareus inspect --run``.
 
 Deployments on gloo/CPU: tiny-llama TP2 through ``torch.compile`` (conftest's session plan, 2
-ranks, 2 microbatches) and, in the slow run, TP1 x PP2 through ``torch.distributed.pipelining``
-(Schedule1F1B, 2 ranks). On CPU a record's energy is the plan's price of the point run (``energy_source:
+ranks, 2 microbatches) and TP1 x PP2 through ``torch.distributed.pipelining`` (Schedule1F1B, 2
+ranks). On CPU a record's energy is the plan's price of the point run (``energy_source:
 simulated``) and time is compared with the plan only when asked (``compare_time_on_cpu``), which
 the compiled test does with a 1 % threshold so that the drift warning must fire, once. The drift
 check itself, the reader's errors and the inspect command run on synthetic or committed records.
@@ -191,10 +191,6 @@ def _pipelined_worker(rank, world_size, plan_path, run_path):
     return rank
 
 
-# About 30 s on 2 cores with its PP2 plan. Fast coverage: the torch.compile test above (the run
-# log of a deployed plan, per rank) and tests/test_torch_pipelining.py (a plan followed under
-# Schedule1F1B).
-@pytest.mark.slow
 def test_a_plan_followed_under_pipelining_logs_every_iteration_per_rank(pp2_plan_data, tmp_path):
     plan_path = write_plan(tmp_path / "plan.json", pp2_plan_data)
     run_distributed(_pipelined_worker, 2, str(plan_path), str(tmp_path / "run.jsonl"), timeout_s=600)
