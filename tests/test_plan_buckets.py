@@ -6,6 +6,7 @@ buckets of 128 and 256 tokens. Each bucket's options are then replaced by one op
 of its own (bucket 128: 1200 MHz, bucket 256: 990 MHz) and every partition type sequential, so
 the dry-run clock controller's requests tell which bucket ran each call. One decoder layer:
 which bucket a call runs, and parity, do not depend on depth (the deployed model takes the plan's).
+The deployment and run-log tests read one 2-rank run of that plan, op by op, with the run log on.
 
 Parity tolerance: rtol=1e-5, atol=1e-6 (fp32), as tests/test_parity.py.
 """
