@@ -165,11 +165,12 @@ def _hf_worker(rank, world_size, arch: str, sequence_parallel: bool, options: di
 @pytest.mark.parametrize(
     "arch, sequence_parallel, kinds",
     [
-        ("llama", False, ("all_reduce",)),
-        ("qwen3", False, ("all_reduce",)),
-        ("llama", True, ("all_gather", "reduce_scatter")),
+        # about 30 s on 2 cores: the Llama model runs in the sequence-parallel case and plain TP's
+        # all-reduces in the Qwen3 case
+        pytest.param("llama", False, ("all_reduce",), marks=pytest.mark.slow, id="llama-tp2"),
+        pytest.param("qwen3", False, ("all_reduce",), id="qwen3-tp2"),
+        pytest.param("llama", True, ("all_gather", "reduce_scatter"), id="llama-tp2-sequence-parallel"),
     ],
-    ids=["llama-tp2", "qwen3-tp2", "llama-tp2-sequence-parallel"],
 )
 def test_hf_model_splits_without_fallback_tunes_deploys_and_matches_eager(arch, sequence_parallel, kinds, tmp_path):
     """Compile-time tuning on the simulated A100 (``tune: "simulated"``): the partitions of each

@@ -47,6 +47,9 @@ def _live_worker(rank, world_size, plan_out):
     return [(g.name, list(g.microbatches), g.nanobatched, len(g.partitions)) for g in deployed_graphs()]
 
 
+# About 30 s on 2 cores. Fast coverage: tests/test_hf_models.py tunes live TP2 graphs on 2 ranks
+# and deploys them; tests/test_codegen.py deploys a plan per microbatch and tunes at compile time.
+@pytest.mark.slow
 def test_tuning_the_live_graph_writes_and_deploys_a_plan(tmp_path):
     from kareus_fx.plan.plan_format import load_plan
 

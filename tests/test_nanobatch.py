@@ -1040,6 +1040,10 @@ def _reference_split_worker(rank, world_size):
     return report
 
 
+# About 20 s on 2 cores (3 models on 2 gloo ranks, odd batch). Fast coverage: tests/test_parity.py
+# splits the same TP2, CP2 and DTensor models through the backend and matches eager;
+# test_odd_batch_splits_unevenly above splits an odd batch.
+@pytest.mark.slow
 def test_reference_models_split_and_match_eager():
     from dist_harness import run_distributed
 

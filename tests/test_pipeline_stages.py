@@ -243,8 +243,25 @@ def _split_matches_whole_worker(rank, world_size, name, pp, num_layers, counts=N
         )
 
 
-@pytest.mark.parametrize("pp,num_layers,counts", [(2, 2, None), (3, 4, None), (3, 5, (1, 3, 1))])
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen"])
+_SPLITS = {"2-2": (2, 2, None), "3-4": (3, 4, None), "3-5-uneven": (3, 5, (1, 3, 1))}
+"""Pipeline stages, layers and explicit layer counts per stage, by case name."""
+_SLOW_SPLITS = {("tiny-llama", "3-4"), ("tiny-qwen", "3-5-uneven")}
+"""About 6 s each on 2 cores: each model runs 3 stages in the other of these two cases."""
+
+
+@pytest.mark.parametrize(
+    "name, pp, num_layers, counts",
+    [
+        pytest.param(
+            name,
+            *split,
+            id=f"{name}-{case}",
+            marks=[pytest.mark.slow] if (name, case) in _SLOW_SPLITS else [],
+        )
+        for name in ("tiny-llama", "tiny-qwen")
+        for case, split in _SPLITS.items()
+    ],
+)
 def test_pipeline_split_matches_whole_model_tp2(name, pp, num_layers, counts):
     """Even splits and an explicit uneven one (``PipelineStage.layer_counts``)."""
     run_distributed(_split_matches_whole_worker, 2, name, pp, num_layers, counts)

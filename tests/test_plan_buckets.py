@@ -6,6 +6,7 @@ buckets of 128 and 256 tokens. Each bucket's options are then replaced by one op
 of its own (bucket 128: 1200 MHz, bucket 256: 990 MHz) and every partition type sequential, so
 the dry-run clock controller's requests tell which bucket ran each call. One decoder layer:
 which bucket a call runs, and parity, do not depend on depth (the deployed model takes the plan's).
+The deployment and run-log tests read one 2-rank run of that plan, op by op, with the run log on.
 
 Parity tolerance: rtol=1e-5, atol=1e-6 (fp32), as tests/test_parity.py.
 """
@@ -97,7 +98,7 @@ def test_bucketed_plan_with_unordered_or_wrong_buckets_is_refused(bucketed_plan)
 
 def _deployed_model(plan_path, run_log=None):
     """tiny-llama TP=2 (fp32, seeded) and its compile with ``plan_path`` deployed on a dry-run
-    clock controller, writing ``run_log`` when given: (model, controller, compiled)."""
+    clock controller, op by op, writing ``run_log`` when given: (model, controller, compiled)."""
     from kareus_fx.models import ParallelLayout, build_model
     from kareus_fx.runtime.clock_controller import ClockController
 
@@ -111,68 +112,101 @@ def _deployed_model(plan_path, run_log=None):
     )
     model.init_weights(seed=0)
     controller = ClockController.open("dry-run", handle_sigterm=False)
-    options = {"plan": plan_path, "clock_controller": controller, "run_log": run_log}
+    # Op by op: which bucket a call runs does not depend on the code generator, and Inductor's
+    # code of a graph with a symbolic sequence length is tests/test_dynamic_shapes.py's.
+    options = {"plan": plan_path, "clock_controller": controller, "run_log": run_log, "inductor": False}
     compiled = torch.compile(model, backend="kareus", fullgraph=True, options=options)
     return model, controller, compiled
 
 
 def _run_call(compiled, controller, batch):
-    """One compiled forward and backward: its loss, the clocks it requested and its bucket warnings."""
+    """One compiled forward and backward: its loss and the clocks it requested."""
+    before = len(controller.requests)
+    loss = compiled(**batch)
+    loss.backward()
+    return loss, [r.clock_mhz for r in controller.requests[before:]]
+
+
+def _bucket_messages(caught) -> list[str]:
+    """The caught warnings that name a bucket, less the run log's drift warnings."""
+    from kareus_fx.deploy.plan_drift import PlanDriftWarning
+
+    return [str(w.message) for w in caught if "bucket" in str(w.message) and w.category is not PlanDriftWarning]
+
+
+DEPLOYED_SEQS = (100, 200, 128, 300, 310, 120)  # buckets 128, 256, 128, none, none, 128
+
+
+def _bucket_worker(rank, world_size, plan_path, run_path):
+    """Every length of DEPLOYED_SEQS, compiled with the run log on and checked against eager:
+    per call, the clocks requested and the bucket warnings; the plan-drift warnings of the run."""
     import warnings
 
-    before = len(controller.requests)
+    from kareus_fx.deploy.plan_drift import PlanDriftWarning
+    from kareus_fx.deploy.run_log import close_run_logs
+
+    run_log = {"path": run_path, "compare_time_on_cpu": True, "drift_threshold": 0.01, "drift_window": 2, "warmup": 1}
+    model, controller, compiled = _deployed_model(plan_path, run_log)
+    requests, bucket_warnings = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loss = compiled(**batch)
-        loss.backward()
-    return (
-        loss,
-        [r.clock_mhz for r in controller.requests[before:]],
-        [str(w.message) for w in caught if "bucket" in str(w.message)],
-    )
-
-
-def _bucket_worker(rank, world_size, plan_path):
-    model, controller, compiled = _deployed_model(plan_path)
-    requests, caught_all = [], []
-    for seq in (100, 200, 128, 300, 310):
-        batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
-        mark_sequence_dynamic(batch)
-        eager_loss, eager_grads = eager_reference(model, batch)
-        loss, clocks, caught = _run_call(compiled, controller, batch)
-        caught_all += caught
-        requests.append(clocks)
-        assert_matches_eager(model, loss, eager_loss, eager_grads, TOL, f"seq {seq}")
+        for seq in DEPLOYED_SEQS:
+            batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
+            mark_sequence_dynamic(batch)
+            eager_loss, eager_grads = eager_reference(model, batch)
+            before = len(caught)
+            loss, clocks = _run_call(compiled, controller, batch)
+            bucket_warnings += _bucket_messages(caught[before:])
+            requests.append(clocks)
+            assert_matches_eager(model, loss, eager_loss, eager_grads, TOL, f"seq {seq}")
+        close_run_logs()
     controller.close()
-    return requests, caught_all
+    drift = [str(w.message) for w in caught if issubclass(w.category, PlanDriftWarning)]
+    return {"requests": requests, "bucket_warnings": bucket_warnings, "drift": drift}
 
 
-def test_bucketed_plan_deploys_each_bucket_clocks_per_call(bucketed_plan, tmp_path):
-    plan_path = write_plan(tmp_path / "plan.json", _with_bucket_clocks(bucketed_plan))
-    for requests, caught in run_distributed(_bucket_worker, 2, str(plan_path), timeout_s=600):
+@pytest.fixture(scope="module")
+def deployed_buckets(bucketed_plan, tmp_path_factory):
+    """One 2-rank run of the bucketed plan (each bucket on its own clock) over DEPLOYED_SEQS,
+    logging its iterations: (plan path, run log paths, each rank's result). The deployment and
+    run-log tests read the same run: compiling the dynamic-shape graph on 2 gloo ranks is most of
+    each test's time (about 50 s on 2 cores)."""
+    root = tmp_path_factory.mktemp("deployed-buckets")
+    plan_path = write_plan(root / "plan.json", _with_bucket_clocks(bucketed_plan))
+    results = run_distributed(_bucket_worker, 2, str(plan_path), str(root / "run-{rank}.jsonl"), timeout_s=600)
+    return plan_path, [root / f"run-{rank}.jsonl" for rank in range(2)], results
+
+
+def test_bucketed_plan_deploys_each_bucket_clocks_per_call(deployed_buckets):
+    plan_path, _runs, results = deployed_buckets
+    for result in results:
         low, high = BUCKET_CLOCKS_MHZ[128], BUCKET_CLOCKS_MHZ[256]
         # forward and backward of each call at its bucket's clock; 300 and 310 fit no bucket.
-        assert requests == [[low, low], [high, high], [low, low], [], []]
+        assert result["requests"] == [[low, low], [high, high], [low, low], [], [], [low, low]]
+        caught = result["bucket_warnings"]
         assert len(caught) == 2, caught  # one warning per length
         assert "sequence length 300 is in no bucket" in caught[0] and "--seq 128,256,300" in caught[0]
         assert json.loads(plan_path.read_text())["buckets"][0]["seq"] == 128
 
 
 def _one_length_worker(rank, world_size, plan_path):
+    import warnings
+
     model, controller, compiled = _deployed_model(plan_path)
-    requests, caught_all = [], []
-    for seq in (100, 200):
-        batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
-        mark_sequence_dynamic(batch)
-        model.zero_grad(set_to_none=True)
-        eager_loss = model(**batch)
-        model.zero_grad(set_to_none=True)
-        loss, clocks, caught = _run_call(compiled, controller, batch)
-        caught_all += caught
-        requests.append(clocks)
-        torch.testing.assert_close(loss, eager_loss, **TOL)
+    requests = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seq in (100, 200):
+            batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
+            mark_sequence_dynamic(batch)
+            model.zero_grad(set_to_none=True)
+            eager_loss = model(**batch)
+            model.zero_grad(set_to_none=True)
+            loss, clocks = _run_call(compiled, controller, batch)
+            requests.append(clocks)
+            torch.testing.assert_close(loss, eager_loss, **TOL)
     controller.close()
-    return requests, caught_all
+    return requests, _bucket_messages(caught)
 
 
 @pytest.mark.slow
@@ -188,40 +222,16 @@ def test_one_length_plan_on_a_symbolic_graph_is_its_one_bucket(bucketed_plan, tm
         assert len(caught) == 1 and "sequence length 200 is in no bucket" in caught[0], caught
 
 
-RUN_LOG_SEQS = (100, 200, 128, 300, 120)  # buckets 128, 256, 128, none, 128
-
-
-def _run_log_worker(rank, world_size, plan_path, run_path):
-    import warnings
-
-    from kareus_fx.deploy.plan_drift import PlanDriftWarning
-    from kareus_fx.deploy.run_log import close_run_logs
-
-    run_log = {"path": run_path, "compare_time_on_cpu": True, "drift_threshold": 0.01, "drift_window": 2, "warmup": 1}
-    model, controller, compiled = _deployed_model(plan_path, run_log)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for seq in RUN_LOG_SEQS:
-            batch = model.example_batch(mbs=WORKLOAD["mbs"], seq=seq, seed=seq)
-            mark_sequence_dynamic(batch)
-            compiled(**batch).backward()
-        close_run_logs()
-    controller.close()
-    return [str(w.message) for w in caught if issubclass(w.category, PlanDriftWarning)]
-
-
-def test_bucketed_plan_logs_each_iterations_bucket_against_its_prediction(bucketed_plan, tmp_path, capsys):
+def test_bucketed_plan_logs_each_iterations_bucket_against_its_prediction(deployed_buckets, tmp_path, capsys):
     """Each record names the bucket its iteration ran and holds that bucket's prediction and
-    clocks; the call no bucket holds ends the iteration before it and is not recorded; ``kareus
+    clocks; the calls no bucket holds end the iteration before them and are not recorded; ``kareus
     inspect`` compares each row with its bucket's frontier; the forced drift warns once per rank."""
     from kareus_fx.cli import main
     from kareus_fx.deploy.run_record import read_run_log
 
-    data = _with_bucket_clocks(bucketed_plan)
-    plan_path = write_plan(tmp_path / "plan.json", data)
-    drift = run_distributed(_run_log_worker, 2, str(plan_path), str(tmp_path / "run-{rank}.jsonl"), timeout_s=600)
+    plan_path, runs, results = deployed_buckets
     plan = load_plan(plan_path)
-    runs = [tmp_path / f"run-{rank}.jsonl" for rank in range(2)]
+    drift = [result["drift"] for result in results]
     for rank, (path, messages) in enumerate(zip(runs, drift)):
         records = read_run_log(path)
         assert [(r.iteration, r.bucket) for r in records] == [(0, 128), (1, 256), (2, 128), (3, 128)]

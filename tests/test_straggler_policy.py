@@ -20,12 +20,17 @@ or does not come back to the fastest point within 2 iterations after the sleep s
 leaves the fastest point; the two ranks of a replica run different points; a dry-run clock
 request is not the running point's; a loss or gradient differs from eager (fp32, rtol=1e-5,
 atol=1e-6) in any iteration.
+
+That 4-rank run is in the slow run; by default the same policy and exchange run on 2 gloo ranks
+(a replica each) with no model, each iteration taking its point's predicted time, under the same
+expectations of each replica's points.
 """
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 from conftest import TINY_TP2_WORKLOAD as WORKLOAD
 from conftest import train_microbatches
@@ -111,6 +116,51 @@ def _straggler_worker(rank, world_size, plan_path):
     return {"replica": replica, "log": log}
 
 
+def _exchange_worker(rank, world_size):
+    """Replica ``rank`` (one rank each): the points its StragglerPolicy runs, iteration by
+    iteration, when each iteration takes the time the plan predicts of its point (in units of
+    ``BASE_S``; nothing compiles or sleeps) and replica 1 takes STRAGGLE more in STRAGGLING."""
+    from kareus_fx.policies.base import FrontierPoint, Observation
+    from kareus_fx.policies.straggler import ReplicaTimes, StragglerPolicy
+
+    candidates = [FrontierPoint(index=i, time_s=t, energy_j=e) for i, (t, e) in enumerate(POINTS)]
+    replica_times = ReplicaTimes(replicas=world_size, replica=rank)
+    policy = StragglerPolicy(tolerance=0.1, slack=0.03)
+    current, points = 0, []
+    for iteration in range(1, ITERATIONS + 1):
+        points.append(current)
+        time_s = BASE_S * (POINTS[current][0] + (STRAGGLE if rank == 1 and iteration in STRAGGLING else 0))
+        signals = replica_times.exchange(time_s, candidates[current], candidates)
+        observation = Observation(iteration=iteration, elapsed_s=iteration * BASE_S, current_index=current, **signals)
+        current = policy.choose(candidates, observation)
+    return points
+
+
+def test_replicas_exchange_their_times_over_gloo_and_the_healthy_one_follows_the_straggler():
+    """The policy and ReplicaTimes' all-reduce of the test below on 2 gloo ranks, without the
+    model: the same expectations of each replica's points."""
+    healthy, straggler = run_distributed(_exchange_worker, 2)
+    _check_points(healthy, straggler)
+
+
+def _check_points(healthy: list[int], straggler: list[int]) -> None:
+    """Replica 0 (healthy) follows replica 1 (straggling in STRAGGLING) down and back (module docstring)."""
+    assert set(straggler) == {0}, straggler  # the straggler keeps the fastest point
+    straggler_time = POINTS[0][0] * (1 + STRAGGLE)  # relative to the fastest point
+    first, last = STRAGGLING[0], STRAGGLING[-1]
+    by_iteration = dict(enumerate(healthy, start=1))
+    assert all(by_iteration[i] == 0 for i in range(1, first + 1)), healthy
+    for i in range(first + 2, last + 2):  # within 2 iterations, until the first healthy report
+        time_rel, energy_rel = POINTS[by_iteration[i]]
+        assert abs(time_rel - straggler_time) <= 0.05 * straggler_time, (i, healthy)
+        assert energy_rel < POINTS[0][1], (i, healthy)
+    assert all(by_iteration[i] == 0 for i in range(last + 3, ITERATIONS + 1)), healthy  # back within 2
+
+
+# About 50 s on 2 cores (4 gloo ranks compile). Fast coverage: the exchange test above (the policy
+# over ReplicaTimes' all-reduce between 2 replicas), tests/test_policies.py (the policy's choices)
+# and tests/test_point_switching.py (switching deployed points, their clocks and variants).
+@pytest.mark.slow
 def test_a_straggler_replica_slows_the_other_down_and_back(tiny_tp2_plan_data, tmp_path):
     from kareus_fx.compose.pipeline_schedule import PipelineNode
     from kareus_fx.deploy.plan_clocks import clock_schedule
@@ -122,17 +172,7 @@ def test_a_straggler_replica_slows_the_other_down_and_back(tiny_tp2_plan_data, t
     results = run_distributed(_straggler_worker, 4, str(plan_path), timeout_s=900)
     points = [[entry["point"] for entry in result["log"]] for result in results]
     assert points[0] == points[1] and points[2] == points[3], points  # one decision per pipeline
-    healthy, straggler = points[0], points[2]
-    assert set(straggler) == {0}, straggler  # the straggler keeps the fastest point
-    straggler_time = POINTS[0][0] * (1 + STRAGGLE)  # relative to the fastest point
-    first, last = STRAGGLING[0], STRAGGLING[-1]
-    by_iteration = dict(enumerate(healthy, start=1))
-    assert all(by_iteration[i] == 0 for i in range(1, first + 1)), healthy
-    for i in range(first + 2, last + 2):  # within 2 iterations, until the first healthy report
-        time_rel, energy_rel = POINTS[by_iteration[i]]
-        assert abs(time_rel - straggler_time) <= 0.05 * straggler_time, (i, healthy)
-        assert energy_rel < POINTS[0][1], (i, healthy)
-    assert all(by_iteration[i] == 0 for i in range(last + 3, ITERATIONS + 1)), healthy  # back within 2
+    _check_points(points[0], points[2])
     # Every iteration's dry-run clock requests are its point's schedule.
     nodes = [PipelineNode(0, g, mb) for mb in range(WORKLOAD["microbatches"]) for g in ("forward", "backward")]
     for result in results:

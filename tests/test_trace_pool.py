@@ -162,6 +162,10 @@ def _trace_serially_and_in_parallel(req: PlanRequest, root: Path, monkeypatch) -
     return traced
 
 
+# About 30 s on 2 cores (each stage traced twice). Fast coverage: the pool's tests above, and every
+# PP2 plan of the default run traces its stages in 2 processes (parallel_processes: one per core)
+# and is checked downstream (tests/test_plan.py's report, tests/test_deploy_pipeline.py's parity).
+@pytest.mark.slow
 def test_parallel_stage_traces_give_the_serial_dumps(tmp_path, monkeypatch):
     """The two stages of a PP2 tiny-llama of 2 layers (one each, traced in full), traced in one
     process and in two: the same dumps (but the graph counter). The slow test below traces slices."""
