@@ -16,6 +16,7 @@ rebinds the split graph's unbacked symbols); the slow one compiles it with ``bac
 
 from __future__ import annotations
 
+import operator
 import warnings
 from typing import Any
 
@@ -27,24 +28,26 @@ import torch.nn as nn
 from dist_harness import run_distributed
 from eager_parity import assert_matches_eager, eager_reference
 
-DIM, EXPERTS, TOP_K, HIDDEN = 8, 4, 2, 6
+DIM, EXPERTS, TOP_K, HIDDEN, CAPACITY = 8, 4, 2, 6, 5
 
 
 class CountExchangeMoE(nn.Module):
     """A residual MoE layer with expert parallelism over the world (each rank holds
-    ``EXPERTS / world`` experts); ``load_weighted`` scales each token's weights by its experts'
-    token counts in the batch (a cross-token dependence the split must refuse)."""
+    ``EXPERTS / world`` experts). Two variants make a token's result depend on the other tokens
+    of the batch, which the split must refuse: ``"load_weighted"`` scales each token's weights by
+    its experts' token counts; ``"capacity"`` drops (weights 0) the routed rows past ``CAPACITY``
+    in their expert's group."""
 
     tokens_per_expert: torch.Tensor
 
-    def __init__(self, world_size: int, load_weighted: bool = False):
+    def __init__(self, world_size: int, variant: str = "dropless"):
         super().__init__()
         local = EXPERTS // world_size
         self.router = nn.Linear(DIM, EXPERTS, bias=False)
         self.w1 = nn.Parameter(torch.randn(local, HIDDEN, DIM) / DIM**0.5)
         self.w2 = nn.Parameter(torch.randn(local, DIM, HIDDEN) / HIDDEN**0.5)
         self.register_buffer("tokens_per_expert", torch.zeros(EXPERTS))
-        self.load_weighted = load_weighted
+        self.variant = variant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ep = dist.get_world_size()
@@ -55,13 +58,16 @@ class CountExchangeMoE(nn.Module):
         top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, ids, True)
         counts = routing_map.sum(dim=(0, 1))
-        if self.load_weighted:
+        if self.variant == "load_weighted":
             top = top * counts[ids]
         with torch.no_grad():
             self.tokens_per_expert.add_(counts)
         x_td = x.view(-1, DIM)
         order = torch.argsort(ids.view(-1, TOP_K).view(-1), stable=True)
         sorted_scores = top.view(-1, TOP_K).view(-1)[order]
+        if self.variant == "capacity":
+            slot = torch.arange(order.shape[0]) - (counts.cumsum(0) - counts)[ids.view(-1)[order]]
+            sorted_scores = sorted_scores * (slot < CAPACITY)
         token_of_row = order // TOP_K
         rows = x_td[token_of_row]
         with torch.no_grad():
@@ -134,12 +140,12 @@ def _split_then_aot_eager(results: list[Any]) -> Any:
     return backend
 
 
-def _run(rank: int, world_size: int, load_weighted: bool, backend: str) -> dict[str, Any]:
+def _run(rank: int, world_size: int, variant: str, backend: str) -> dict[str, Any]:
     from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
 
     torch._dynamo.config.capture_scalar_outputs = True
     torch.manual_seed(0)
-    model = CountExchangeMoE(world_size, load_weighted)
+    model = CountExchangeMoE(world_size, variant)
     x = torch.randn(4, 3, DIM) + rank
     eager_loss, eager_grads = eager_reference(model, {"x": x})
     eager_counts = model.tokens_per_expert.clone()
@@ -182,16 +188,41 @@ def _assert_routes_per_nanobatch(result: dict[str, Any]) -> None:
 
 
 def test_each_nanobatch_exchanges_its_own_counts_and_matches_eager():
-    for result in run_distributed(_run, 2, False, "aot_eager", timeout_s=300):
+    for result in run_distributed(_run, 2, "dropless", "aot_eager", timeout_s=300):
         _assert_routes_per_nanobatch(result)
 
 
-def test_token_weights_read_from_the_batch_counts_fall_back():
-    for result in run_distributed(_run, 2, True, "aot_eager", timeout_s=300):
+@pytest.mark.parametrize("variant", ["load_weighted", "capacity"])
+def test_a_token_result_read_from_the_batch_counts_falls_back(variant):
+    for result in run_distributed(_run, 2, variant, "aot_eager", timeout_s=300):
         assert result["routing"] == [], result
         assert result["fallbacks"] and all(
             "binds unbacked symbols" in m and "indexes with or into token counts" in m for m in result["fallbacks"]
         ), result
+
+
+def test_verification_refuses_a_nanobatch_reading_the_other_ones_symbol():
+    """A hand-built split graph whose nanobatch-1 node sizes a tensor by nanobatch 0's ``.item()``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from kareus_fx.passes.batch_dims import Unsupported
+    from kareus_fx.passes.nanobatch_verify import verify_split
+
+    graph = torch.fx.Graph()
+    counts = graph.placeholder("counts")
+    item_a = graph.call_method("item", (graph.call_function(operator.getitem, (counts, 0)),))
+    item_b = graph.call_method("item", (graph.call_function(operator.getitem, (counts, 1)),))
+    rows_b = graph.call_function(torch.ones, (item_a, DIM))  # nanobatch 1 must size by item_b
+    graph.output((rows_b, item_b))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    mode = FakeTensorMode(shape_env=ShapeEnv(allow_scalar_outputs=True))
+    fake_counts = mode.from_tensor(torch.tensor([3, 4]))
+    expected = {item_a: (None, None, 0), item_b: (None, None, 1), rows_b: (None, None, 1)}
+    with pytest.raises(Unsupported, match="reads nanobatch 0's symbol"):
+        verify_split(gm, mode, [fake_counts], (1, 1), expected, {})
+    rows_b.replace_input_with(item_a, item_b)
+    verify_split(gm, mode, [fake_counts], (1, 1), expected, {})  # its own symbol: accepted
 
 
 @pytest.mark.slow  # about 2 minutes on a loaded 2-core machine (Inductor compiles each rank's graph)

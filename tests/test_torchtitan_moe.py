@@ -177,7 +177,7 @@ def _record_splits() -> list[Any]:
     return graphs
 
 
-@pytest.mark.slow  # 4 to 5 minutes on a loaded 2-core machine (Inductor compiles each rank's block graph)
+@pytest.mark.slow  # about 8 minutes on a loaded 2-core machine (Inductor compiles each rank's split block graph)
 def test_torchtitan_qwen3_moe_ep_blocks_compile_and_match_eager():
     for result in run_distributed(_qwen3_moe_ep_parity, 2, timeout_s=600):
         # one Dynamo graph for both blocks, split: each nanobatch's count exchange (equal sizes, no
