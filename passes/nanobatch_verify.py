@@ -46,7 +46,7 @@ from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings, fre
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from kareus_fx.passes.batch_dims import BatchDim, Unsupported, is_barrier, is_inplace, op_name
-from kareus_fx.passes.batch_dims.values import Positions, _shape, is_exchanged
+from kareus_fx.passes.batch_dims.values import Positions, RowIndex, _shape, is_exchanged
 
 __all__ = ["FakeRun", "verify_split"]
 
@@ -376,7 +376,7 @@ class FakeRun(fx.Interpreter):
         if not isinstance(v, torch.Tensor):
             return None
         s = list(_shape(v))
-        if isinstance(info, Positions):
+        if isinstance(info, (Positions, RowIndex)):
             info = info.layout
         if isinstance(info, BatchDim) and (is_exchanged(info) or free_unbacked_symbols(s[info.dim])):
             s[info.dim] = _ANY  # a count known only at run time (rows received or returned by an

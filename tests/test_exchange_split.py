@@ -28,7 +28,7 @@ import torch.nn as nn
 from dist_harness import run_distributed
 from eager_parity import assert_matches_eager, eager_reference
 
-DIM, EXPERTS, TOP_K, HIDDEN, CAPACITY = 8, 4, 2, 6, 5
+DIM, EXPERTS, TOP_K, HIDDEN, CAPACITY, RECEIVE_CAPACITY = 8, 4, 2, 6, 5, 20
 
 
 class CountExchangeMoE(nn.Module):
@@ -36,7 +36,8 @@ class CountExchangeMoE(nn.Module):
     ``EXPERTS / world`` experts). Two variants make a token's result depend on the other tokens
     of the batch, which the split must refuse: ``"load_weighted"`` scales each token's weights by
     its experts' token counts; ``"capacity"`` drops (weights 0) the routed rows past ``CAPACITY``
-    in their expert's group."""
+    in their expert's group; ``"receive_capacity"`` drops the received rows past
+    ``RECEIVE_CAPACITY``."""
 
     tokens_per_expert: torch.Tensor
 
@@ -77,6 +78,8 @@ class CountExchangeMoE(nn.Module):
             out_sizes = received.view(ep, -1).sum(dim=1).to(torch.device("cpu")).tolist()
         got = funcol.all_to_all_single(rows, out_sizes, in_sizes, group)
         shape = got.shape
+        if self.variant == "receive_capacity":
+            got = got * (torch.arange(got.shape[0]) < RECEIVE_CAPACITY)[:, None]
         got, perm, local_counts = _permute(got, received, ep)
         y = self._experts(got, local_counts)
         back = y.new_empty(shape)
@@ -192,13 +195,20 @@ def test_each_nanobatch_exchanges_its_own_counts_and_matches_eager():
         _assert_routes_per_nanobatch(result)
 
 
-@pytest.mark.parametrize("variant", ["load_weighted", "capacity"])
-def test_a_token_result_read_from_the_batch_counts_falls_back(variant):
+@pytest.mark.parametrize(
+    ("variant", "why"),
+    [
+        ("load_weighted", "indexes with or into token counts"),
+        ("capacity", "indexes with or into token counts"),
+        ("receive_capacity", "compares received rows' indices"),
+    ],
+)
+def test_a_token_result_that_depends_on_other_tokens_falls_back(variant, why):
     for result in run_distributed(_run, 2, variant, "aot_eager", timeout_s=300):
         assert result["routing"] == [], result
-        assert result["fallbacks"] and all(
-            "binds unbacked symbols" in m and "indexes with or into token counts" in m for m in result["fallbacks"]
-        ), result
+        assert result["fallbacks"] and all("binds unbacked symbols" in m and why in m for m in result["fallbacks"]), (
+            result
+        )
 
 
 def test_verification_refuses_a_nanobatch_reading_the_other_ones_symbol():

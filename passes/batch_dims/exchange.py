@@ -74,6 +74,7 @@ from kareus_fx.passes.batch_dims.values import (
     ExchangeCounts,
     FromHalf,
     Positions,
+    RowIndex,
     SplitSizes,
     Step,
     _is_split,
@@ -97,7 +98,7 @@ _ROW_RESHAPES = ("flatten", "unflatten", "squeeze", "unsqueeze")
 _PREVIOUS = {
     name: _registered(name) for name in (*_COUNT_OPS, *_ROW_RESHAPES, "c10d.all_to_all_single", "new_empty", "expand")
 }
-_PREVIOUS_COMPARISONS = {name: _registered(name) for name in ("ge", "le", "eq")}
+_PREVIOUS_COMPARISONS = {name: _registered(name) for name in ("ge", "le", "eq", "lt", "gt", "ne")}
 _PREVIOUS_SETITEM = _registered("setitem", inplace=True)
 
 
@@ -179,7 +180,7 @@ def _counts_or(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     return Step(counts, True)
 
 
-for _name in ("to", "cumsum", "sub", "add", "t"):
+for _name in ("to", "cumsum", "t"):
     register_batch_rule(_name, replace=True)(_counts_or)
 
 
@@ -234,27 +235,50 @@ def _routed_rows(an: BatchAnalysis, node: fx.Node, sort: fx.Node, b: int) -> int
 
 
 def _rule_comparison(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    """A comparison Dynamo asserts on sizes: with 0, kept; with the number of routed rows (the
-    sum of a nanobatch's input sizes, an upper bound of each), that nanobatch's number."""
+    """A comparison Dynamo asserts on sizes: ``>= 0``, kept; ``<=`` or ``==`` the number of routed
+    rows (an upper bound of a nanobatch's input size, and their sum), that nanobatch's number; any
+    other (which may hold for the batch and not for a nanobatch) is refused. Received
+    rows' segments equal to the shared expert ids: each row's one-hot expert (the dispatcher pairs
+    a row with its own expert); any other comparison of row indices (a position against a
+    capacity) is refused."""
+    if any(isinstance(i, RowIndex) for i in _split_inputs(an, node)):
+        return _row_expert_mask(an, node, name)
     sizes = _uniform(an, node, SplitSizes)
     if sizes is None:
         return _PREVIOUS_COMPARISONS[name](an, node, name)
     a, c = (list(node.args) + [None])[:2]
     if node.kwargs or not isinstance(c, int) or an.info(a) != sizes:
         raise an._fail(node, "compares split sizes with something other than a constant")
-    if c == 0:
+    if name == "ge" and c == 0:  # a size, in every nanobatch
         return Step(sizes, True)
-    if sizes.exchange is None and c == _routed_rows(an, node, sizes.order, an.batch):
+    if name in ("le", "eq") and sizes.exchange is None and c == _routed_rows(an, node, sizes.order, an.batch):
         return Step(
             sizes,
             True,
             lambda h: Call(node.op, node.target, (a, _routed_rows(an, node, sizes.order, an.halves[h])), {}),
         )
-    raise an._fail(node, f"compares split sizes with {c}, which is not the number of routed rows")
+    raise an._fail(node, f"asserts split sizes {name} {c}, which need not hold for a nanobatch")
 
 
-for _name in ("ge", "le", "eq"):
+for _name in _PREVIOUS_COMPARISONS:
     register_batch_rule(_name, replace=True)(_rule_comparison)
+
+
+def _row_expert_mask(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
+    segments, experts = _node_arg(an, node, 0), _arg(node, 1, "other")
+    info = an.info(segments)
+    v = an.vals.get(experts) if isinstance(experts, fx.Node) else None
+    if (
+        name != "eq"
+        or node.kwargs
+        or not isinstance(info, RowIndex)
+        or info.kind != "segment"
+        or an.info(experts) is not None
+        or not isinstance(v, torch.Tensor)
+        or v.dtype.is_floating_point
+    ):
+        raise an._fail(node, "compares received rows' indices other than their segments with the experts' ids")
+    return Step(info.layout.moved(len(an.shape(node)) - len(an.shape(segments))), True)
 
 
 @register_batch_rule("aten._assert_scalar", "sym_sum")
@@ -364,7 +388,7 @@ def _rule_rows_of_counts(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         or _arg(node, 2, "dim") is not None
     ):
         raise an._fail(node, "repeats by counts other than the received ones")
-    return Step(BatchDim(0, 1, 1, counts.exchange), True)
+    return Step(RowIndex(BatchDim(0, 1, 1, counts.exchange), "segment"), True)
 
 
 @register_batch_rule("arange")
@@ -373,37 +397,49 @@ def _rule_arange_rows(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
     sizes = an.info(node.args[0]) if len(node.args) == 1 else None
     if not isinstance(sizes, SplitSizes) or sizes.exchange is None or set(node.kwargs) - {"device", "dtype"}:
         raise an._fail(node, "a range whose length is not a number of received rows")
-    return Step(BatchDim(0, 1, 1, sizes.exchange), True)
+    return Step(RowIndex(BatchDim(0, 1, 1, sizes.exchange), "position"), True)
+
+
+@register_batch_rule("add", "sub", replace=True)
+def _rule_index_arithmetic(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
+    """Sums and differences of received rows' positions (a segment's offset plus a row's place):
+    positions; of counts: counts."""
+    infos = _split_inputs(an, node)
+    if not any(isinstance(i, RowIndex) for i in infos):
+        return _counts_or(an, node, name)
+    if any(not (isinstance(i, RowIndex) and i.kind == "position" and i.layout == infos[0].layout) for i in infos):
+        raise an._fail(node, f"arithmetic on received rows' indices other than positions ({infos})")
+    return Step(infos[0], True)
 
 
 @register_batch_rule("getitem", replace=True)
 def _rule_getitem(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
-    """A count by an int; counts or received rows gathered by indices over the received rows."""
-    src, idx = node.args
+    """A count by an int; a segment's offset by the segment of each received row; received rows
+    permuted by positions; a trailing size-1 dim added to a row index. Anything else that indexes
+    with or into counts or row indices is refused."""
+    src, idx = _node_arg(an, node, 0), node.args[1]
     info = an.info(src)
     if isinstance(info, ExchangeCounts) and isinstance(idx, int):
         return Step(info, True)
     items = idx if isinstance(idx, tuple) else (idx,)
     index = items[0]
-    rows: Any = an.info(index) if isinstance(index, fx.Node) else None
-    if not isinstance(index, fx.Node) or not is_exchanged(rows):
-        if isinstance(info, ExchangeCounts) or any(isinstance(an.info(a), ExchangeCounts) for a in items):
+    by: Any = an.info(index) if isinstance(index, fx.Node) else None
+    if isinstance(info, RowIndex):
+        if index == slice(None) and all(a is None for a in items[1:]):
+            return Step(info, True)  # expert_of_row[:, None]
+        raise an._fail(node, "indexes received rows' indices other than by adding trailing dims")
+    if not isinstance(index, fx.Node) or not isinstance(by, RowIndex):
+        if isinstance(info, ExchangeCounts) or any(isinstance(an.info(a), (ExchangeCounts, RowIndex)) for a in items):
             raise an._fail(node, "indexes with or into token counts")
         return _PREVIOUS[name](an, node, name)
-    v = an.vals.get(index)
-    if (
-        len(an.shape(index)) != 1
-        or not isinstance(v, torch.Tensor)
-        or v.dtype.is_floating_point
-        or v.dtype == torch.bool
-        or any(a != slice(None) for a in items[1:])
-    ):
-        raise an._fail(node, "indexes received rows by something other than row indices")
-    if isinstance(info, ExchangeCounts) and info.exchange is rows.order and len(items) == 1:
-        return Step(rows, True)  # a received row's segment start
-    if info == rows:
-        return Step(rows, True)  # received rows permuted
-    raise an._fail(node, f"gathers {info} by indices over received rows")
+    if len(an.shape(index)) != 1 or any(a != slice(None) for a in items[1:]):
+        raise an._fail(node, "indexes by received rows' indices other than one per row")
+    if by.kind == "segment" and isinstance(info, ExchangeCounts) and info.exchange is by.layout.order:
+        if len(items) == 1 and len(an.shape(src)) == 1:
+            return Step(RowIndex(by.layout, "position"), True)  # the offset of each row's segment
+    if by.kind == "position" and info == by.layout:
+        return Step(info, True)  # received rows permuted
+    raise an._fail(node, f"gathers {info} by received rows' {by.kind}s")
 
 
 @register_batch_rule("new_empty", replace=True)
@@ -433,7 +469,7 @@ def _rule_scatter_rows(an: BatchAnalysis, node: fx.Node, name: str) -> Step:
         or op_name(target) != "new_empty"
         or any(order[u] < order[node] for u in target.users if u is not node)
         or not isinstance(items[0], fx.Node)
-        or an.info(items[0]) != info
+        or an.info(items[0]) != RowIndex(info, "position")
         or len(an.shape(items[0])) != 1
         or any(a != slice(None) for a in items[1:])
         or an.info(value) != info

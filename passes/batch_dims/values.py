@@ -12,8 +12,9 @@ What a value can be (:data:`Info`):
   batch element, so slicing commutes with the op: that is what the rules check.
 * :class:`Positions`, :class:`ExpertCounts`: routing values (a sort's indices and their inverse,
   tokens per expert), one copy per nanobatch (:mod:`~kareus_fx.passes.batch_dims.routing`).
-* :class:`ExchangeCounts`, :class:`SplitSizes`: an expert-parallel exchange's token counts and the
-  split sizes read from them, one copy per nanobatch
+* :class:`ExchangeCounts`, :class:`SplitSizes`, :class:`RowIndex`: an expert-parallel exchange's
+  token counts, the split sizes read from them and the indices of its received rows, one copy per
+  nanobatch
   (:mod:`~kareus_fx.passes.batch_dims.exchange`).
 * :data:`PARTIAL`: only inside the backward of an ``autograd.Function``: a shared-shaped value that
   is a nanobatch's *part* of a sum over the batch (the weight gradient ``x^T g``). Autograd adds the
@@ -124,13 +125,25 @@ class SplitSizes:
     exchange: fx.Node | None
 
 
+@dataclass(frozen=True)
+class RowIndex:
+    """An integer tensor with one entry per row an exchange received (``layout``, its rows' dim
+    first, then size-1 dims), in the nanobatch's own numbering: ``"position"``, where a row sits
+    in the received rows (only ever a gather or scatter index of those rows), or ``"segment"``,
+    which count the row falls in (its expert; compared with the experts' ids it selects the
+    row's expert for its data)."""
+
+    layout: BatchDim
+    kind: Literal["position", "segment"]
+
+
 class _Partial:
     def __repr__(self) -> str:
         return "PARTIAL"
 
 
 PARTIAL = _Partial()
-Info = Any  # None | BatchDim | Positions | ExpertCounts | ExchangeCounts | SplitSizes | PARTIAL | tuple[Info, ...]
+Info = Any  # None | BatchDim | Positions | ExpertCounts | ExchangeCounts | SplitSizes | RowIndex | PARTIAL | tuple
 
 
 def _is_split(info: Info) -> bool:
