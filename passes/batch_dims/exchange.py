@@ -35,11 +35,15 @@ read from those counts and output sizes read from the counts the count exchange 
 the dispatch and the combine every op is row by row along the received rows, or moves them by
 indices derived from the received counts; the combine exchanges the received rows back with the
 dispatch's sizes swapped, giving rows in the sort's routed order again, which the sort's positions
-scatter-add back to token order. Trusted, as the program's own invariant: inside the exchange, the
-dispatcher pairs each received row with its own expert (it does for any tokens). The comparisons
-Dynamo asserts on the sizes are kept per nanobatch; one against the number of routed rows is
-rewritten to the nanobatch's number (the counts of ``T`` tokens' ``K`` distinct top-k ids sum to
-``T * K``). Anything else that touches these values is refused and the graph stays unsplit.
+scatter-add back to token order. The received rows' indices (:class:`~.values.RowIndex`: a row's
+position, or its segment, i.e. its expert) are never data: positions only gather or scatter the
+rows, segments only select each row's expert by equality with the experts' ids, so a result that
+depends on where a row landed (a capacity on the received rows) is refused. Trusted, as the
+program's own invariant: the dispatcher pairs each received row with its own expert (it does for
+any tokens). Dynamo's assertions on the sizes are kept per nanobatch where they hold for any
+batch (``>= 0``), or rewritten to the nanobatch's number of routed rows where they compare with
+the batch's (the counts of ``T`` tokens' ``K`` distinct top-k ids sum to ``T * K``); any other is
+refused. Anything else that touches these values is refused and the graph stays unsplit.
 """
 
 from __future__ import annotations
