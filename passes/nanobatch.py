@@ -38,6 +38,13 @@ Assumptions (torch 2.13 Dynamo graphs):
   ``(B*T, V)``) are rebuilt as graph nodes from the SymInt inputs or input sizes. A symbolic batch
   size (``dynamic=True``) is specialised with a guard on its value, so another batch size
   recompiles.
+* Data-dependent sizes (unbacked symbols, bound by ``.item()``/``.tolist()`` under
+  ``capture_scalar_outputs``) are split only along an expert-parallel exchange by token counts
+  (:mod:`~kareus_fx.passes.batch_dims.exchange`): each nanobatch's copy of the binding node binds
+  its own symbols in the verification's fake run (recorded as ``unbacked_bindings``, as Dynamo
+  does, so ``aot_autograd``'s re-trace rebinds its own to them), and the verification refuses a
+  node that reads another nanobatch's symbols. A graph that binds them any other way falls back,
+  the reason naming the binding.
 * Random ops on batch-carrying data fall back unless ``allow_rng=True``: each nanobatch then draws
   its own numbers (a valid draw, but not the unsplit graph's). Random ops on shared values (a mask
   from ``torch.rand(b, s)``) are drawn once, as before, and sliced.
@@ -107,6 +114,11 @@ NANOBATCH_META = "kareus_nanobatch"
 _DYNAMO_GM_ATTRS = ("meta", "shape_env", "compile_subgraph_reason", "_param_name_to_source", "_source_to_user_stacks")
 
 
+# Metadata of a node's traced value: the verification's fake run records the copy's own (a copy
+# of an ``.item()`` binds its own unbacked symbol, never the original's).
+_TRACE_VALUES = ("example_value", "val", "unbacked_bindings")
+
+
 class NanobatchFallbackWarning(UserWarning):
     """The nanobatch split was refused; the graph runs unsplit (sequentially)."""
 
@@ -151,9 +163,6 @@ def split_nanobatches(
     if batch < 2:
         return _fallback(gm, f"batch of {batch} cannot be split", batch, names)
     halves = ((batch + 1) // 2, batch // 2)
-    binding = unbacked_symbol_binding(gm)
-    if binding is not None:
-        return _fallback(gm, f"{binding}, a data-dependent size the split cannot halve", batch, names)
     try:
         fake_mode, fake_inputs = _fake_inputs(placeholders, example_inputs)
         vals = _values(gm, placeholders, fake_mode, fake_inputs)
@@ -165,6 +174,9 @@ def split_nanobatches(
         new_gm.graph.lint()
         new_gm.recompile()
     except Unsupported as e:
+        binding = unbacked_symbol_binding(gm)
+        if binding is not None:  # data-dependent sizes the split could not give each nanobatch
+            return _fallback(gm, f"{binding}, a data-dependent size the split cannot halve: {e}", batch, names)
         return _fallback(gm, str(e), batch, names)
     except Exception as e:  # noqa: BLE001 - a bug here must not break the user's compile: run unsplit
         return _fallback(gm, f"internal error in the nanobatch split: {type(e).__name__}: {e}", batch, names)
@@ -289,7 +301,7 @@ class _Emitter:
     def _new(self, op, target, args, kwargs, h, like: fx.Node | None = None, name=None) -> fx.Node:
         n = self.graph.create_node(op, target, args, kwargs, name=name)
         if like is not None:
-            n.meta = {k: v for k, v in like.meta.items() if k not in ("example_value", "val")}
+            n.meta = {k: v for k, v in like.meta.items() if k not in _TRACE_VALUES}
         n.meta[NANOBATCH_META] = h
         if h is not None:
             n.meta["custom"] = {**n.meta.get("custom", {}), NANOBATCH_META: h}

@@ -5,7 +5,10 @@ A rewrite bug must give a fallback, never wrong numbers or a broken compile: the
 on fake tensors, each node listed in ``expected`` must come out with the shape its full-batch
 original implies for its nanobatch, every op must run, and the per-nanobatch bodies of HOPs
 (autograd.Function forward and backward, activation checkpoint) run on their inputs as well. The
-fake values are recorded as ``meta["example_value"]``, as Dynamo does.
+fake values are recorded as ``meta["example_value"]``, as Dynamo does, and the unbacked symbols a
+node binds (a nanobatch's ``.item()``) as ``meta["unbacked_bindings"]``; a node may read only the
+unbacked symbols its own nanobatch or shared work bound. A size that only the run knows (rows an
+exchange received) is not predicted; its symbols are checked instead.
 
 Cost. A deep model repeats one layer, and with an even batch nanobatch B repeats A, so most nodes
 of a split graph are an op an earlier node already ran on inputs with the same metadata. A fake
@@ -39,10 +42,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
+from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings, free_unbacked_symbols
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from kareus_fx.passes.batch_dims import BatchDim, Unsupported, is_barrier, is_inplace, op_name
-from kareus_fx.passes.batch_dims.values import Positions, _shape
+from kareus_fx.passes.batch_dims.values import Positions, RowIndex, _shape, is_exchanged
 
 __all__ = ["FakeRun", "verify_split"]
 
@@ -266,13 +270,17 @@ class FakeRun(fx.Interpreter):
     its nanobatch or None); ``bodies`` maps a HOP node to its per-nanobatch body modules.
     """
 
-    def __init__(self, gm, mode, halves=None, expected=None, bodies=None, *, reuse_outputs=False, memo=None):
+    def __init__(
+        self, gm, mode, halves=None, expected=None, bodies=None, *, reuse_outputs=False, memo=None, owners=None
+    ):
         super().__init__(gm)
         self.mode = mode
         self.halves = halves
         self.vals: dict[fx.Node, Any] = {}
         self.expected = expected
         self.bodies = bodies or {}
+        # unbacked symbol -> the nanobatch (None: shared) of the node that bound it in this run
+        self.owners: dict[Any, int | None] = {} if owners is None else owners
         if memo is None and reuse_outputs and expected is not None:
             memo = _OutputMemo(self)
         self.memo: _OutputMemo | None = memo
@@ -289,9 +297,17 @@ class FakeRun(fx.Interpreter):
         except Exception as e:  # noqa: BLE001 - re-raised as Unsupported: a rewrite produced an op that does not run
             raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): {type(e).__name__}: {e}") from None
         self.vals[n] = out
+        bindings = compute_unbacked_bindings(self.mode.shape_env, out)
         if self.expected is not None:
+            if n.op == "placeholder" and isinstance(out, (torch.Tensor, torch.SymInt)):
+                self.owners.update(dict.fromkeys(free_unbacked_symbols(out), None))  # the graph's inputs
+            if bindings:
+                n.meta["unbacked_bindings"] = bindings
+                h = self.expected[n][2] if n in self.expected else None
+                self.owners.update(dict.fromkeys(bindings, h))
             if n in self.expected:
                 self._check_shape(n, out, *self.expected[n])
+                self._check_symbols(n, out, self.expected[n][2])
             if n.op not in ("output", "get_attr"):
                 n.meta["example_value"] = out
         if n in self.bodies:
@@ -317,7 +333,8 @@ class FakeRun(fx.Interpreter):
         return out, None
 
     def _run_sub(self, gm, *args):
-        return FakeRun(gm, self.mode, self.halves, self.expected, self.bodies, memo=self.memo).run(*args)
+        run = FakeRun(gm, self.mode, self.halves, self.expected, self.bodies, memo=self.memo, owners=self.owners)
+        return run.run(*args)
 
     def _check_bodies(self, n):
         """Run a HOP's per-nanobatch bodies on its fake inputs (and an autograd.Function's
@@ -338,8 +355,19 @@ class FakeRun(fx.Interpreter):
     def _check_shape(self, n, out, v, info, h) -> None:
         want = self._want(v, info, h)
         got = _shapes(out)
-        if want is not None and got != want:
+        if want is not None and not _matches(got, want):
             raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): shape {got}, expected {want}")
+
+    def _check_symbols(self, n, out, h) -> None:
+        """A nanobatch's node reads only the unbacked symbols its own nanobatch (or shared work)
+        bound in this run; a shared node only shared ones: never the other nanobatch's, nor the
+        unsplit graph's."""
+        if not isinstance(out, (torch.Tensor, torch.SymInt, torch.SymBool, tuple, list)):
+            return
+        for symbol in free_unbacked_symbols(out):
+            if symbol not in self.owners or self.owners[symbol] not in (None, h):
+                whose = f"nanobatch {self.owners[symbol]}'s" if symbol in self.owners else "an unbound"
+                raise Unsupported(f"internal check failed at {n.name} ({op_name(n)}): reads {whose} symbol {symbol}")
 
     def _want(self, v, info, h):
         if isinstance(v, (tuple, list)):
@@ -348,11 +376,26 @@ class FakeRun(fx.Interpreter):
         if not isinstance(v, torch.Tensor):
             return None
         s = list(_shape(v))
-        if isinstance(info, Positions):
+        if isinstance(info, (Positions, RowIndex)):
             info = info.layout
-        if isinstance(info, BatchDim):
+        if isinstance(info, BatchDim) and (is_exchanged(info) or free_unbacked_symbols(s[info.dim])):
+            s[info.dim] = _ANY  # a count known only at run time (rows received or returned by an
+            # exchange): the nanobatch's own, which _check_symbols checks
+        elif isinstance(info, BatchDim):
             s[info.dim] = info.size(self.halves[h])
         return tuple(s)
+
+
+_ANY = object()
+"""A size :meth:`FakeRun._want` does not predict (any size matches)."""
+
+
+def _matches(got: Any, want: Any) -> bool:
+    if want is _ANY:
+        return True
+    if isinstance(want, tuple) and isinstance(got, tuple):
+        return len(got) == len(want) and all(_matches(g, w) for g, w in zip(got, want))
+    return got == want
 
 
 @contextlib.contextmanager

@@ -4,12 +4,10 @@ With ``torch._dynamo.config.capture_scalar_outputs`` (torchtitan sets it) a ``.t
 ``.item()`` stays in the graph and binds an unbacked symbol (``u0``): a size known only when the
 graph runs, such as the split sizes of an expert-parallel ``all_to_all_single`` (torchtitan's
 all-to-all dispatcher exchanges per-expert token counts, sums them per rank and reads the sums
-with ``.tolist()``). An exact split would give each nanobatch its own count exchange and its own
-``.tolist()``, binding its own symbols, and would need a rule for every op those sizes shape (an
-all-to-all by uneven split sizes, the received rows' reordering by ``repeat_interleave``, their
-scatter back before the return exchange); there are none, and a fake run of the graph would
-allocate fresh symbols that no later trace binds, so the split refuses these graphs before running
-anything on them. The reason names the binding node and the first tensor op that reads it.
+with ``.tolist()``). The split gives each nanobatch its own copy of such a chain only where the
+batch rules prove it (:mod:`kareus_fx.passes.batch_dims.exchange`); when a graph that binds
+unbacked symbols is refused, the fallback reason names the first binding node and the first tensor
+op that reads it, followed by the op the rules refused.
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ one-ulp fp32 difference upstream flips bf16 roundings and no compiled run holds 
 tolerances; the test swaps in an exact fp32 expert computation (every local expert on every
 row, masked by the row's expert) with the same inputs, outputs and count semantics.
 
-What the split does today: torchtitan's dispatcher turns the exchanged token counts into split
-sizes with ``.tolist()``, which binds unbacked symbols in the Dynamo graph; the nanobatch split
-cannot give each nanobatch its own values of those symbols, so each block graph falls back (one
-``NanobatchFallbackWarning`` naming the binding) and runs unsplit, matching eager.
+The split: torchtitan's dispatcher turns the exchanged token counts into split sizes with
+``.tolist()``, which binds unbacked symbols in the Dynamo graph. Each block graph splits with no
+``NanobatchFallbackWarning``: each nanobatch routes its own tokens (its own count exchange, its own
+``.item()`` calls binding its own symbols, read by its own dispatch and combine all-to-alls), and
+the loss and every gradient still match eager.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _qwen3_moe_ep_parity(rank: int, world_size: int) -> dict:
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
     from kareus_fx.integrations.torchtitan import kareus_parallelize
-    from kareus_fx.passes.nanobatch import NanobatchFallbackWarning
+    from kareus_fx.passes.nanobatch import NANOBATCH_META, NanobatchFallbackWarning
 
     parallel_dims_module.device_type = "cpu"  # torchtitan picks "cuda" on a machine without a GPU
     titan_utils.set_spmd_backend("partial_dtensor")  # what torchtitan's trainer sets from the config
@@ -128,6 +129,7 @@ def _qwen3_moe_ep_parity(rank: int, world_size: int) -> dict:
         ce = torch.nn.functional.cross_entropy(out.flatten(0, 1), labels[rows].flatten(), reduction="sum")
         return ce / labels.numel()  # normalised by the global token count, as torchtitan does
 
+    splits = _record_splits()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always", NanobatchFallbackWarning)
         loss = loss_of(model, mine)
@@ -143,13 +145,43 @@ def _qwen3_moe_ep_parity(rank: int, world_size: int) -> dict:
             grad = p.grad.clone()
             torch.distributed.all_reduce(grad)  # a replicated parameter: sum the ranks' gradients
         torch.testing.assert_close(grad, full[name].grad, rtol=1e-4, atol=1e-6, msg=name)
-    return {"fallbacks": [str(w.message) for w in record if issubclass(w.category, NanobatchFallbackWarning)]}
+    exchanges = []  # per split graph: (nanobatch of each all-to-all, nanobatches of the sizes it reads)
+    for gm in splits:
+        for n in gm.graph.nodes:
+            if "all_to_all_single" in str(n.target):
+                sizes = [s for s in [*(n.args[1] or ()), *(n.args[2] or ())] if isinstance(s, torch.fx.Node)]
+                exchanges.append(
+                    (n.meta.get(NANOBATCH_META), sorted({s.meta.get(NANOBATCH_META) for s in sizes}, key=str))
+                )
+    return {
+        "fallbacks": [str(w.message) for w in record if issubclass(w.category, NanobatchFallbackWarning)],
+        "splits": len(splits),
+        "exchanges": exchanges,
+    }
 
 
-@pytest.mark.slow  # 4 to 5 minutes on a loaded 2-core machine (Inductor compiles each rank's block graph)
+def _record_splits() -> list[Any]:
+    """Make the compile step keep each split graph."""
+    from kareus_fx.capture import compile_step
+    from kareus_fx.passes.nanobatch import split_nanobatches
+
+    graphs: list[Any] = []
+
+    def recording(gm: Any, example_inputs: list[Any], **kwargs: Any) -> Any:
+        result = split_nanobatches(gm, example_inputs, **kwargs)
+        if result.split:
+            graphs.append(result.gm)
+        return result
+
+    compile_step.split_nanobatches = recording
+    return graphs
+
+
+@pytest.mark.slow  # about 8 minutes on a loaded 2-core machine (Inductor compiles each rank's split block graph)
 def test_torchtitan_qwen3_moe_ep_blocks_compile_and_match_eager():
-    for result in run_distributed(_qwen3_moe_ep_parity, 2, timeout_s=600):
-        # one Dynamo graph for both blocks; it falls back unsplit on the split sizes' unbacked symbols
-        assert result["fallbacks"], result
-        for message in result["fallbacks"]:
-            assert "binds unbacked symbols" in message and "read by c10d.all_to_all_single" in message, message
+    for result in run_distributed(_qwen3_moe_ep_parity, 2, timeout_s=1200):
+        # one Dynamo graph for both blocks, split: each nanobatch's count exchange (equal sizes, no
+        # size nodes), dispatch and combine read only that nanobatch's sizes
+        assert result["fallbacks"] == [] and result["splits"] == 1, result
+        per_graph = sorted(result["exchanges"])
+        assert per_graph == [(0, []), (0, [0]), (0, [0]), (1, []), (1, [1]), (1, [1])], result

@@ -19,7 +19,8 @@ Layout: a core and one module per op family.
 * the families, each registering its rules when imported: pointwise, along_dim, reductions, views,
   indexing, matmul, attention, normalization, losses, collectives, higher_order,
   tensor_metadata, random_ops, routing (which refines sort, floor_divide, getitem, cumsum and
-  empty_like for mixture-of-experts routing).
+  empty_like for mixture-of-experts routing), exchange (which refines the all-to-all, views,
+  sums, comparisons and indexing for an expert-parallel exchange by token counts).
 
 A rule either returns a :class:`Step` or raises :class:`Unsupported` naming the op; the caller then
 falls back to the unsplit graph. A new family is one module that registers its rules, plus its
@@ -34,6 +35,7 @@ from kareus_fx.passes.batch_dims import (
     along_dim,
     attention,
     collectives,
+    exchange,
     higher_order,
     indexing,
     losses,
@@ -114,5 +116,6 @@ RULE_FAMILIES: tuple[ModuleType, ...] = (
     tensor_metadata,
     random_ops,
     routing,
+    exchange,
 )
 """The op-family modules; importing them registered their rules in :data:`BATCH_RULES`."""

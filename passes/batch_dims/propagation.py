@@ -40,6 +40,7 @@ from kareus_fx.passes.batch_dims.values import (
     Unsupported,
     _is_split,
     _shape,
+    is_exchanged,
 )
 
 BatchRule = Callable[["BatchAnalysis", fx.Node, str], Step]
@@ -73,11 +74,11 @@ class BatchRuleRegistry:
         batch sum (:data:`~.values.PARTIAL`); an op without one refuses them as non-linear."""
         return _registrar(self._partial_rules, names, replace)
 
-    def register_inplace(self, *names: str) -> Callable[[BatchRule], BatchRule]:
+    def register_inplace(self, *names: str, replace: bool = False) -> Callable[[BatchRule], BatchRule]:
         """Decorator: the rule decides an in-place op of one of ``names`` on batch data (the driver
         refuses an in-place op without one: a mutation is exact per nanobatch only when the rule
         proves the mutated tensor aliases the same data split and unsplit)."""
-        return _registrar(self._inplace_rules, names, False)
+        return _registrar(self._inplace_rules, names, replace)
 
     def rule(self, name: str) -> BatchRule | None:
         """The batch rule of op ``name``, if one is registered."""
@@ -167,6 +168,8 @@ class BatchAnalysis:
         return _shape(v)
 
     def half_shape(self, shape: tuple[int, ...], info: BatchDim, h: int) -> tuple[int, ...]:
+        if is_exchanged(info):
+            raise Unsupported(f"a size of {info}, rows received by an exchange, is known only when the graph runs")
         s = list(shape)
         s[info.dim] = info.size(self.halves[h])
         return tuple(s)
@@ -309,6 +312,9 @@ class BatchAnalysis:
         return rule(self, node, name)
 
     def _reduction_over_batch(self, node: fx.Node, kind: Combine, **combine_args: Any) -> Step:
+        if any(is_exchanged(self.info(a)) for a in node.all_input_nodes):
+            # the halves' shares of the rows are data-dependent: a size-weighted mean would be wrong
+            raise self._fail(node, "reduction over rows received by an exchange")
         if self.mode == "body":
             if kind == "sum":
                 return Step(PARTIAL, True)

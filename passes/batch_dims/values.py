@@ -12,6 +12,10 @@ What a value can be (:data:`Info`):
   batch element, so slicing commutes with the op: that is what the rules check.
 * :class:`Positions`, :class:`ExpertCounts`: routing values (a sort's indices and their inverse,
   tokens per expert), one copy per nanobatch (:mod:`~kareus_fx.passes.batch_dims.routing`).
+* :class:`ExchangeCounts`, :class:`SplitSizes`, :class:`RowIndex`: an expert-parallel exchange's
+  token counts, the split sizes read from them and the indices of its received rows, one copy per
+  nanobatch
+  (:mod:`~kareus_fx.passes.batch_dims.exchange`).
 * :data:`PARTIAL`: only inside the backward of an ``autograd.Function``: a shared-shaped value that
   is a nanobatch's *part* of a sum over the batch (the weight gradient ``x^T g``). Autograd adds the
   two parts because the shared input is used by both nanobatch calls; so a part may only flow
@@ -52,7 +56,11 @@ class BatchDim:
     its slice, permuted by that nanobatch's own sort, so it equals no slice of the full value.
     Routed values meet only values routed by the same sort; they are never sliced from shared
     values, reshaped across the routed dim, nor returned, until a gather by the sort's inverse
-    (:mod:`~kareus_fx.passes.batch_dims.routing`) puts them back in batch order."""
+    (:mod:`~kareus_fx.passes.batch_dims.routing`) puts them back in batch order.
+
+    ``order`` may also be the all-to-all that exchanged a sort's token counts: the dim then holds
+    the rows that the nanobatch's by-count exchange received (:func:`is_exchanged`), a number
+    known only when the graph runs; :meth:`size` does not apply to it."""
 
     dim: int
     k: int = 1
@@ -65,6 +73,14 @@ class BatchDim:
 
     def moved(self, dim: int) -> BatchDim:
         return BatchDim(dim, self.k, self.p, self.order)
+
+
+def is_exchanged(info: Any) -> bool:
+    """Whether ``info`` is a dim of rows received by a by-count exchange (its ``order`` is the
+    all-to-all of the token counts), whose size per nanobatch is data-dependent."""
+    from kareus_fx.passes.batch_dims.op_names import op_name  # op_names imports this module
+
+    return isinstance(info, BatchDim) and info.order is not None and op_name(info.order) == "c10d.all_to_all_single"
 
 
 @dataclass(frozen=True)
@@ -88,13 +104,46 @@ class ExpertCounts:
     cumulative: bool
 
 
+@dataclass(frozen=True)
+class ExchangeCounts:
+    """Per-nanobatch token counts of an expert-parallel exchange: derived from the counts per
+    expert of the ids that the sort ``order`` sorts (``exchange`` None), or from those counts as
+    the all-to-all ``exchange`` received them from every rank. Each nanobatch counts its own
+    tokens; the shape is the full batch's."""
+
+    order: fx.Node
+    exchange: fx.Node | None
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """Per-nanobatch Python sizes read from :class:`ExchangeCounts` (``.item()`` binds an unbacked
+    symbol in each nanobatch's copy), comparisons and sums of them, and the sizes of received
+    rows: ``exchange`` as in :class:`ExchangeCounts`."""
+
+    order: fx.Node
+    exchange: fx.Node | None
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    """An integer tensor with one entry per row an exchange received (``layout``, its rows' dim
+    first, then size-1 dims), in the nanobatch's own numbering: ``"position"``, where a row sits
+    in the received rows (only ever a gather or scatter index of those rows), or ``"segment"``,
+    which count the row falls in (its expert; compared with the experts' ids it selects the
+    row's expert for its data)."""
+
+    layout: BatchDim
+    kind: Literal["position", "segment"]
+
+
 class _Partial:
     def __repr__(self) -> str:
         return "PARTIAL"
 
 
 PARTIAL = _Partial()
-Info = Any  # None | BatchDim | Positions | ExpertCounts | PARTIAL | tuple[Info, ...]
+Info = Any  # None | BatchDim | Positions | ExpertCounts | ExchangeCounts | SplitSizes | RowIndex | PARTIAL | tuple
 
 
 def _is_split(info: Info) -> bool:
