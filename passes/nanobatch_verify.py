@@ -46,7 +46,8 @@ from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings, fre
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from kareus_fx.passes.batch_dims import BatchDim, Unsupported, is_barrier, is_inplace, op_name
-from kareus_fx.passes.batch_dims.values import Positions, RowIndex, _shape, is_exchanged
+from kareus_fx.passes.batch_dims.op_names import is_exchanged
+from kareus_fx.passes.batch_dims.values import Positions, RowIndex, _shape
 
 __all__ = ["FakeRun", "verify_split"]
 

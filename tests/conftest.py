@@ -15,6 +15,15 @@ import time
 # imported; gloo ranks inherit it (their forkserver starts from this process).
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
+# Under pytest-xdist (``-n 2``) each worker keeps its own clock-lock directory: a controller's lock
+# record is per GPU, and two workers' controllers on the same (simulated) GPU 0 are two processes.
+if "PYTEST_XDIST_WORKER" in os.environ and "KAREUS_CLOCK_LOCK_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["KAREUS_CLOCK_LOCK_DIR"] = tempfile.mkdtemp(
+        prefix=f"kareus-clock-locks-{os.environ['PYTEST_XDIST_WORKER']}-"
+    )
+
 import pytest
 import torch
 

@@ -62,7 +62,7 @@ import kareus_fx.passes.batch_dims.routing
 import kareus_fx.passes.batch_dims.tensor_metadata
 import kareus_fx.passes.batch_dims.views  # noqa: F401
 from kareus_fx.passes.batch_dims.node_args import _arg, _norm_dim
-from kareus_fx.passes.batch_dims.op_names import name_target, op_name
+from kareus_fx.passes.batch_dims.op_names import is_exchanged, name_target, op_name
 from kareus_fx.passes.batch_dims.propagation import (
     BATCH_RULES,
     BatchAnalysis,
@@ -82,7 +82,6 @@ from kareus_fx.passes.batch_dims.values import (
     SplitSizes,
     Step,
     _is_split,
-    is_exchanged,
     is_symbolic,
 )
 

@@ -24,6 +24,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from kareus_fx.passes.batch_dims.node_args import _arg
+from kareus_fx.passes.batch_dims.values import BatchDim
 
 _OPERATOR_NAMES = {
     operator.add: "add",
@@ -181,3 +182,9 @@ def dropout_inactive(node: fx.Node, name: str) -> bool:
 def is_barrier(node: fx.Node) -> bool:
     """Nothing may move across a global-state switch, an in-place op or a random op."""
     return is_global_state_op(node) or is_inplace(node) or (node.op != "placeholder" and is_rng(node))
+
+
+def is_exchanged(info: Any) -> bool:
+    """Whether ``info`` is a dim of rows received by a by-count exchange (its ``order`` is the
+    all-to-all of the token counts), whose size per nanobatch is data-dependent."""
+    return isinstance(info, BatchDim) and info.order is not None and op_name(info.order) == "c10d.all_to_all_single"

@@ -28,7 +28,14 @@ import torch
 import torch.fx as fx
 
 from kareus_fx.passes.batch_dims.node_args import _arg, _same_call
-from kareus_fx.passes.batch_dims.op_names import dropout_inactive, is_inplace, is_rng, name_torch_objects, op_name
+from kareus_fx.passes.batch_dims.op_names import (
+    dropout_inactive,
+    is_exchanged,
+    is_inplace,
+    is_rng,
+    name_torch_objects,
+    op_name,
+)
 from kareus_fx.passes.batch_dims.values import (
     PARTIAL,
     BatchDim,
@@ -40,7 +47,6 @@ from kareus_fx.passes.batch_dims.values import (
     Unsupported,
     _is_split,
     _shape,
-    is_exchanged,
 )
 
 BatchRule = Callable[["BatchAnalysis", fx.Node, str], Step]

@@ -59,7 +59,7 @@ class BatchDim:
     (:mod:`~kareus_fx.passes.batch_dims.routing`) puts them back in batch order.
 
     ``order`` may also be the all-to-all that exchanged a sort's token counts: the dim then holds
-    the rows that the nanobatch's by-count exchange received (:func:`is_exchanged`), a number
+    the rows that the nanobatch's by-count exchange received (:func:`~.op_names.is_exchanged`), a number
     known only when the graph runs; :meth:`size` does not apply to it."""
 
     dim: int
@@ -73,14 +73,6 @@ class BatchDim:
 
     def moved(self, dim: int) -> BatchDim:
         return BatchDim(dim, self.k, self.p, self.order)
-
-
-def is_exchanged(info: Any) -> bool:
-    """Whether ``info`` is a dim of rows received by a by-count exchange (its ``order`` is the
-    all-to-all of the token counts), whose size per nanobatch is data-dependent."""
-    from kareus_fx.passes.batch_dims.op_names import op_name  # op_names imports this module
-
-    return isinstance(info, BatchDim) and info.order is not None and op_name(info.order) == "c10d.all_to_all_single"
 
 
 @dataclass(frozen=True)
