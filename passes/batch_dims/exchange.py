@@ -66,7 +66,6 @@ from kareus_fx.passes.batch_dims.op_names import is_exchanged, name_target, op_n
 from kareus_fx.passes.batch_dims.propagation import (
     BATCH_RULES,
     BatchAnalysis,
-    BatchRule,
     _node_arg,
     register_batch_rule,
     register_inplace_rule,
@@ -85,24 +84,17 @@ from kareus_fx.passes.batch_dims.values import (
     is_symbolic,
 )
 
-
-def _registered(name: str, inplace: bool = False) -> BatchRule:
-    rule = BATCH_RULES.inplace_rule(name) if inplace else BATCH_RULES.rule(name)
-    if rule is None:
-        raise ValueError(f"no rule for {name!r} to refine")
-    return rule
-
-
 # Ops on counts that keep them per-nanobatch counts of the same exchange (shapes are the full batch's).
 _COUNT_OPS = ("view", "reshape", "sum", "to", "cumsum", "sub", "add", "t", "getitem")
 # Reshapes other than view/reshape whose received rows must stay one dim (their generic rule does
 # arithmetic on the full batch's size, which here is a data-dependent expression).
 _ROW_RESHAPES = ("flatten", "unflatten", "squeeze", "unsqueeze")
 _PREVIOUS = {
-    name: _registered(name) for name in (*_COUNT_OPS, *_ROW_RESHAPES, "c10d.all_to_all_single", "new_empty", "expand")
+    name: BATCH_RULES.rule_to_refine(name)
+    for name in (*_COUNT_OPS, *_ROW_RESHAPES, "c10d.all_to_all_single", "new_empty", "expand")
 }
-_PREVIOUS_COMPARISONS = {name: _registered(name) for name in ("ge", "le", "eq", "lt", "gt", "ne")}
-_PREVIOUS_SETITEM = _registered("setitem", inplace=True)
+_PREVIOUS_COMPARISONS = {name: BATCH_RULES.rule_to_refine(name) for name in ("ge", "le", "eq", "lt", "gt", "ne")}
+_PREVIOUS_SETITEM = BATCH_RULES.rule_to_refine("setitem", inplace=True)
 
 
 def _split_inputs(an: BatchAnalysis, node: fx.Node) -> list[Any]:

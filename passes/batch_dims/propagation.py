@@ -98,6 +98,14 @@ class BatchRuleRegistry:
         """The in-place rule of op ``name``, if one is registered."""
         return self._inplace_rules.get(name)
 
+    def rule_to_refine(self, name: str, inplace: bool = False) -> BatchRule:
+        """The registered (in-place) rule of op ``name`` that a later family wraps; a family that
+        refines a rule nobody registered is a wiring error, raised at import."""
+        rule = self.inplace_rule(name) if inplace else self.rule(name)
+        if rule is None:
+            raise ValueError(f"no rule for {name!r} to refine")
+        return rule
+
 
 def _registrar(table: dict[str, BatchRule], names: Sequence[str], replace: bool) -> Callable[[BatchRule], BatchRule]:
     def register(rule: BatchRule) -> BatchRule:

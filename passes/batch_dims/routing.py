@@ -59,7 +59,6 @@ from kareus_fx.passes.batch_dims.op_names import name_target, op_name
 from kareus_fx.passes.batch_dims.propagation import (
     BATCH_RULES,
     BatchAnalysis,
-    BatchRule,
     _node_arg,
     register_batch_rule,
     register_inplace_rule,
@@ -76,18 +75,11 @@ for _target, _name in (
     name_target(_target, _name)
 
 
-def _registered(name: str) -> BatchRule:
-    rule = BATCH_RULES.rule(name)
-    if rule is None:
-        raise ValueError(f"no rule for {name!r} to refine")
-    return rule
-
-
-_SORT_RULE = _registered("sort")
-_FLOOR_DIVIDE_RULE = _registered("floor_divide")
-_GETITEM_RULE = _registered("getitem")
-_CUMSUM_RULE = _registered("cumsum")
-_EMPTY_LIKE_RULE = _registered("empty_like")
+_SORT_RULE = BATCH_RULES.rule_to_refine("sort")
+_FLOOR_DIVIDE_RULE = BATCH_RULES.rule_to_refine("floor_divide")
+_GETITEM_RULE = BATCH_RULES.rule_to_refine("getitem")
+_CUMSUM_RULE = BATCH_RULES.rule_to_refine("cumsum")
+_EMPTY_LIKE_RULE = BATCH_RULES.rule_to_refine("empty_like")
 
 # Ops whose result never aliases an input (a fresh tensor a later in-place op may mutate alone).
 _FRESH = {"softmax", "log_softmax", "sigmoid", "linear", "matmul", "mm", "sum", "add", "sub", "mul", "div", "exp"}
